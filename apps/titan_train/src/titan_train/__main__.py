@@ -1,0 +1,5 @@
+import sys
+
+from titan_train.cli import main
+
+sys.exit(main())

@@ -1,0 +1,104 @@
+"""Specification of the distributed test harness itself."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from titan_testing import DistributedTestError, DistributedTimeoutError, run_distributed
+
+
+def _all_reduce_rank_plus_one() -> tuple[int, int, list[float]]:
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), t.tolist()
+
+
+def _raise_on_rank_one(message: str) -> int:
+    if dist.get_rank() == 1:
+        raise RuntimeError(message)
+    # The healthy rank blocks in a collective its failed peer never joins: the harness must
+    # still end the test quickly.
+    dist.barrier()
+    return dist.get_rank()
+
+
+def _hang_after_spawning_grandchild(pid_file: str) -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(f"{pid_file}.{dist.get_rank()}", "w") as f:
+        f.write(f"{os.getpid()} {child.pid}")
+    time.sleep(600)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers signal 0; it is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_two_rank_all_reduce_returns_every_ranks_value():
+    results = run_distributed(_all_reduce_rank_plus_one, 2)
+    assert results == [(0, 2, [3.0]), (1, 2, [3.0])]
+
+
+def test_four_ranks_on_two_cores():
+    results = run_distributed(_all_reduce_rank_plus_one, 4)
+    assert [r[0] for r in results] == [0, 1, 2, 3]
+    assert all(r[2] == [10.0] for r in results)
+
+
+def test_raising_rank_fails_with_its_message_and_leaves_no_process():
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError, match="boom from rank one") as info:
+        run_distributed(_raise_on_rank_one, 2, "boom from rank one", timeout=60)
+    assert time.monotonic() - start < 30
+    assert 1 in info.value.failures and "RuntimeError" in info.value.failures[1]
+    assert not any(_pid_alive(p) for p in info.value.pids)
+
+
+def test_hanging_rank_is_killed_at_timeout_with_grandchildren(tmp_path):
+    pid_file = str(tmp_path / "pids")
+    start = time.monotonic()
+    with pytest.raises(DistributedTimeoutError, match="still running") as info:
+        run_distributed(_hang_after_spawning_grandchild, 2, pid_file, timeout=15)
+    elapsed = time.monotonic() - start
+    assert elapsed < 30, elapsed
+    assert "_hang_after_spawning_grandchild" in str(info.value)  # stacks at timeout
+    pids = [int(p) for r in range(2) for p in Path(f"{pid_file}.{r}").read_text().split()]
+    time.sleep(0.2)
+    assert not any(_pid_alive(p) for p in pids)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_bad_world_size_is_rejected_before_spawning(bad):
+    with pytest.raises(ValueError, match="world_size"):
+        run_distributed(_all_reduce_rank_plus_one, bad)
+
+
+def test_local_function_is_rejected_before_spawning():
+    def local_fn() -> None:
+        pass
+
+    with pytest.raises(TypeError, match="local function"):
+        run_distributed(local_fn, 2)
+    with pytest.raises(TypeError, match="lambda"):
+        run_distributed(lambda: None, 2)
+
+
+def test_unpicklable_argument_is_rejected_before_spawning():
+    with pytest.raises(TypeError, match="positional argument 0"):
+        run_distributed(_raise_on_rank_one, 2, lambda: None)
