@@ -1,0 +1,110 @@
+"""Running one function under a policy, on top of ``torch.utils.checkpoint``.
+
+``Full`` is plain non-reentrant checkpointing. ``Selective`` is PyTorch's selective activation
+checkpointing (a policy function returning ``CheckpointPolicy`` per ATen op call). ``Offload``
+is a ``saved_tensors_hooks`` pair. RNG state is stashed and restored by checkpoint itself, so
+dropout in a recomputed region draws the same mask twice.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    create_selective_checkpoint_contexts,
+)
+
+from .offload import _OffloadHooks
+from .policies import OP_GROUPS, Budget, EveryNth, Full, Offload, Policy, Selective
+
+__all__ = ["checkpoint"]
+
+_T = TypeVar("_T")
+
+# Older torch (< 2.15) has no such switch and lets SAC's cache bypass user hooks; then measure()
+# cannot see what Selective caches, which the README states.
+_ROUTE_SAC_THROUGH_HOOKS = (
+    {"respect_saved_tensors_hooks": True}
+    if "respect_saved_tensors_hooks"
+    in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
+    else {}
+)
+
+
+_FULL = Full()
+
+
+def _op_policy(policy: Selective) -> Callable[..., CheckpointPolicy]:
+    """A fresh SAC policy function for one forward: counts calls per op to resolve ``op#k``."""
+    # Keyed by is_recompute: torch < 2.15 also calls the policy during recomputation.
+    calls: dict[bool, defaultdict] = {False: defaultdict(int), True: defaultdict(int)}
+    matmuls = {False: 0, True: 0}
+    matmul_group = OP_GROUPS["matmul"]
+
+    def decide(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> Any:
+        packet = getattr(op, "overloadpacket", None)
+        if packet is None:  # a higher-order op: never cache it
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        counts = calls[ctx.is_recompute]
+        k = counts[packet]
+        counts[packet] += 1
+        tags = op.tags
+        if any(m.matches(packet, tags, k) for m in policy._recompute):
+            return CheckpointPolicy.MUST_RECOMPUTE
+        if not any(m.matches(packet, tags, k) for m in policy._save):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if policy.matmul_every > 1 and packet in matmul_group:
+            i = matmuls[ctx.is_recompute]
+            matmuls[ctx.is_recompute] += 1
+            if i % policy.matmul_every:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+    return decide
+
+
+def _selective_contexts(policy: Selective) -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(_op_policy(policy))
+
+
+def checkpoint(fn: Callable[..., _T], *args: Any, policy: Policy = _FULL, **kwargs: Any) -> _T:
+    """``fn(*args, **kwargs)`` with its activations handled by ``policy``.
+
+    ``policy`` is ``Full``, ``Selective`` or ``Offload``; ``EveryNth`` and ``Budget`` choose
+    among units and belong to ``apply``.
+    """
+    return _run(fn, policy, frozenset(), args, kwargs)
+
+
+def _run(
+    fn: Callable[..., _T],
+    policy: Policy,
+    resident: frozenset | set,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> _T:
+    """``checkpoint``; ``resident`` (storage keys) names tensors ``Offload`` must not copy."""
+    if isinstance(policy, Offload):
+        with _OffloadHooks(set(resident)):
+            return fn(*args, **kwargs)
+    if isinstance(policy, Full):
+        context = {}
+    elif isinstance(policy, Selective):
+        context = {"context_fn": functools.partial(_selective_contexts, policy)}
+    elif isinstance(policy, (EveryNth, Budget)):
+        raise ValueError(
+            f"checkpoint: policy {type(policy).__name__} selects among units; use "
+            "torch_remat.apply(model, policy, units=...) (Budget also needs sample_inputs)"
+        )
+    else:
+        raise TypeError(f"checkpoint: policy must be Full, Selective or Offload, got {policy!r}")
+    return torch.utils.checkpoint.checkpoint(
+        fn, *args, use_reentrant=False, **context, **_ROUTE_SAC_THROUGH_HOOKS, **kwargs
+    )

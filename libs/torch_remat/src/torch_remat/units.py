@@ -1,0 +1,156 @@
+"""Choosing the units of a model and wrapping each one's forward under its policy.
+
+Wrapping sets an instance ``forward`` on the unit, so module names, ``state_dict`` keys,
+hooks and parameter types (plain or DTensor) are untouched.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from .checkpoint import _run
+from .measure import _model_keys
+from .policies import Budget, EveryNth, Full, Offload, Policy, Selective, UnitPolicies
+
+__all__ = ["apply", "remove"]
+
+Units = str | Sequence[str | nn.Module] | None
+"""A glob over module FQNs, a list of FQNs/globs/modules, or None: the blocks of every ModuleList."""
+
+_ATTR = "_torch_remat_policy"
+
+
+def _resolve_units(model: nn.Module, units: Units) -> list[tuple[str, nn.Module]]:
+    """The units in module order, each once; a pattern or module that matches nothing is an error."""
+    named = [(n, m) for n, m in model.named_modules() if n]
+    if units is None:
+        found = {
+            f"{n}.{c}" if n else c
+            for n, m in model.named_modules()
+            if isinstance(m, nn.ModuleList)
+            for c, _ in m.named_children()
+        }
+        if not found:
+            raise ValueError(
+                "units: the model has no nn.ModuleList to take blocks from; pass units= "
+                "as an FQN glob (e.g. 'layers.*') or a list of modules"
+            )
+        chosen = [(n, m) for n, m in named if n in found]
+    else:
+        items = [units] if isinstance(units, str) else list(units)
+        wanted: set[str] = set()
+        for item in items:
+            if isinstance(item, nn.Module):
+                hit = [n for n, m in named if m is item]
+                what = f"module {type(item).__name__}"
+            elif isinstance(item, str):
+                hit = [n for n, _ in named if fnmatch.fnmatchcase(n, item)]
+                what = f"pattern {item!r}"
+            else:
+                raise TypeError(f"units: expected FQN globs or modules, got {item!r}")
+            if not hit:
+                raise ValueError(f"units: {what} matches no submodule of {type(model).__name__}")
+            wanted.update(hit)
+        chosen = [(n, m) for n, m in named if n in wanted]
+    names = [n for n, _ in chosen]
+    for a in names:
+        for b in names:
+            if b.startswith(a + "."):
+                raise ValueError(f"units: {b!r} is inside unit {a!r}; units must not nest")
+    return chosen
+
+
+def _resolve_policies(
+    units: list[tuple[str, nn.Module]], policy: UnitPolicies
+) -> dict[str, Policy | None]:
+    """Each unit's own policy; EveryNth counts among the units it was given to."""
+    if isinstance(policy, Mapping):
+        unused = set(policy)
+        chosen: dict[str, Policy | None] = {}
+        for name, _ in units:
+            key = next((k for k in policy if fnmatch.fnmatchcase(name, k)), None)
+            if key is not None:
+                unused.discard(key)
+                chosen[name] = policy[key]
+        if unused:
+            raise ValueError(
+                f"policy: keys {sorted(unused)} match none of the units {[n for n, _ in units]}"
+            )
+    elif callable(policy) and not isinstance(policy, (Full, Selective, Offload, EveryNth, Budget)):
+        chosen = {name: policy(name) for name, _ in units}
+    else:
+        chosen = {name: policy for name, _ in units}
+    seen: dict[int, int] = {}
+    for name, p in chosen.items():
+        if p is not None and not isinstance(p, (Full, Selective, Offload, EveryNth, Budget)):
+            raise TypeError(f"policy for unit {name!r}: expected a torch_remat policy, got {p!r}")
+        if isinstance(p, EveryNth):
+            i = seen.get(id(p), 0)
+            seen[id(p)] = i + 1
+            chosen[name] = p.inner if i % p.n == 0 else None
+    return chosen
+
+
+def _wrap(module: nn.Module, policy: Policy) -> None:
+    inner = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        resident = _model_keys(module) if isinstance(policy, Offload) else frozenset()
+        return _run(inner, policy, resident, args, kwargs)
+
+    module.forward = forward
+    setattr(module, _ATTR, policy)
+
+
+def apply(
+    model: nn.Module,
+    policy: UnitPolicies,
+    units: Units = None,
+    *,
+    sample_inputs: Sequence[object] | None = None,
+) -> dict[str, Policy | None]:
+    """Wrap each unit of ``model`` (in place) under its policy; returns FQN -> policy applied.
+
+    ``policy`` is one policy for all units, a dict from unit FQN (or glob) to policy, or a
+    function of the FQN (None leaves a unit alone). ``Budget`` runs ``plan`` on
+    ``sample_inputs`` and applies the per-unit ``Selective`` policies it chooses.
+    """
+    chosen_units = _resolve_units(model, units)
+    for name, module in chosen_units:
+        if hasattr(module, _ATTR):
+            raise ValueError(f"apply: unit {name!r} already has a remat policy; remove() it first")
+    resolved = _resolve_policies(chosen_units, policy)
+    budgets = {name: p for name, p in resolved.items() if isinstance(p, Budget)}
+    if budgets:
+        if len(set(budgets.values())) > 1 or len(budgets) != len(chosen_units):
+            raise ValueError("policy: Budget is one budget over all units; give it alone")
+        if sample_inputs is None:
+            raise ValueError("apply: Budget needs sample_inputs= to profile one forward")
+        from .planner import plan
+
+        budget = next(iter(budgets.values()))
+        resolved = dict(plan(model, sample_inputs, budget, units=units).policies)
+    modules = dict(chosen_units)
+    for name, p in resolved.items():
+        if p is not None:
+            _wrap(modules[name], p)
+    return resolved
+
+
+def remove(model: nn.Module) -> list[str]:
+    """Undo ``apply`` on every wrapped unit of ``model``; returns their FQNs."""
+    removed = []
+    for name, module in model.named_modules():
+        if hasattr(module, _ATTR):
+            del module.forward
+            delattr(module, _ATTR)
+            removed.append(name)
+    return removed
+
+
+def _wrapped(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if hasattr(m, _ATTR)]
