@@ -4,6 +4,7 @@ from .checkpoint import checkpoint
 from .measure import Measurement, measure
 from .planner import Plan, PlanRow, plan
 from .policies import OP_GROUPS, Budget, EveryNth, Full, Offload, Policy, Selective, UnitPolicies
+from .region import region
 from .units import apply, remove
 
 __version__ = "0.1.0"
@@ -25,5 +26,6 @@ __all__ = [
     "checkpoint",
     "measure",
     "plan",
+    "region",
     "remove",
 ]

@@ -58,6 +58,10 @@ def _op_policy(policy: Selective) -> Callable[..., CheckpointPolicy]:
         tags = op.tags
         if any(m.matches(packet, tags, k) for m in policy._recompute):
             return CheckpointPolicy.MUST_RECOMPUTE
+        if torch.Tag.nondeterministic_seeded in tags:
+            # A cached random op would not advance the restored RNG during recompute, and every
+            # later random op of the unit would draw a different mask: always replay them.
+            return CheckpointPolicy.PREFER_RECOMPUTE
         if not any(m.matches(packet, tags, k) for m in policy._save):
             return CheckpointPolicy.PREFER_RECOMPUTE
         if policy.matmul_every > 1 and packet in matmul_group:

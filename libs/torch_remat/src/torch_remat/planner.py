@@ -71,7 +71,12 @@ class _Recorder(TorchDispatchMode):
         self.keep.append(out)
         self.calls.append(
             _OpCall(
-                self.unit, f"{packet.__name__}#{k}", seconds, storages, func.namespace == "aten"
+                self.unit,
+                f"{packet.__name__}#{k}",
+                seconds,
+                storages,
+                # Only ATen ops can be named in Selective; random ops are always replayed.
+                func.namespace == "aten" and torch.Tag.nondeterministic_seeded not in func.tags,
             )
         )
         if func._schema.is_mutable:
@@ -163,12 +168,12 @@ class Plan:
             f" | all Full {self.min_bytes / mib:.2f} MiB | planned {self.planned_bytes / mib:.2f}"
             f" MiB | recompute {self.recompute_seconds * 1e3:.2f} ms of"
             f" {self.full_recompute_seconds * 1e3:.2f} ms",
-            f"{'unit':<24} {'op':<28} {'bytes':>12} {'cost ms':>9}  decision",
+            f"{'unit':<24} {'op':<36} {'bytes':>12} {'cost ms':>9}  decision",
         ]
         rows = self.rows if max_rows is None else self.rows[:max_rows]
         for r in rows:
             lines.append(
-                f"{r.unit:<24} {r.op:<28} {r.bytes:>12d} {r.seconds * 1e3:>9.3f}  "
+                f"{r.unit:<24} {r.op:<36} {r.bytes:>12d} {r.seconds * 1e3:>9.3f}  "
                 f"{'save' if r.save else 'recompute'}"
             )
         if len(rows) < len(self.rows):
