@@ -1,5 +1,44 @@
 """Pipeline schedules as data: generator, validator, simulator and runtime."""
 
+from titan_pipeline.actions import Action, ActionKind, Schedule
+from titan_pipeline.runtime import PipelineStage, TimelineRecorder, run, split_microbatches
+from titan_pipeline.schedules import SCHEDULES, add_communication, build_schedule, stage_to_rank
+from titan_pipeline.simulator import (
+    BubbleComparison,
+    Costs,
+    DeadlockError,
+    Interval,
+    Timeline,
+    compare,
+    simulate,
+)
+from titan_pipeline.splitting import balance, build_stages, split_units
+from titan_pipeline.validator import validate
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "ActionKind",
+    "BubbleComparison",
+    "Costs",
+    "DeadlockError",
+    "Interval",
+    "PipelineStage",
+    "Schedule",
+    "Timeline",
+    "TimelineRecorder",
+    "__version__",
+    "add_communication",
+    "balance",
+    "build_schedule",
+    "build_stages",
+    "compare",
+    "run",
+    "simulate",
+    "split_microbatches",
+    "split_units",
+    "stage_to_rank",
+    "validate",
+]

@@ -1,0 +1,487 @@
+"""Execute a schedule's action list with torch.distributed point-to-point operations.
+
+Each rank walks its own list in order. A run of consecutive communication actions is one
+``batch_isend_irecv`` call; a receive is waited for right before the action that consumes
+it, sends are waited for at the end of the step (the simulator models exactly this). Stage
+modules take one tensor and return one tensor; shapes are fixed for a run and found once by
+running each stage on meta tensors, so receive buffers are allocated with static shapes.
+
+Gradient scaling is explicit: microbatch ``i`` backpropagates
+``loss_fn(output_i, target_i) * loss_scale`` with ``loss_scale = 1 / num_microbatches`` by
+default, so with a mean-reduced ``loss_fn`` and equal microbatches the gradients equal those
+of the mean loss over the whole batch. Gradients accumulate into ``param.grad`` like plain
+autograd (zero them between steps). Every stage runs its backward (B, or W) in increasing
+microbatch order in all built-in schedules, so their gradient sums are bitwise identical.
+
+Zero-bubble split: I computes the input gradient with ``retain_graph=True`` and, through
+prehooks, keeps the gradients arriving at the autograd nodes where the weight-only branches
+leave the input path; W then starts autograd from those nodes (``GradientEdge``) to reach the
+parameters without redoing the input path. A stage whose input needs no gradient (the first
+stage) does all its work in W.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from titan_pipeline.actions import Action, ActionKind, Schedule
+from titan_pipeline.simulator import Interval, Timeline, _segments
+
+__all__ = ["PipelineStage", "TimelineRecorder", "run", "split_microbatches"]
+
+F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W  # noqa: E741
+
+
+def split_microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch.Tensor]:
+    """Split ``batch`` along dim 0 into ``num_microbatches`` equal, contiguous chunks."""
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
+        raise ValueError(f"num_microbatches must be an int, got {num_microbatches!r}")
+    if num_microbatches < 1 or batch.shape[0] % num_microbatches:
+        raise ValueError(
+            f"batch of size {batch.shape[0]} (dim 0) cannot be split into num_microbatches="
+            f"{num_microbatches} equal microbatches: it must be a positive divisor of "
+            f"{batch.shape[0]}"
+        )
+    return [c.contiguous() for c in batch.chunk(num_microbatches)]
+
+
+@dataclass(slots=True)
+class _SplitBackward:
+    """What I leaves for W: the root, and the gradients caught at the weight branches."""
+
+    output: torch.Tensor
+    grad_output: torch.Tensor
+    branches: list[tuple[Node, list[torch.Tensor]]]
+    """(node on the input path, the leaves its off-path branches reach)."""
+    grads: dict[Node, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
+
+
+class PipelineStage:
+    """One stage held by this rank: its module and the state of its in-flight microbatches."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        stage_index: int,
+        num_stages: int,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if not isinstance(num_stages, int) or num_stages < 1:
+            raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
+        if not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
+            raise ValueError(
+                f"stage_index must be an int in [0, {num_stages}), got {stage_index!r}"
+            )
+        self.module = module
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.group = group
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._inputs: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._split: dict[int, _SplitBackward] = {}
+        self._shape_cache: dict[object, list[tuple[tuple[int, ...], torch.dtype]]] = {}
+
+    @property
+    def is_first(self) -> bool:
+        """True for stage 0."""
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """True for the last stage (it computes the loss)."""
+        return self.stage_index == self.num_stages - 1
+
+    def _forward(self, mb: int, x: torch.Tensor) -> torch.Tensor:
+        if not self.is_first and x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        y = self.module(x)
+        self._inputs[mb] = x
+        self._outputs[mb] = y
+        return y.detach()
+
+    def _set_loss(self, mb: int, scaled_loss: torch.Tensor) -> None:
+        self._outputs[mb] = scaled_loss
+
+    def _backward(
+        self, mb: int, grad_output: torch.Tensor | None, *, split: bool
+    ) -> torch.Tensor | None:
+        """B (``split=False``) or I: returns the input gradient (None on the first stage)."""
+        y = self._outputs.pop(mb)
+        gy = torch.ones_like(y) if grad_output is None else grad_output
+        x = self._inputs.pop(mb)
+        x_grad = x.requires_grad and not self.is_first
+        if not split:
+            inputs = ([x] if x_grad else []) + self._params
+            grads = torch.autograd.grad(y, inputs, gy, allow_unused=True)
+            _accumulate(self._params, grads[1:] if x_grad else grads)
+            return grads[0] if x_grad else None
+        work = _SplitBackward(y, gy, [])
+        self._split[mb] = work
+        if not x_grad:
+            return None
+        x_node = get_gradient_edge(x).node
+        work.branches = _weight_branches(y.grad_fn, x_node)
+        handles = [n.register_prehook(_catch(work, n)) for n, _ in work.branches]
+        try:
+            (gx,) = torch.autograd.grad(y, x, gy, retain_graph=True)
+        finally:
+            for h in handles:
+                h.remove()
+        return gx
+
+    def _backward_weight(self, mb: int) -> None:
+        work = self._split.pop(mb)
+        if not self._params:
+            return
+        complete = bool(work.branches) and all(n in work.grads for n, _ in work.branches)
+        if not complete:  # no input path (first stage): one backward from the root
+            grads = torch.autograd.grad(
+                work.output, self._params, work.grad_output, allow_unused=True
+            )
+            _accumulate(self._params, grads)
+            return
+        # One autograd call per branch point: a single call from all of them would also send
+        # each one's gradient down the input path to the branches below it, counting those
+        # twice.
+        for node, leaves in work.branches:
+            edges, grads_out = [], []
+            for i, g in enumerate(work.grads[node]):
+                if g is not None:
+                    edges.append(GradientEdge(node, i))
+                    grads_out.append(g)
+            if edges and leaves:
+                grads = torch.autograd.grad(
+                    edges, leaves, grads_out, retain_graph=True, allow_unused=True
+                )
+                _accumulate(leaves, grads)
+
+
+def _catch(work: _SplitBackward, node: Node) -> Callable[..., None]:
+    def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        work.grads[node] = tuple(grad_outputs)
+
+    return hook
+
+
+def _weight_branches(root: Node | None, x_node: Node) -> list[tuple[Node, list[torch.Tensor]]]:
+    """Nodes on a path from ``root`` to the input that also feed something off that path,
+    each with the leaves (parameters) that its off-path branches reach.
+
+    The gradients arriving at these nodes during I are all W needs.
+    """
+    if root is None:
+        return []
+    reaches: dict[Node, bool] = {x_node: True}
+    order: list[Node] = []
+    stack: list[tuple[Node, bool]] = [(root, False)]
+    while stack:  # iterative post-order DFS: deep models overflow Python recursion
+        node, expanded = stack.pop()
+        if expanded:
+            reaches[node] = any(
+                reaches.get(c, False) for c, _ in node.next_functions if c is not None
+            )
+            order.append(node)
+            continue
+        if node in reaches:
+            continue
+        reaches[node] = False
+        stack.append((node, True))
+        stack.extend(
+            (c, False) for c, _ in node.next_functions if c is not None and c not in reaches
+        )
+    branches = []
+    for n in order:
+        if not reaches[n] or n is x_node:
+            continue
+        off_path = [c for c, _ in n.next_functions if c is not None and not reaches[c]]
+        if off_path:
+            branches.append((n, _leaves_under(off_path)))
+    return branches
+
+
+def _leaves_under(nodes: list[Node]) -> list[torch.Tensor]:
+    """The tensors whose AccumulateGrad nodes are reachable from ``nodes``, in visit order."""
+    leaves: dict[int, torch.Tensor] = {}
+    seen: set[Node] = set()
+    stack = list(reversed(nodes))
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            leaves.setdefault(id(variable), variable)
+        stack.extend(c for c, _ in reversed(node.next_functions) if c is not None)
+    return list(leaves.values())
+
+
+def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    for p, g in zip(params, grads, strict=True):
+        if g is None:
+            continue
+        if p.grad is None:
+            p.grad = g.detach()
+        else:
+            p.grad.add_(g)
+
+
+class TimelineRecorder:
+    """Collects the start and end of each compute action ``run`` executes on this rank."""
+
+    def __init__(self) -> None:
+        self.intervals: list[Interval] = []
+        self._t0 = 0.0
+
+    def _start(self, group: dist.ProcessGroup | None) -> None:
+        if dist.is_initialized():
+            dist.barrier(group=group)
+        self._t0 = time.perf_counter()
+        self.intervals = []
+
+    def _record(self, action: Action, start: float, end: float) -> None:
+        self.intervals.append(Interval(action, start - self._t0, end - self._t0))
+
+    def gather(self, group: dist.ProcessGroup | None = None) -> Timeline:
+        """The measured timeline of all ranks (a collective: call it on every rank)."""
+        if not dist.is_initialized():
+            return Timeline((tuple(self.intervals),))
+        every: list[list[Interval] | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, self.intervals, group=group)
+        return Timeline(tuple(tuple(ivs or ()) for ivs in every))
+
+
+def run(
+    schedule: Schedule,
+    stages: Sequence[PipelineStage],
+    microbatches: Sequence[torch.Tensor] | None,
+    targets: Sequence[torch.Tensor] | None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    loss_scale: float | None = None,
+    recorder: TimelineRecorder | None = None,
+) -> list[torch.Tensor]:
+    """Run one step of ``schedule`` on this rank's ``stages``; return the losses.
+
+    ``microbatches`` is needed on the rank of stage 0 and ``targets`` on the rank of the last
+    stage (others may pass None). Returns the detached, unscaled per-microbatch losses on the
+    rank of the last stage and ``[]`` elsewhere. Bad input raises ``ValueError`` on every
+    rank before any activation is sent.
+    """
+    if not stages:
+        raise ValueError("stages must list this rank's PipelineStage objects, got none")
+    group = stages[0].group
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world != schedule.num_ranks:
+        raise ValueError(
+            f"schedule has num_ranks={schedule.num_ranks} but the process group has {world} ranks"
+        )
+    local = {st.stage_index: st for st in stages}
+    if sorted(local) != schedule.stages_of_rank(rank) or len(local) != len(stages):
+        raise ValueError(
+            f"rank {rank} was given stages {[st.stage_index for st in stages]} but schedule "
+            f"{schedule.name!r} places stages {schedule.stages_of_rank(rank)} on it"
+        )
+    for st in stages:
+        if st.num_stages != schedule.num_stages:
+            raise ValueError(
+                f"stage {st.stage_index} has num_stages={st.num_stages}; the schedule has "
+                f"{schedule.num_stages}"
+            )
+    m = schedule.num_microbatches
+    if 0 in local:
+        _check_microbatches("microbatches", microbatches, m, same_shape=True)
+    if schedule.num_stages - 1 in local:
+        _check_microbatches("targets", targets, m, same_shape=False)
+    out_meta = _stage_output_meta(schedule, local, microbatches, rank, group)
+    scale = 1.0 / m if loss_scale is None else float(loss_scale)
+    device = _device_of(stages)
+    owner = schedule.stage_to_rank
+    peer_of = (
+        (lambda r: dist.get_global_rank(group, r))
+        if group is not None and dist.is_initialized()
+        else (lambda r: r)
+    )
+
+    handoff: dict[tuple[str, int, int], torch.Tensor] = {}  # values that stay on this rank
+    recvs: dict[tuple[str, int, int], tuple[dist.Work, torch.Tensor]] = {}
+    sends: list[tuple[dist.Work, torch.Tensor]] = []
+    losses: list[torch.Tensor] = []
+    if recorder is not None:
+        recorder._start(group)
+
+    def value(kind: str, stage: int, mb: int) -> torch.Tensor:
+        """The input of an action: received (waited for now) or handed over locally."""
+        key = (kind, stage, mb)
+        if key in recvs:
+            work, buf = recvs.pop(key)
+            work.wait()
+            return buf
+        return handoff.pop(key)
+
+    for seg in _segments(schedule.actions[rank]):
+        if isinstance(seg, tuple):
+            ops = []
+            posted: list[tuple[tuple[str, int, int] | None, torch.Tensor]] = []
+            for a in seg:
+                s, mb = a.stage, a.microbatch
+                if a.kind == ActionKind.SEND_F:
+                    t = handoff.pop(("F", s + 1, mb))
+                    ops.append(dist.P2POp(dist.isend, t, peer_of(owner[s + 1]), group, 2 * s))
+                    posted.append((None, t))
+                elif a.kind == ActionKind.SEND_B:
+                    t = handoff.pop(("B", s - 1, mb))
+                    ops.append(dist.P2POp(dist.isend, t, peer_of(owner[s - 1]), group, 2 * s + 1))
+                    posted.append((None, t))
+                elif a.kind == ActionKind.RECV_F:
+                    shape, dtype = out_meta[s - 1]
+                    t = torch.empty(shape, dtype=dtype, device=device)
+                    ops.append(dist.P2POp(dist.irecv, t, peer_of(owner[s - 1]), group, 2 * (s - 1)))
+                    posted.append((("F", s, mb), t))
+                else:
+                    shape, dtype = out_meta[s]
+                    t = torch.empty(shape, dtype=dtype, device=device)
+                    ops.append(
+                        dist.P2POp(dist.irecv, t, peer_of(owner[s + 1]), group, 2 * (s + 1) + 1)
+                    )
+                    posted.append((("B", s, mb), t))
+            works = dist.batch_isend_irecv(ops)
+            if len(works) != len(ops):  # NCCL coalesces the batch into one work: share it
+                works = list(works[-1:]) * len(ops)
+            for (key, t), work in zip(posted, works, strict=True):
+                if key is None:
+                    sends.append((work, t))
+                else:
+                    recvs[key] = (work, t)
+            continue
+
+        a = seg
+        st, s, mb = local[seg.stage], seg.stage, seg.microbatch
+        if a.kind == F:
+            x = microbatches[mb] if s == 0 else value("F", s, mb)
+            start = time.perf_counter()
+            y = st._forward(mb, x)
+            if st.is_last:
+                loss = loss_fn(st._outputs[mb], targets[mb])
+                st._set_loss(mb, loss * scale)
+                losses.append(loss.detach())
+            else:
+                handoff[("F", s + 1, mb)] = y
+        elif a.kind in (B, I):
+            gy = None if st.is_last else value("B", s, mb)
+            start = time.perf_counter()
+            gx = st._backward(mb, gy, split=a.kind == I)
+            if gx is not None:
+                handoff[("B", s - 1, mb)] = gx
+        else:
+            start = time.perf_counter()
+            st._backward_weight(mb)
+        if recorder is not None:
+            recorder._record(a, start, time.perf_counter())
+
+    for work, _ in sends:
+        work.wait()
+    assert not recvs and not handoff, (sorted(recvs), sorted(handoff))
+    return losses
+
+
+def _device_of(stages: Sequence[PipelineStage]) -> torch.device:
+    for st in stages:
+        for p in st.module.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def _check_microbatches(
+    name: str, values: Sequence[torch.Tensor] | None, m: int, *, same_shape: bool
+) -> None:
+    if values is None or len(values) != m:
+        got = "None" if values is None else f"{len(values)} tensors"
+        raise ValueError(f"{name} must hold num_microbatches={m} tensors, got {got}")
+    if same_shape:
+        shapes = {(tuple(v.shape), v.dtype) for v in values}
+        if len(shapes) != 1:
+            raise ValueError(
+                f"{name} must all have one shape and dtype (shapes are static per run), got "
+                f"{sorted(map(str, shapes))}"
+            )
+
+
+def _stage_output_meta(
+    schedule: Schedule,
+    local: dict[int, PipelineStage],
+    microbatches: Sequence[torch.Tensor] | None,
+    rank: int,
+    group: dist.ProcessGroup | None,
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of every stage's output, the same on every rank.
+
+    The rank of stage 0 broadcasts the microbatch shape (one small collective per run);
+    the first time a shape is seen, each stage in turn runs its module on meta tensors and
+    its owner broadcasts the result, or the error that says the stages do not fit.
+    """
+    distributed = dist.is_initialized() and schedule.num_ranks > 1
+
+    def share(obj: object, owner_rank: int) -> object:
+        if not distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=_global(owner_rank, group), group=group)
+        return box[0]
+
+    first = schedule.stage_to_rank[0]
+    key = share(
+        (tuple(microbatches[0].shape), microbatches[0].dtype) if rank == first else None, first
+    )
+    cache = next(iter(local.values()))._shape_cache
+    cache_key = (schedule.stage_to_rank, key)
+    if cache_key in cache:
+        return cache[cache_key]
+    shape, dtype = key
+    metas: list[tuple[tuple[int, ...], torch.dtype]] = []
+    for s, owner_rank in enumerate(schedule.stage_to_rank):
+        result = _meta_forward(local[s].module, shape, dtype) if owner_rank == rank else None
+        result = share(result, owner_rank)
+        if isinstance(result, str):
+            what = "the microbatches" if s == 0 else f"the output of stage {s - 1}"
+            raise ValueError(
+                f"stage {s} (rank {owner_rank}) cannot take {what}: input shape {list(shape)} "
+                f"dtype {dtype}; each stage's output shape must match the next stage's input "
+                f"({result})"
+            )
+        shape, dtype = result
+        metas.append((shape, dtype))
+    cache[cache_key] = metas
+    return metas
+
+
+def _meta_forward(
+    module: nn.Module, shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[tuple[int, ...], torch.dtype] | str:
+    """Output shape and dtype of ``module`` on an input of ``shape``, or the error text."""
+    state = {n: t.to("meta") for n, t in module.named_parameters()}
+    state.update({n: t.to("meta") for n, t in module.named_buffers()})
+    x = torch.empty(shape, dtype=dtype, device="meta")
+    try:
+        with torch.no_grad():
+            out = torch.func.functional_call(module, state, (x,))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    if not isinstance(out, torch.Tensor):
+        return f"a stage must return one tensor, got {type(out).__name__}"
+    return tuple(out.shape), out.dtype
+
+
+def _global(group_rank: int, group: dist.ProcessGroup | None) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)

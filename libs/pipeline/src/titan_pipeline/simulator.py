@@ -1,0 +1,375 @@
+"""Replay a schedule in time: timelines, bubble ratio, in-flight activations, text and PNG.
+
+One replay engine serves the validator (blocking sends, no costs: does it deadlock?) and the
+simulator (sends posted and forgotten as the runtime does, a receive waits for its send plus
+the communication cost). Consecutive communication actions form one batch, as in the
+runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from titan_pipeline.actions import Action, ActionKind, Schedule
+
+__all__ = [
+    "BubbleComparison",
+    "Costs",
+    "DeadlockError",
+    "Interval",
+    "Timeline",
+    "compare",
+    "simulate",
+]
+
+_Seg = Action | tuple[Action, ...]
+_ChannelKey = tuple[int, int, str, int]  # (source rank, destination rank, "F"|"B", sender stage)
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """One compute action of one rank from ``start`` to ``end``."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    """Per-rank compute intervals in execution order, simulated or measured."""
+
+    intervals: tuple[tuple[Interval, ...], ...]
+    """``intervals[rank]``: that rank's compute actions, in the order it ran them."""
+
+    @property
+    def num_ranks(self) -> int:
+        """Number of ranks."""
+        return len(self.intervals)
+
+    @property
+    def start_time(self) -> float:
+        """Earliest start over all ranks."""
+        return min((iv[0].start for iv in self.intervals if iv), default=0.0)
+
+    @property
+    def total_time(self) -> float:
+        """Makespan: latest end minus earliest start."""
+        end = max((iv[-1].end for iv in self.intervals if iv), default=0.0)
+        return end - self.start_time
+
+    def busy_time(self, rank: int) -> float:
+        """Time ``rank`` spent computing."""
+        return sum(i.end - i.start for i in self.intervals[rank])
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Idle share of ``num_ranks * total_time``: ``1 - sum(busy) / (ranks * makespan)``."""
+        total = self.total_time * self.num_ranks
+        if total <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy_time(r) for r in range(self.num_ranks)) / total
+
+    @property
+    def peak_in_flight(self) -> tuple[int, ...]:
+        """Per rank, the most microbatch activations alive at once.
+
+        A microbatch's activations on a stage are alive from its F until its backward is
+        complete: its B, or its W when the backward is split (W still reads the stashed
+        activations).
+        """
+        peaks = []
+        for ivs in self.intervals:
+            alive = peak = 0
+            for iv in ivs:
+                if iv.action.kind == ActionKind.F:
+                    alive += 1
+                    peak = max(peak, alive)
+                elif iv.action.kind in (ActionKind.B, ActionKind.W):
+                    alive -= 1
+            peaks.append(peak)
+        return tuple(peaks)
+
+    def to_text(self, resolution: float | None = None) -> str:
+        """Two lines per rank: the kind running in each time cell, then its microbatch % 10.
+
+        Upper case for a rank's first stage, lower case for its later stages; ``.`` is idle.
+        ``resolution`` is the time per character (default: the shortest action).
+        """
+        durations = [i.end - i.start for ivs in self.intervals for i in ivs if i.end > i.start]
+        if not durations:
+            return ""
+        step = resolution or min(durations)
+        t0 = self.start_time
+        width = round(self.total_time / step)
+        lines = []
+        for rank, ivs in enumerate(self.intervals):
+            first_stage = min((i.action.stage for i in ivs), default=0)
+            kinds, mbs = ["."] * width, [" "] * width
+            for iv in ivs:
+                lo, hi = round((iv.start - t0) / step), round((iv.end - t0) / step)
+                letter = iv.action.kind.value
+                if iv.action.stage != first_stage:
+                    letter = letter.lower()
+                for c in range(lo, max(hi, lo + 1)):
+                    if c < width:
+                        kinds[c], mbs[c] = letter, str(iv.action.microbatch % 10)
+            lines.append(f"rank {rank:>2} |{''.join(kinds)}|")
+            lines.append(f"        |{''.join(mbs)}|")
+        return "\n".join(lines) + "\n"
+
+    def to_png(self, path: str | Path, *, title: str = "") -> Path:
+        """Draw the timeline (one row per rank, one box per action) into a PNG file."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        colors = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
+        fig, ax = plt.subplots(
+            figsize=(max(6.0, min(40.0, len(self._all()) / 6)), 0.6 * self.num_ranks + 1)
+        )
+        t0 = self.start_time
+        for rank, ivs in enumerate(self.intervals):
+            for iv in ivs:
+                kind = iv.action.kind.value
+                ax.broken_barh(
+                    [(iv.start - t0, iv.end - iv.start)],
+                    (rank - 0.4, 0.8),
+                    facecolors=colors[kind],
+                    edgecolor="black",
+                    linewidth=0.3,
+                )
+                ax.text(
+                    iv.start - t0 + (iv.end - iv.start) / 2,
+                    rank,
+                    f"{kind}{iv.action.microbatch}",
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                    color="white",
+                )
+        ax.set_yticks(range(self.num_ranks), [f"rank {r}" for r in range(self.num_ranks)])
+        ax.invert_yaxis()
+        ax.set_xlabel("time")
+        ax.set_title(title or f"bubble ratio {self.bubble_ratio:.3f}")
+        fig.tight_layout()
+        path = Path(path)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+    def _all(self) -> list[Interval]:
+        return [i for ivs in self.intervals for i in ivs]
+
+
+_PerStage = float | tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Costs:
+    """Duration of each kind of action: one number, or one per stage."""
+
+    forward: _PerStage = 1.0
+    """F."""
+    backward: _PerStage = 2.0
+    """B (a full backward: input and weight gradients)."""
+    backward_input: _PerStage = 1.0
+    """I (input gradient only)."""
+    backward_weight: _PerStage = 1.0
+    """W (weight gradient only)."""
+    communication: float = 0.0
+    """From a send being posted to its data being usable by the receiver."""
+
+    def of(self, action: Action) -> float:
+        """Duration of a compute ``action``."""
+        value = {
+            ActionKind.F: self.forward,
+            ActionKind.B: self.backward,
+            ActionKind.I: self.backward_input,
+            ActionKind.W: self.backward_weight,
+        }[action.kind]
+        return value if isinstance(value, int | float) else value[action.stage]
+
+    @classmethod
+    def from_timeline(cls, timeline: Timeline, num_stages: int) -> Costs:
+        """Mean measured duration of each (kind, stage); kinds never run cost 0."""
+        sums: dict[tuple[ActionKind, int], list[float]] = {}
+        for iv in timeline._all():
+            sums.setdefault((iv.action.kind, iv.action.stage), []).append(iv.end - iv.start)
+
+        def per_stage(kind: ActionKind) -> tuple[float, ...]:
+            return tuple(
+                sum(v) / len(v) if (v := sums.get((kind, s))) else 0.0 for s in range(num_stages)
+            )
+
+        return cls(
+            forward=per_stage(ActionKind.F),
+            backward=per_stage(ActionKind.B),
+            backward_input=per_stage(ActionKind.I),
+            backward_weight=per_stage(ActionKind.W),
+        )
+
+
+class DeadlockError(ValueError):
+    """No rank can make progress; ``stuck`` maps each unfinished rank to its next step."""
+
+    def __init__(self, stuck: dict[int, str]) -> None:
+        detail = "; ".join(f"rank {r} waits at {what}" for r, what in stuck.items())
+        super().__init__(f"schedule deadlocks: ranks {sorted(stuck)} are stuck ({detail})")
+        self.stuck = stuck
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
+    """Timeline of ``schedule`` under ``costs`` (default: F=I=W=1, B=2, free communication)."""
+    return _replay(schedule, costs or Costs(), blocking_sends=False)
+
+
+@dataclass(frozen=True, slots=True)
+class BubbleComparison:
+    """Bubble ratios of a simulated and a measured timeline of the same schedule."""
+
+    simulated: float
+    measured: float
+
+    @property
+    def difference(self) -> float:
+        """``measured - simulated``, as a ratio (multiply by 100 for percentage points)."""
+        return self.measured - self.simulated
+
+    def __str__(self) -> str:
+        return (
+            f"bubble: simulated {100 * self.simulated:.1f}%, measured {100 * self.measured:.1f}%"
+            f" ({100 * self.difference:+.1f} pp)"
+        )
+
+
+def compare(simulated: Timeline, measured: Timeline) -> BubbleComparison:
+    """Compare the bubble ratio of a simulated timeline with a measured one."""
+    if simulated.num_ranks != measured.num_ranks:
+        raise ValueError(
+            f"timelines have {simulated.num_ranks} and {measured.num_ranks} ranks; they must match"
+        )
+    return BubbleComparison(simulated.bubble_ratio, measured.bubble_ratio)
+
+
+# --- the replay engine ------------------------------------------------------------------
+
+
+def _segments(actions: Sequence[Action]) -> list[_Seg]:
+    """Compute actions stay single; each maximal run of communication becomes one batch."""
+    segs: list[_Seg] = []
+    batch: list[Action] = []
+    for a in actions:
+        if a.kind.is_compute:
+            if batch:
+                segs.append(tuple(batch))
+                batch = []
+            segs.append(a)
+        else:
+            batch.append(a)
+    if batch:
+        segs.append(tuple(batch))
+    return segs
+
+
+def channel_of(action: Action, rank: int, owner: Sequence[int]) -> tuple[_ChannelKey, bool]:
+    """The in-order channel of a communication action, and whether it is the sending end."""
+    s = action.stage
+    kind = action.kind
+    if kind == ActionKind.SEND_F:
+        return (rank, owner[s + 1], "F", s), True
+    if kind == ActionKind.RECV_F:
+        return (owner[s - 1], rank, "F", s - 1), False
+    if kind == ActionKind.SEND_B:
+        return (rank, owner[s - 1], "B", s), True
+    assert kind == ActionKind.RECV_B, kind
+    return (owner[s + 1], rank, "B", s + 1), False
+
+
+@dataclass(slots=True)
+class _RankState:
+    segs: list[_Seg]
+    pos: int = 0
+    clock: float = 0.0
+    posted: bool = False
+    intervals: list[Interval] = field(default_factory=list)
+
+
+def _replay(schedule: Schedule, costs: Costs, *, blocking_sends: bool) -> Timeline:
+    """Run every rank's list against the others; raise ``DeadlockError`` if they get stuck.
+
+    Each communication op gets an index on its channel (the k-th send matches the k-th
+    receive); ``post[(channel, k, is_send)]`` is when that end was posted. With
+    ``blocking_sends`` a batch returns once the other end of each of its ops is posted (the
+    strictest semantics: the validator). Without it posting a batch is free and a compute
+    action waits for the receive of its input, as the runtime does.
+    """
+    owner = schedule.stage_to_rank
+    ranks = [_RankState(_segments(acts)) for acts in schedule.actions]
+    counters: dict[tuple[_ChannelKey, bool], int] = {}
+    index: dict[tuple[int, int, int], tuple[_ChannelKey, int, bool]] = {}
+    recv_of: dict[tuple[int, ActionKind, int, int], tuple[_ChannelKey, int, bool]] = {}
+    for r, st in enumerate(ranks):
+        for si, seg in enumerate(st.segs):
+            if isinstance(seg, tuple):
+                for oi, a in enumerate(seg):
+                    key, is_send = channel_of(a, r, owner)
+                    k = counters.get((key, is_send), 0)
+                    counters[(key, is_send)] = k + 1
+                    index[(r, si, oi)] = (key, k, is_send)
+                    if not is_send:
+                        recv_of[(r, a.kind, a.stage, a.microbatch)] = (key, k, is_send)
+    post: dict[tuple[_ChannelKey, int, bool], float] = {}
+
+    def arrival(op: tuple[_ChannelKey, int, bool]) -> float | None:
+        """When the data of op is usable, or None while the other end is not posted."""
+        key, k, is_send = op
+        other = post.get((key, k, not is_send))
+        return None if other is None else max(post[op], other) + costs.communication
+
+    progress = True
+    while progress:
+        progress = False
+        for r, st in enumerate(ranks):
+            while st.pos < len(st.segs):
+                seg = st.segs[st.pos]
+                if isinstance(seg, Action):
+                    start = st.clock
+                    if not blocking_sends:
+                        kind = ActionKind.RECV_F if seg.kind == ActionKind.F else ActionKind.RECV_B
+                        op = recv_of.get((r, kind, seg.stage, seg.microbatch))
+                        if op is not None and seg.kind != ActionKind.W:
+                            ready = arrival(op)
+                            if ready is None:
+                                break
+                            start = max(start, ready)
+                    end = start + costs.of(seg)
+                    st.intervals.append(Interval(seg, start, end))
+                    st.clock = end
+                    st.pos += 1
+                    progress = True
+                    continue
+                ops = [index[(r, st.pos, oi)] for oi in range(len(seg))]
+                if not st.posted:
+                    for op in ops:
+                        post[op] = st.clock
+                    st.posted = True
+                    progress = True
+                if blocking_sends:
+                    arrivals = [arrival(op) for op in ops]
+                    if any(t is None for t in arrivals):
+                        break
+                st.pos += 1
+                st.posted = False
+                progress = True
+    stuck = {
+        r: " ".join(map(str, seg)) if isinstance(seg := st.segs[st.pos], tuple) else str(seg)
+        for r, st in enumerate(ranks)
+        if st.pos < len(st.segs)
+    }
+    if stuck:
+        raise DeadlockError(stuck)
+    return Timeline(tuple(tuple(st.intervals) for st in ranks))
