@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import torch_remat as tr
 
 
 class _Block(nn.Module):
@@ -20,6 +24,8 @@ class _Block(nn.Module):
         self.up = nn.Linear(dim, 2 * dim, bias=False)
         self.down = nn.Linear(2 * dim, dim, bias=False)
         self.drop = nn.Dropout(dropout)
+        self.mlp_region: tr.Policy | None = None
+        """When set, the MLP half of forward runs inside ``torch_remat.region(mlp_region)``."""
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape
@@ -28,8 +34,10 @@ class _Block(nn.Module):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )
         x_BSD = x_BSD + self.drop(self.proj(a.transpose(1, 2).reshape(B, S, D)))
-        h = self.norm2(x_BSD)
-        return x_BSD + self.drop(self.down(F.silu(self.gate(h)) * self.up(h)))
+        span = contextlib.nullcontext() if self.mlp_region is None else tr.region(self.mlp_region)
+        with span:
+            h = self.norm2(x_BSD)
+            return x_BSD + self.drop(self.down(F.silu(self.gate(h)) * self.up(h)))
 
 
 class Stack(nn.Module):

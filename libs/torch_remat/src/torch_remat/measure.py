@@ -92,6 +92,12 @@ def _record_offloaded(host: torch.Tensor) -> None:
         ledger.record(host, offloaded=True)
 
 
+def _record_held(t: torch.Tensor) -> None:
+    """Called by ``region``: ``t`` is kept for backward outside autograd's saved tensors."""
+    for ledger in _LEDGERS:
+        ledger.record(t)
+
+
 class _LiveBytes(TorchDispatchMode):
     """Peak of bytes allocated by ops since entry and still alive (CPU peak accounting)."""
 

@@ -3,34 +3,65 @@
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .measure import _keys, _record_offloaded, _StorageKey
 
 
-class _OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
-    """Pack: copy to host (pinned, non-blocking on CUDA). Unpack: copy back to its device.
+class _HostCopy:
+    """One storage's bytes in host memory, shared by every saved view of that storage."""
 
+    __slots__ = ("device", "host", "on_device", "pending", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        pin = t.device.type == "cuda"
+        flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+        self.host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=pin)
+        self.host.copy_(flat, non_blocking=pin)
+        self.device = t.device
+        self.version = t._version
+        self.pending = 0
+        self.on_device: torch.Tensor | None = None
+
+    def view(self, size, stride, offset, dtype) -> torch.Tensor:
+        if self.on_device is None:
+            self.on_device = self.host.to(self.device, non_blocking=self.host.is_pinned())
+        out = self.on_device.view(dtype).as_strided(size, stride, offset)
+        self.pending -= 1
+        if self.pending == 0:  # every view served: let the device copy go with its views
+            self.on_device = None
+        return out
+
+
+class _OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
+    """Pack: copy the storage to host (pinned, non-blocking on CUDA). Unpack: copy it back.
+
+    Copies are per storage, so views of one activation saved by several ops (q, k, v of one
+    projection; the input of two linears) cost one copy, as they cost one storage in place.
     Tensors whose storage is in ``resident`` (parameters, buffers) and leaves that require grad
-    (parameters of a plain function, inputs) are kept as they are: they stay alive anyway, so
-    copying them would only cost bandwidth. On a CPU-only machine the "host copy" is a second
-    CPU tensor: the round trip and the accounting run, but no device memory is saved.
+    are kept as they are: they stay alive anyway. On a CPU-only machine the "host copy" is a
+    second CPU buffer: the round trip and the accounting run, but no device memory is saved.
     """
 
     def __init__(self, resident: set[_StorageKey]) -> None:
+        copies: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> _HostCopy
+
         def pack(t: torch.Tensor) -> object:
             base = t._base if t._base is not None else t
             if (base.is_leaf and base.requires_grad) or (_keys([t]) & resident):
                 return t
-            pin = t.device.type == "cuda"
-            host = torch.empty_like(t, device="cpu", pin_memory=pin)
-            host.copy_(t, non_blocking=pin)
-            _record_offloaded(host)
-            return (t.device, host)
+            storage = t.untyped_storage()
+            copy = copies.get(storage)
+            if copy is None or copy.version != t._version:
+                copy = copies[storage] = _HostCopy(t)
+                _record_offloaded(copy.host)
+            copy.pending += 1
+            return copy, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype
 
         def unpack(packed: object) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
                 return packed
-            device, host = packed
-            return host.to(device, non_blocking=host.is_pinned())
+            copy, size, stride, offset, dtype = packed
+            return copy.view(size, stride, offset, dtype)
 
         super().__init__(pack, unpack)

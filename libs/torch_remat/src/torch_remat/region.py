@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, SelectiveCheckpointContext
 
 from .checkpoint import _op_policy
+from .measure import _record_held
 from .offload import _OffloadHooks
 from .policies import Full, Offload, Policy, Selective
 
@@ -64,9 +65,13 @@ class _Tape(TorchDispatchMode):
         self.pending = 0
 
     def _ref_or_value(self, x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return self.produced.get(_key(x), x)
-        return x
+        if not isinstance(x, torch.Tensor):
+            return x
+        ref = self.produced.get(_key(x))
+        if ref is None:  # from outside the span: the tape holds it until backward
+            _record_held(x)
+            return x
+        return ref
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -83,6 +88,9 @@ class _Tape(TorchDispatchMode):
             policy = self.decide(SelectiveCheckpointContext(is_recompute=False), func, *args)
             if policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
                 self.kept[i] = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
+                for x in self.kept[i]:
+                    if isinstance(x, torch.Tensor):
+                        _record_held(x)
         return out
 
     def pack(self, t: torch.Tensor) -> Any:

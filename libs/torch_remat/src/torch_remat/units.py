@@ -24,6 +24,14 @@ Units = str | Sequence[str | nn.Module] | None
 _ATTR = "_torch_remat_policy"
 
 
+def _fqn_match(name: str, pattern: str) -> bool:
+    """Glob per dotted segment: ``layers.*`` is each block, not every module inside them."""
+    parts, globs = name.split("."), pattern.split(".")
+    return len(parts) == len(globs) and all(
+        fnmatch.fnmatchcase(p, g) for p, g in zip(parts, globs, strict=True)
+    )
+
+
 def _resolve_units(model: nn.Module, units: Units) -> list[tuple[str, nn.Module]]:
     """The units in module order, each once; a pattern or module that matches nothing is an error."""
     named = [(n, m) for n, m in model.named_modules() if n]
@@ -48,7 +56,7 @@ def _resolve_units(model: nn.Module, units: Units) -> list[tuple[str, nn.Module]
                 hit = [n for n, m in named if m is item]
                 what = f"module {type(item).__name__}"
             elif isinstance(item, str):
-                hit = [n for n, _ in named if fnmatch.fnmatchcase(n, item)]
+                hit = [n for n, _ in named if _fqn_match(n, item)]
                 what = f"pattern {item!r}"
             else:
                 raise TypeError(f"units: expected FQN globs or modules, got {item!r}")
@@ -72,7 +80,7 @@ def _resolve_policies(
         unused = set(policy)
         chosen: dict[str, Policy | None] = {}
         for name, _ in units:
-            key = next((k for k in policy if fnmatch.fnmatchcase(name, k)), None)
+            key = next((k for k in policy if _fqn_match(name, k)), None)
             if key is not None:
                 unused.discard(key)
                 chosen[name] = policy[key]
