@@ -300,11 +300,15 @@ def run(
                 f"{schedule.num_stages}"
             )
     m = schedule.num_microbatches
-    if 0 in local:
-        _check_microbatches("microbatches", microbatches, m, same_shape=True)
-    if schedule.num_stages - 1 in local:
-        _check_microbatches("targets", targets, m, same_shape=False)
-    out_meta = _stage_output_meta(schedule, local, microbatches, rank, group)
+    problem = None
+    try:  # checks of data only this rank has: every rank learns the outcome below
+        if 0 in local:
+            _check_microbatches("microbatches", microbatches, m, same_shape=True)
+        if schedule.num_stages - 1 in local:
+            _check_microbatches("targets", targets, m, same_shape=False)
+    except ValueError as e:
+        problem = f"rank {rank}: {e}"
+    out_meta = _stage_output_meta(schedule, local, microbatches, rank, group, problem)
     scale = 1.0 / m if loss_scale is None else float(loss_scale)
     device = _device_of(stages)
     owner = schedule.stage_to_rank
@@ -424,14 +428,28 @@ def _stage_output_meta(
     microbatches: Sequence[torch.Tensor] | None,
     rank: int,
     group: dist.ProcessGroup | None,
+    problem: str | None,
 ) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Shape and dtype of every stage's output, the same on every rank.
 
-    The rank of stage 0 broadcasts the microbatch shape (one small collective per run);
-    the first time a shape is seen, each stage in turn runs its module on meta tensors and
-    its owner broadcasts the result, or the error that says the stages do not fit.
+    One small all-gather per run shares each rank's input problems (so every rank raises the
+    same ``ValueError`` instead of some waiting forever) and the microbatch shape. The first
+    time a shape is seen, each stage in turn runs its module on meta tensors and its owner
+    broadcasts the result, or the error that says the stages do not fit.
     """
     distributed = dist.is_initialized() and schedule.num_ranks > 1
+    first = schedule.stage_to_rank[0]
+    mine = (problem, None)
+    if rank == first and problem is None:
+        mine = (None, (tuple(microbatches[0].shape), microbatches[0].dtype))
+    every = [mine]
+    if distributed:
+        every = [None] * schedule.num_ranks
+        dist.all_gather_object(every, mine, group=group)
+    problems = [p for p, _ in every if p is not None]
+    if problems:
+        raise ValueError("; ".join(problems))
+    key = every[first][1]
 
     def share(obj: object, owner_rank: int) -> object:
         if not distributed:
@@ -440,10 +458,6 @@ def _stage_output_meta(
         dist.broadcast_object_list(box, src=_global(owner_rank, group), group=group)
         return box[0]
 
-    first = schedule.stage_to_rank[0]
-    key = share(
-        (tuple(microbatches[0].shape), microbatches[0].dtype) if rank == first else None, first
-    )
     cache = next(iter(local.values()))._shape_cache
     cache_key = (schedule.stage_to_rank, key)
     if cache_key in cache:

@@ -1,0 +1,207 @@
+"""Runtime on real gloo groups: every schedule's gradients and losses equal plain training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titan_pipeline import (
+    Costs,
+    PipelineStage,
+    TimelineRecorder,
+    balance,
+    build_schedule,
+    build_stages,
+    compare,
+    run,
+    simulate,
+    split_microbatches,
+    split_units,
+)
+from titan_testing import run_distributed
+
+NUM_MICROBATCHES = 8
+BATCH, DIM = 16, 12
+SCHEDULES = [
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved_1f1b", 2),
+    ("zb_h1", 1),
+    ("zbv", 2),
+    ("dualpipev", 2),
+]
+
+
+def _units(num_units: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    units: list[nn.Module] = [nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh())]
+    for _ in range(num_units - 2):
+        units.append(nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, DIM), nn.GELU()))
+    units.append(nn.Linear(DIM, 3))
+    return units
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(BATCH, DIM, generator=g), torch.randn(BATCH, 3, generator=g)
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, target)
+
+
+def _reference(num_units: int) -> tuple[dict[str, torch.Tensor], float]:
+    """Non-pipelined single-process step on the whole batch: named grads and the loss."""
+    units = _units(num_units)
+    model = nn.Sequential(*units)
+    x, y = _data()
+    loss = _loss(model(x), y)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, loss.item()
+
+
+def _local_grads(units, schedule, rank) -> dict[str, torch.Tensor]:
+    costs = [sum(p.numel() for p in u.parameters()) for u in units]
+    ranges = balance(costs, schedule.num_stages)
+    out = {}
+    for s in schedule.stages_of_rank(rank):
+        for i in ranges[s]:
+            for n, p in units[i].named_parameters():
+                out[f"{i}.{n}"] = p.grad.clone()
+    return out
+
+
+def _all_schedules_on_ranks(num_units: int) -> dict:
+    """On each rank: every schedule twice, plus bad-input and measured-timeline checks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = _data()
+    mbs, tgts = split_microbatches(x, NUM_MICROBATCHES), split_microbatches(y, NUM_MICROBATCHES)
+    results: dict = {}
+    for name, v in SCHEDULES:
+        schedule = build_schedule(
+            name, num_ranks=world, num_microbatches=NUM_MICROBATCHES, stages_per_rank=v
+        )
+        runs = []
+        for _ in range(2):
+            units = _units(num_units)
+            stages = build_stages(units, schedule, rank)
+            losses = run(schedule, stages, mbs, tgts, _loss)
+            runs.append((_local_grads(units, schedule, rank), [loss.item() for loss in losses]))
+        (grads, losses), (grads2, losses2) = runs
+        bitwise = grads.keys() == grads2.keys() and all(
+            torch.equal(grads[k], grads2[k]) for k in grads
+        )
+        results[name] = {"grads": grads, "losses": losses, "bitwise": bitwise and losses == losses2}
+
+    # stage modules that do not fit: every rank raises the same ValueError, nothing is sent
+    units = _units(num_units)
+    units[2] = nn.Linear(DIM + 1, DIM)
+    schedule = build_schedule("1f1b", num_ranks=world, num_microbatches=NUM_MICROBATCHES)
+    try:
+        run(schedule, build_stages(units, schedule, rank), mbs, tgts, _loss)
+        results["shape_error"] = None
+    except ValueError as e:
+        results["shape_error"] = str(e)
+    # a wrong number of microbatches on the first rank only: every rank still raises
+    try:
+        stages = build_stages(_units(num_units), schedule, rank)
+        run(schedule, stages, mbs[:-1] if rank == 0 else None, tgts, _loss)
+        results["count_error"] = None
+    except ValueError as e:
+        results["count_error"] = str(e)
+
+    # measured timeline, compared with the simulation under the measured costs
+    schedule = build_schedule("1f1b", num_ranks=world, num_microbatches=NUM_MICROBATCHES)
+    recorder = TimelineRecorder()
+    run(
+        schedule,
+        build_stages(_units(num_units), schedule, rank),
+        mbs,
+        tgts,
+        _loss,
+        recorder=recorder,
+    )
+    measured = recorder.gather()
+    simulated = simulate(schedule, Costs.from_timeline(measured, schedule.num_stages))
+    results["timeline"] = (
+        [len(ivs) for ivs in measured.intervals],
+        measured.bubble_ratio,
+        compare(simulated, measured).difference,
+    )
+    return results
+
+
+def _check(world: int, num_units: int, results: list[dict]) -> None:
+    ref_grads, ref_loss = _reference(num_units)
+    for name, _ in SCHEDULES:
+        merged: dict[str, torch.Tensor] = {}
+        losses = []
+        for r in results:
+            merged.update(r[name]["grads"])
+            losses += r[name]["losses"]
+            assert r[name]["bitwise"], f"{name}: two runs differ"
+        assert merged.keys() == ref_grads.keys(), name
+        for k, g in ref_grads.items():
+            torch.testing.assert_close(merged[k], g, rtol=0, atol=1e-6, msg=f"{name} {k}")
+        assert len(losses) == NUM_MICROBATCHES, name  # only the last stage's rank reports
+        assert sum(losses) / NUM_MICROBATCHES == pytest.approx(ref_loss, abs=1e-6)
+    # same stage layout and a full backward: the same sums in the same order, bitwise
+    for k in ref_grads:
+        gp = next(r["gpipe"]["grads"] for r in results if k in r["gpipe"]["grads"])[k]
+        ob = next(r["1f1b"]["grads"] for r in results if k in r["1f1b"]["grads"])[k]
+        assert torch.equal(gp, ob), k
+    for r in results:
+        assert "cannot take" in r["shape_error"]
+        assert "must match the next stage's input" in r["shape_error"]
+        assert (
+            "rank 0: microbatches must hold num_microbatches=8 tensors, got 7" in r["count_error"]
+        )
+        counts, bubble, diff = r["timeline"]
+        assert counts == [2 * NUM_MICROBATCHES] * world
+        assert 0 <= bubble < 1 and abs(diff) < 1
+
+
+def test_every_schedule_matches_single_process_training_on_2_ranks():
+    results = run_distributed(_all_schedules_on_ranks, 2, 8, timeout=300)
+    _check(2, 8, results)
+
+
+@pytest.mark.slow
+def test_every_schedule_matches_single_process_training_on_4_ranks():
+    results = run_distributed(_all_schedules_on_ranks, 4, 8, timeout=400)
+    _check(4, 8, results)
+
+
+def test_single_process_run_and_bad_batch():
+    schedule = build_schedule("zbv", num_ranks=1, num_microbatches=4, stages_per_rank=2)
+    units = _units(4)
+    x, y = _data()
+    losses = run(
+        schedule,
+        build_stages(units, schedule, 0),
+        split_microbatches(x, 4),
+        split_microbatches(y, 4),
+        _loss,
+    )
+    ref_grads, ref_loss = _reference(4)
+    got = dict(nn.Sequential(*units).named_parameters())
+    for k, g in ref_grads.items():
+        torch.testing.assert_close(got[k].grad, g, rtol=0, atol=1e-6)
+    assert sum(loss.item() for loss in losses) / 4 == pytest.approx(ref_loss, abs=1e-6)
+    with pytest.raises(ValueError, match="cannot be split into num_microbatches=3"):
+        split_microbatches(x, 3)
+    with pytest.raises(ValueError, match="places stages"):
+        run(schedule, build_stages(units, schedule, 0)[:1], split_microbatches(x, 4), None, _loss)
+    with pytest.raises(ValueError, match="stage_index"):
+        PipelineStage(nn.Linear(2, 2), 3, 2)
+
+
+def test_split_units_balances_by_parameter_count():
+    units = [nn.Linear(10, 10), nn.Linear(10, 1), nn.Linear(1, 1), nn.Linear(10, 10)]
+    assert [list(r) for r in balance([110, 11, 2, 110], 2)] == [[0, 1], [2, 3]]
+    assert [len(s) for s in split_units(units, 3)] == [1, 2, 1]
+    assert [list(r) for r in balance([1, 1, 1, 1], 4)] == [[0], [1], [2], [3]]
+    with pytest.raises(ValueError, match="need >= 1 unit each"):
+        balance([1, 2], 3)
