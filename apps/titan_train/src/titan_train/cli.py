@@ -1,29 +1,90 @@
-"""``titan-train`` command line (the trainer itself lands with issue 10)."""
+"""``titan-train``: pick a recipe, override any field, run (or dry-run) the job.
+
+Launcher flags (``--recipe``, ``--list-recipes``, ``--print-config``, ``--dry-run``,
+``--nproc``) are read first; every other argument overrides a field of the recipe's config
+through tyro (``--optimizer.lr 3e-4``, ``--parallel.tp 2``).
+"""
 
 from __future__ import annotations
 
-import importlib
+import argparse
+import dataclasses
+import json
+import os
 import sys
 
-_LIBRARIES = (
-    "flexshard",
-    "dist_moe",
-    "torch_remat",
-    "torch_checkpointing",
-    "titan_pipeline",
-    "titan_models",
-    "titan_rl",
-    "titan_train",
-)
+import tyro
+
+from titan_train.config import JobConfig, validate
+from titan_train.recipes import DEFAULT_RECIPE, get_recipe, list_recipes
+
+
+def _launcher_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="titan-train", add_help=False)
+    p.add_argument("--recipe", default=DEFAULT_RECIPE, help="recipe name (see --list-recipes)")
+    p.add_argument("--list-recipes", action="store_true", help="list recipes and exit")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config, exit")
+    p.add_argument("--dry-run", action="store_true", help="plan memory on the meta device, exit")
+    p.add_argument("--nproc", type=int, default=1, help="processes to launch through torchrun")
+    p.add_argument("-h", "--help", action="store_true")
+    return p
+
+
+def parse_config(argv: list[str], recipe: str = DEFAULT_RECIPE) -> JobConfig:
+    """The recipe's config with ``argv``'s field overrides applied and validated."""
+    cfg = tyro.cli(JobConfig, default=get_recipe(recipe), args=argv, prog="titan-train")
+    validate(cfg)
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Report the installed Titan libraries; training is not implemented yet."""
-    del argv
-    for name in _LIBRARIES:
-        print(f"{name:22s} {importlib.import_module(name).__version__}")
-    print("titan-train: the training loop is not built yet (issue 10); nothing was trained.")
-    return 2
+    """Entry point of the ``titan-train`` command."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    launcher, rest = _launcher_parser().parse_known_args(argv)
+    if launcher.help:
+        _launcher_parser().print_help()
+        print("\nConfig overrides (any field of the recipe):\n")
+        rest = [*rest, "--help"]
+    if launcher.list_recipes:
+        for name, doc in list_recipes().items():
+            print(f"{name:20s} {doc}")
+        return 0
+    try:
+        cfg = parse_config(rest, launcher.recipe)
+    except ValueError as e:
+        print(f"titan-train: error: {e}", file=sys.stderr)
+        return 2
+    if launcher.print_config:
+        print(json.dumps(dataclasses.asdict(cfg), indent=2))
+        return 0
+    if launcher.nproc < 1:
+        print(f"titan-train: error: --nproc={launcher.nproc} must be >= 1", file=sys.stderr)
+        return 2
+    if launcher.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return _relaunch(launcher.nproc, argv)
+    from titan_train.memory_plan import dry_run
+    from titan_train.trainer import ConfigError, train
+
+    # Only errors about the config become one line; anything else keeps its traceback.
+    expected = ValueError if launcher.dry_run else ConfigError
+    try:
+        dry_run(cfg) if launcher.dry_run else train(cfg)
+    except expected as e:
+        print(f"titan-train: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _relaunch(nproc: int, argv: list[str]) -> int:
+    """Run this same command on ``nproc`` processes through torchrun."""
+    from torch.distributed.run import main as torchrun
+
+    args = [a for a in argv if not a.startswith("--nproc")]
+    if "--nproc" in argv:  # "--nproc N" form: drop the value too
+        i = argv.index("--nproc")
+        args = argv[:i] + argv[i + 2 :]
+    torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "titan_train", *args])
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,236 @@
+"""Typed configuration of a training job: every field a recipe sets or the CLI overrides."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """Which model to build (a titan_models family and flavour)."""
+
+    family: str = "llama3"
+    """Model family registered in titan_models (e.g. llama3, qwen3)."""
+    flavor: str = "debug"
+    """Flavour of the family (e.g. debug, 8B)."""
+    vocab_size: int | None = None
+    """Override of the flavour's vocabulary size; None keeps the flavour's (the app sets it
+    from the tokenizer for debug models)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """Degrees of each parallel dimension; their product is the world size."""
+
+    dp_replicate: int = 1
+    """Data-parallel replicas (gradients all-reduced across them)."""
+    dp_shard: int = -1
+    """Data-parallel shards (flexshard); -1 takes whatever the other degrees leave."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    ep: int = 1
+    """Expert-parallel degree (MoE models), carved out of the data-parallel ranks."""
+    cp: int = 1
+    """Context-parallel degree (not supported yet: must be 1)."""
+    pp_schedule: str = "1f1b"
+    """titan_pipeline schedule name (gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv, dualpipev)."""
+    pp_microbatches: int = 4
+    """Microbatches per step when pp > 1."""
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    """Optimizer and its hyper-parameters."""
+
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw, or flexshard's distributed muon (AdamW for non-matrix parameters)."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    momentum: float = 0.95
+    """Muon momentum."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LRScheduleConfig:
+    """Learning-rate schedule: linear warm-up, then a decay."""
+
+    warmup_steps: int = 20
+    """Steps of linear warm-up from 0 to the peak LR."""
+    decay: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    """Decay after warm-up: cosine, linear, warmup-stable-decay, or none."""
+    min_lr_ratio: float = 0.1
+    """Final LR as a fraction of the peak."""
+    wsd_decay_fraction: float = 0.2
+    """For wsd: fraction of the steps spent in the final linear decay."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig:
+    """The loop itself."""
+
+    steps: int = 200
+    """Optimizer steps to run."""
+    batch_size: int = 8
+    """Sequences per optimizer step per data-parallel rank (before accumulation split)."""
+    seq_len: int = 128
+    """Tokens per sequence (documents are packed to this length)."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step; batch_size must be divisible by it."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping."""
+    seed: int = 0
+    """Seed for weights, data order and dropout."""
+    deterministic: bool = True
+    """Use deterministic algorithms (bitwise-repeatable runs on CPU)."""
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"
+    """Parameter/compute dtype; bf16 keeps fp32 master weights and reductions."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Where training text comes from and how it is tokenized."""
+
+    source: Literal["arithmetic", "files"] = "arithmetic"
+    """arithmetic: the built-in generated corpus; files: local json/jsonl/parquet/text."""
+    paths: tuple[str, ...] = ()
+    """Local data files for source=files."""
+    text_field: str = "text"
+    """Field holding the text in json/jsonl/parquet records."""
+    tokenizer: str = "byte"
+    """byte (built in), or a path to an HF tokenizer.json."""
+    validation_fraction: float = 0.01
+    """Fraction of documents held out for validation (by document index)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Checkpointing through torch_checkpointing."""
+
+    interval: int = 0
+    """Save every N steps; 0 disables checkpoints."""
+    keep_last: int = 2
+    """Complete checkpoints to keep."""
+    async_mode: Literal["thread", "process", "off"] = "thread"
+    """How saves are written in the background."""
+    resume: bool = True
+    """Resume from the latest complete checkpoint in the run folder."""
+    init_from_hf: str = ""
+    """HF folder to take initial weights from (empty: random init)."""
+    export_hf: bool = False
+    """Write an HF safetensors export of the final weights to runs/<name>/hf."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RematConfig:
+    """Activation rematerialisation through torch_remat, per block."""
+
+    policy: Literal["none", "full", "selective", "every_nth"] = "none"
+    """Policy applied to every transformer block."""
+    every_nth: int = 2
+    """For every_nth: checkpoint one block in n."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CompileConfig:
+    """Per-block torch.compile ("local compile")."""
+
+    enabled: bool = False
+    """Compile each transformer block separately."""
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsConfig:
+    """What is logged and where."""
+
+    log_every: int = 10
+    """Log a metrics line every N steps."""
+    tensorboard: bool = True
+    """Write TensorBoard event files."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s per rank for MFU; 0 measures an fp32 matmul on this device."""
+    validate_every: int = 50
+    """Run validation every N steps; 0 disables it."""
+    validation_batches: int = 4
+    """Batches per validation run."""
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    """A complete training job: what a recipe returns and the CLI overrides."""
+
+    name: str = "llama3_debug"
+    """Run name: outputs go to <output_dir>/<name>/."""
+    output_dir: str = "runs"
+    """Folder that holds run folders."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    remat: RematConfig = field(default_factory=RematConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+def validate(cfg: JobConfig) -> None:
+    """Reject values no job can run with, naming the field and what is allowed."""
+    t = cfg.training
+    _positive("training.steps", t.steps)
+    _positive("training.batch_size", t.batch_size)
+    _positive("training.seq_len", t.seq_len)
+    _positive("training.grad_accum", t.grad_accum)
+    if t.batch_size % t.grad_accum:
+        raise ValueError(
+            f"training.batch_size={t.batch_size} must be divisible by "
+            f"training.grad_accum={t.grad_accum}"
+        )
+    if t.max_grad_norm < 0:
+        raise ValueError(f"training.max_grad_norm={t.max_grad_norm} must be >= 0 (0 disables)")
+    o = cfg.optimizer
+    if o.lr <= 0:
+        raise ValueError(f"optimizer.lr={o.lr} must be > 0")
+    s = cfg.lr_schedule
+    if s.warmup_steps < 0:
+        raise ValueError(f"lr_schedule.warmup_steps={s.warmup_steps} must be >= 0")
+    if not 0.0 <= s.min_lr_ratio <= 1.0:
+        raise ValueError(f"lr_schedule.min_lr_ratio={s.min_lr_ratio} must be in [0, 1]")
+    if not 0.0 < s.wsd_decay_fraction <= 1.0:
+        raise ValueError(f"lr_schedule.wsd_decay_fraction={s.wsd_decay_fraction} must be in (0, 1]")
+    d = cfg.data
+    if d.source == "files" and not d.paths:
+        raise ValueError("data.paths is empty: data.source='files' needs at least one file")
+    if not 0.0 <= d.validation_fraction < 1.0:
+        raise ValueError(f"data.validation_fraction={d.validation_fraction} must be in [0, 1)")
+    p = cfg.parallel
+    for name in ("dp_replicate", "tp", "pp", "ep", "cp"):
+        _positive(f"parallel.{name}", getattr(p, name))
+    if p.dp_shard != -1:
+        _positive("parallel.dp_shard", p.dp_shard)
+    if p.cp != 1:
+        raise ValueError(f"parallel.cp={p.cp}: context parallelism is not supported yet (use 1)")
+    _positive("parallel.pp_microbatches", p.pp_microbatches)
+    if cfg.checkpoint.interval < 0:
+        raise ValueError(f"checkpoint.interval={cfg.checkpoint.interval} must be >= 0")
+    _positive("checkpoint.keep_last", cfg.checkpoint.keep_last)
+    _positive("metrics.log_every", cfg.metrics.log_every)
+    if cfg.metrics.validate_every < 0:
+        raise ValueError(f"metrics.validate_every={cfg.metrics.validate_every} must be >= 0")
+    _positive("remat.every_nth", cfg.remat.every_nth)
+    if not cfg.name or "/" in cfg.name or cfg.name in (".", ".."):
+        raise ValueError(f"name={cfg.name!r} must be a non-empty folder name without '/'")
+
+
+def _positive(name: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{name}={value} must be >= 1")

@@ -1,0 +1,120 @@
+"""Metrics: a rich console line, ``metrics.jsonl``, TensorBoard events and a loss-curve PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def measure_matmul_flops(*, size: int = 1024, dtype: torch.dtype = torch.float32) -> float:
+    """Achieved FLOP/s of a square matmul on this device: the "peak" MFU is measured against."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    a @ b  # warm-up
+    reps, start = 0, time.perf_counter()
+    while reps < 3 or time.perf_counter() - start < 0.3:
+        a @ b
+        reps += 1
+    return 2 * size**3 * reps / (time.perf_counter() - start)
+
+
+class MetricsLogger:
+    """Writes each logged step to the console, ``metrics.jsonl`` and TensorBoard (rank 0 only)."""
+
+    def __init__(
+        self, run_dir: Path, *, total_steps: int, tensorboard: bool, enabled: bool = True
+    ) -> None:
+        self.run_dir, self.total_steps, self.enabled = run_dir, total_steps, enabled
+        self._start = time.perf_counter()
+        self._history: dict[str, list[tuple[int, float]]] = {}
+        self._tb = None
+        if not enabled:
+            return
+        from rich.console import Console
+
+        self._console = Console(highlight=False)
+        self._jsonl = (run_dir / "metrics.jsonl").open("a")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def log(self, step: int, values: dict[str, float], *, prefix: str = "train") -> None:
+        """Record ``values`` for ``step`` (1-based) under ``prefix``."""
+        for k, v in values.items():
+            self._history.setdefault(f"{prefix}/{k}", []).append((step, float(v)))
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps({"step": step, "split": prefix, **values}) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in values.items():
+                self._tb.add_scalar(f"{prefix}/{k}", v, step)
+        self._console.print(self._line(step, values, prefix))
+
+    def _line(self, step: int, values: dict[str, float], prefix: str) -> str:
+        elapsed = time.perf_counter() - self._start
+        done = step / self.total_steps
+        width = 20
+        bar = "█" * round(width * done) + "·" * (width - round(width * done))
+        eta = elapsed / done * (1 - done) if done > 0 else math.nan
+        shown = "  ".join(f"{k} {_fmt(v)}" for k, v in values.items())
+        colour = "cyan" if prefix == "train" else "magenta"
+        return (
+            f"[{colour}]{prefix:>5}[/] step {step:>5}/{self.total_steps} {bar} "
+            f"{shown}  [dim]eta {eta:,.0f}s[/]"
+        )
+
+    def history(self, key: str) -> list[tuple[int, float]]:
+        """(step, value) pairs logged so far for ``key`` (e.g. ``"train/loss"``)."""
+        return list(self._history.get(key, []))
+
+    def close(self) -> None:
+        """Flush files and draw ``loss.png``."""
+        if not self.enabled:
+            return
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        self._plot_loss()
+
+    def _plot_loss(self) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key in ("train/loss", "validation/loss"):
+            points = self._history.get(key)
+            if points:
+                ax.plot(
+                    *zip(*points, strict=True), label=key, marker="." if len(points) < 30 else None
+                )
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(self.run_dir / "loss.png", dpi=120)
+        plt.close(fig)
+
+
+def _fmt(v: float) -> str:
+    if v == 0 or 1e-3 <= abs(v) < 1e5:
+        return f"{v:.4g}"
+    return f"{v:.3e}"
+
+
+def memory_bytes() -> dict[str, Any]:
+    """Current and peak device memory (CUDA) or the process's max RSS (CPU)."""
+    if torch.cuda.is_available():
+        return {"mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+    import resource
+
+    return {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}

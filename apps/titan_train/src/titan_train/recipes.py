@@ -1,0 +1,96 @@
+"""Named recipes: plain functions returning a ``JobConfig``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from titan_train.config import (
+    CheckpointConfig,
+    JobConfig,
+    LRScheduleConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    RematConfig,
+    TrainingConfig,
+)
+
+DEFAULT_RECIPE = "llama3_debug"
+_RECIPES: dict[str, Callable[[], JobConfig]] = {}
+
+
+def recipe(fn: Callable[[], JobConfig]) -> Callable[[], JobConfig]:
+    """Register ``fn`` under its own name."""
+    _RECIPES[fn.__name__] = fn
+    return fn
+
+
+def list_recipes() -> dict[str, str]:
+    """Recipe name -> first line of its docstring."""
+    return {n: (f.__doc__ or "").strip().splitlines()[0] for n, f in sorted(_RECIPES.items())}
+
+
+def get_recipe(name: str) -> JobConfig:
+    """A fresh config of recipe ``name``."""
+    if name not in _RECIPES:
+        raise ValueError(f"--recipe {name!r} is unknown; recipes: {', '.join(sorted(_RECIPES))}")
+    return _RECIPES[name]()
+
+
+@recipe
+def llama3_debug() -> JobConfig:
+    """Tiny Llama 3 on the built-in arithmetic corpus; trains on 2 CPU cores in minutes."""
+    return JobConfig(
+        name="llama3_debug",
+        model=ModelConfig(family="llama3", flavor="debug"),
+        optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.1),
+        lr_schedule=LRScheduleConfig(warmup_steps=20, decay="cosine", min_lr_ratio=0.1),
+        training=TrainingConfig(steps=200, batch_size=8, seq_len=128),
+    )
+
+
+@recipe
+def qwen3_debug() -> JobConfig:
+    """Tiny Qwen3 (QK-norm, tied head) on the built-in arithmetic corpus."""
+    cfg = llama3_debug()
+    cfg.name = "qwen3_debug"
+    cfg.model = ModelConfig(family="qwen3", flavor="debug")
+    return cfg
+
+
+def _full_size(name: str, family: str, flavor: str, parallel: ParallelConfig) -> JobConfig:
+    return JobConfig(
+        name=name,
+        model=ModelConfig(family=family, flavor=flavor),
+        parallel=parallel,
+        optimizer=OptimizerConfig(lr=3e-4, weight_decay=0.1),
+        lr_schedule=LRScheduleConfig(warmup_steps=2000, decay="cosine", min_lr_ratio=0.1),
+        training=TrainingConfig(
+            steps=100_000, batch_size=4, seq_len=8192, mixed_precision="bf16", grad_accum=1
+        ),
+        checkpoint=CheckpointConfig(interval=500, keep_last=3, async_mode="process"),
+        remat=RematConfig(policy="selective"),
+    )
+
+
+@recipe
+def llama3_8b() -> JobConfig:
+    """Llama 3.1 8B pre-training on 64 GPUs: FSDP 64 (one node of TP would also do)."""
+    return _full_size("llama3_8b", "llama3", "8B", ParallelConfig(dp_shard=64))
+
+
+@recipe
+def llama3_70b() -> JobConfig:
+    """Llama 3.1 70B on 256 GPUs: TP 8 within a node, PP 4 (interleaved), FSDP 8."""
+    return _full_size(
+        "llama3_70b",
+        "llama3",
+        "70B",
+        ParallelConfig(dp_shard=8, tp=8, pp=4, pp_schedule="interleaved_1f1b", pp_microbatches=16),
+    )
+
+
+@recipe
+def qwen3_32b() -> JobConfig:
+    """Qwen3 32B on 128 GPUs: TP 8, FSDP 16."""
+    return _full_size("qwen3_32b", "qwen3", "32B", ParallelConfig(dp_shard=16, tp=8))

@@ -1,0 +1,116 @@
+"""Built-in corpus, tokenizers, packing with document ids and exact loader resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from titan_train.data.arithmetic import arithmetic_problem
+from titan_train.data.packing import IGNORE_INDEX, PackedLoader
+from titan_train.data.sources import DocumentSource
+from titan_train.data.tokenizers import ByteTokenizer, build_tokenizer
+
+
+def _loader(split="train", rank=0, world_size=1, **kw) -> PackedLoader:
+    src = DocumentSource(kind="arithmetic", split=split, rank=rank, world_size=world_size, **kw)
+    return PackedLoader(src, ByteTokenizer(), seq_len=32, batch_size=4)
+
+
+def test_arithmetic_corpus_is_a_pure_function_of_seed_and_index():
+    p = arithmetic_problem(0, 7)
+    assert p == arithmetic_problem(0, 7) and p != arithmetic_problem(1, 7)
+    assert p.prompt.endswith("=") and str(eval(p.prompt[:-1])) == p.answer
+
+
+def test_byte_tokenizer_round_trips_text():
+    tok = ByteTokenizer()
+    assert tok.decode(tok.encode("12+30=42 é")) == "12+30=42 é"
+    assert max(tok.bos_id, tok.eos_id, tok.pad_id) < tok.vocab_size
+
+
+def test_packed_rows_mark_documents_and_never_predict_across_them():
+    batch = next(_loader())
+    assert batch.input_ids.shape == (4, 32)
+    ids, labels, docs = batch.input_ids, batch.labels, batch.document_ids
+    # Inside a document the label is the next input token.
+    same = docs[:, 1:] == docs[:, :-1]
+    assert torch.equal(labels[:, :-1][same], ids[:, 1:][same])
+    # A label is ignored exactly where the next token belongs to another document.
+    assert (labels[:, :-1][~same] == IGNORE_INDEX).all()
+    # Positions restart at every BOS.
+    assert (batch.positions[ids == ByteTokenizer.bos_id] == 0).all()
+
+
+def test_consecutive_rows_share_one_token_so_no_prediction_is_lost():
+    b = next(_loader())
+    # Row r's last label is row r+1's first input (or ignored at a document boundary).
+    last_labels, next_inputs = b.labels[:-1, -1], b.input_ids[1:, 0]
+    kept = last_labels != IGNORE_INDEX
+    assert torch.equal(last_labels[kept], next_inputs[kept])
+
+
+def test_resumed_loader_continues_bitwise():
+    full = _loader()
+    for _ in range(3):
+        next(full)
+    state = json.loads(json.dumps(full.state_dict()))  # must survive a non-pickle format
+    expected = [next(full) for _ in range(2)]
+    resumed = _loader()
+    resumed.load_state_dict(state)
+    for want in expected:
+        got = next(resumed)
+        assert torch.equal(got.input_ids, want.input_ids)
+        assert torch.equal(got.labels, want.labels)
+        assert torch.equal(got.document_ids, want.document_ids)
+
+
+def test_ranks_and_splits_see_disjoint_documents():
+    def docs(split, rank, world):
+        src = DocumentSource(kind="arithmetic", split=split, rank=rank, world_size=world)
+        return [d for _, d in zip(range(200), src.documents(), strict=False)]
+
+    r0, r1, val = docs("train", 0, 2), docs("train", 1, 2), docs("validation", 0, 1)
+    assert not set(r0) & set(r1) or len(set(r0)) < len(r0)  # disjoint up to repeated text
+    everything = DocumentSource(kind="arithmetic", split="train").documents()
+    assert [d for _, d in zip(range(400), everything, strict=False)][::2] == r0
+    assert [
+        d
+        for _, d in zip(
+            range(400), DocumentSource(kind="arithmetic", split="train").documents(), strict=False
+        )
+    ][1::2] == r1
+    assert len(val) == 200
+    # Held-out documents are every 100th of the corpus.
+    assert val[1] == arithmetic_problem(0, 100).text
+
+
+def test_local_jsonl_files_through_datasets(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"body": f"doc {i}"}) + "\n" for i in range(10)))
+    src = DocumentSource(
+        kind="files", split="train", paths=(str(path),), text_field="body", validation_fraction=0
+    )
+    assert [d for _, d in zip(range(3), src.documents(), strict=False)] == [
+        "doc 0",
+        "doc 1",
+        "doc 2",
+    ]
+    batch = next(PackedLoader(src, ByteTokenizer(), seq_len=16, batch_size=8))  # needs 2 epochs
+    assert batch.input_ids.shape == (8, 16)
+
+
+def test_bad_data_inputs_name_the_field(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        DocumentSource(kind="files", split="train", paths=(str(tmp_path / "nope.jsonl"),))
+    bad = tmp_path / "x.csv"
+    bad.write_text("a\n")
+    with pytest.raises(ValueError, match="suffix '.csv'"):
+        DocumentSource(kind="files", split="train", paths=(str(bad),))
+    good = tmp_path / "x.jsonl"
+    good.write_text(json.dumps({"text": "hi"}) + "\n")
+    with pytest.raises(ValueError, match="data.text_field='body'"):
+        DocumentSource(kind="files", split="train", paths=(str(good),), text_field="body")
+    with pytest.raises(ValueError, match="no such tokenizer.json"):
+        build_tokenizer(str(tmp_path / "tokenizer.json"))

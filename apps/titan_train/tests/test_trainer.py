@@ -1,0 +1,86 @@
+"""End-to-end training on one process: loss falls, outputs exist, exact resume, HF export."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from titan_train.cli import main, parse_config
+from titan_train.trainer import train
+
+
+def _cfg(tmp_path, *extra: str):
+    return parse_config(
+        [
+            "--output-dir", str(tmp_path), "--name", "t",
+            "--training.steps", "20", "--training.batch-size", "4", "--training.seq-len", "64",
+            "--lr-schedule.warmup-steps", "2", "--metrics.log-every", "5",
+            "--metrics.validate-every", "10", "--metrics.validation-batches", "1",
+            "--metrics.peak-flops", "1e11",
+            *extra,
+        ]
+    )  # fmt: skip
+
+
+def test_debug_model_learns_and_writes_its_run_folder(tmp_path):
+    out = train(_cfg(tmp_path, "--training.grad-accum", "2"))
+    losses = out["losses"]
+    assert len(losses) == 20
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:3]) / 3, losses
+    run = tmp_path / "t"
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["split"] == "train"] == [5, 10, 15, 20]
+    assert {"loss", "grad_norm", "lr", "tokens_per_s", "mfu"} <= set(lines[0])
+    assert any(x["split"] == "validation" for x in lines)
+    assert (run / "loss.png").stat().st_size > 0
+    assert any(f.name.startswith("events.out.tfevents") for f in (run / "tensorboard").iterdir())
+    assert json.loads((run / "config.json").read_text())["training"]["steps"] == 20
+
+
+def test_grad_accumulation_gives_the_same_step_as_one_big_batch(tmp_path):
+    one = train(_cfg(tmp_path / "a", "--training.steps", "3"))["losses"]
+    two = train(_cfg(tmp_path / "b", "--training.steps", "3", "--training.grad-accum", "4"))
+    assert torch.allclose(torch.tensor(one), torch.tensor(two["losses"]), rtol=0, atol=1e-5)
+
+
+def test_resume_after_a_stop_continues_bitwise(tmp_path):
+    ckpt = ["--checkpoint.interval", "5", "--checkpoint.async-mode", "thread"]
+    full = train(_cfg(tmp_path / "full", *ckpt))["losses"]
+    first = train(_cfg(tmp_path / "resumed", *ckpt), stop_after=12)
+    assert first["losses"] == full[:12]
+    # A new process would start here: everything comes back from the step-10 checkpoint.
+    rest = train(_cfg(tmp_path / "resumed", *ckpt))
+    assert rest["losses"] == full[10:], "steps 11-20 after resuming from step 10"
+
+
+def test_hf_export_loads_in_transformers_with_the_same_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out = train(_cfg(tmp_path, "--training.steps", "3", "--checkpoint.export-hf"))
+    hf_dir = out["run_dir"] / "hf"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    tokens = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        ours = out["model"](tokens)
+        theirs = hf(tokens).logits
+    assert (ours - theirs).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--parallel.tp", "2"], "must equal the world size 1"),
+        (["--data.tokenizer", "/nonexistent/tokenizer.json"], "no such tokenizer.json"),
+        (["--model.flavor", "huge"], "unknown flavor 'huge'"),
+        (["--data.source", "files", "--data.paths", "/nonexistent.jsonl"], "does not exist"),
+    ],
+)
+def test_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, argv, message):
+    rc = main(["--output-dir", str(tmp_path), "--training.steps", "1", *argv])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []
