@@ -1,0 +1,185 @@
+"""Step time of titan_pipeline vs torch.distributed.pipelining, and measured vs simulated bubble.
+
+Same model (an MLP cut into stages), same microbatches, same gloo group; steps of the two
+runtimes alternate so that machine noise hits both. Also checks that both produce the same
+gradients. Run::
+
+    uv run python libs/pipeline/benchmarks/bench_vs_torch.py [--ranks 2 4] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import pipelining as tpp
+
+import titan_pipeline as tp
+from titan_testing import run_distributed
+
+# ours name -> (torch schedule class or None, stages per rank)
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", 1),
+    "1f1b": ("Schedule1F1B", 1),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2),
+    "zb_h1": (None, 1),
+    "zbv": ("ScheduleZBVZeroBubble", 2),
+    "dualpipev": ("ScheduleDualPipeV", 2),
+}
+
+
+def _units(num_units: int, dim: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(dim, dim), nn.GELU()) for _ in range(num_units)]
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, target)
+
+
+def _bench(names: list[str], steps: int, dim: int, batch: int, num_mb: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(batch, dim, generator=g), torch.randn(batch, dim, generator=g)
+    mbs, tgts = tp.split_microbatches(x, num_mb), tp.split_microbatches(y, num_mb)
+    out = {}
+    for name in names:
+        torch_cls, v = SCHEDULES[name]
+        schedule = tp.build_schedule(
+            name, num_ranks=world, num_microbatches=num_mb, stages_per_rank=v
+        )
+        num_units = 2 * schedule.num_stages
+        ours_units = _units(num_units, dim)
+        ours = tp.build_stages(ours_units, schedule, rank)
+        theirs_step = None
+        if torch_cls is not None:
+            theirs_units = _units(num_units, dim)
+            modules = tp.split_units(theirs_units, schedule.num_stages)
+            stages = [
+                tpp.PipelineStage(
+                    modules[s],
+                    s,
+                    schedule.num_stages,
+                    torch.device("cpu"),
+                    input_args=(torch.empty(batch // num_mb, dim),),
+                )
+                for s in schedule.stages_of_rank(rank)
+            ]
+            cls = getattr(tpp, torch_cls)
+            torch_schedule = cls(stages if v > 1 else stages[0], num_mb, loss_fn=_loss)
+            first, last = (
+                0 in schedule.stages_of_rank(rank),
+                (schedule.num_stages - 1 in schedule.stages_of_rank(rank)),
+            )
+
+            def theirs_step(first=first, last=last, torch_schedule=torch_schedule):
+                args = (x,) if first else ()
+                kwargs = {"target": y, "losses": []} if last else {}
+                torch_schedule.step(*args, **kwargs)
+
+        def ours_step(schedule=schedule, ours=ours, recorder=None):
+            tp.run(schedule, ours, mbs, tgts, _loss, recorder=recorder)
+
+        def timed(fn, params):
+            for p in params:
+                p.grad = None
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            dist.barrier()
+            return time.perf_counter() - t0
+
+        ours_params = [p for u in ours_units for p in u.parameters()]
+        ours_t, theirs_t = [], []
+        for i in range(steps + 2):  # two warm-up steps
+            a = timed(ours_step, ours_params)
+            b = (
+                timed(theirs_step, [p for u in theirs_units for p in u.parameters()])
+                if theirs_step
+                else 0.0
+            )
+            if i >= 2:
+                ours_t.append(a)
+                theirs_t.append(b)
+        grad_diff = 0.0
+        if theirs_step:
+            for p, q in zip(
+                [p for u in ours_units for p in u.parameters()],
+                [p for u in theirs_units for p in u.parameters()],
+                strict=True,
+            ):
+                if p.grad is not None or q.grad is not None:
+                    grad_diff = max(grad_diff, (p.grad - q.grad).abs().max().item())
+        recorder = tp.TimelineRecorder()
+        ours_step(recorder=recorder)
+        measured = recorder.gather()
+        simulated = tp.simulate(schedule, tp.Costs.from_timeline(measured, schedule.num_stages))
+        cmp = tp.compare(simulated, measured)
+        diff = torch.tensor([grad_diff])
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        out[name] = {
+            "ours": statistics.median(ours_t),
+            "torch": statistics.median(theirs_t) if theirs_step else None,
+            "grad_diff": diff.item(),
+            "sim_bubble": cmp.simulated,
+            "meas_bubble": cmp.measured,
+            "unit_bubble": tp.simulate(schedule).bubble_ratio,
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
+    args = parser.parse_args()
+    print(
+        f"MLP of Linear({args.dim},{args.dim})+GELU units, 2 units per stage, batch "
+        f"{args.batch}, {args.microbatches} microbatches, gloo on CPU, fp32; median of "
+        f"{args.steps} steps after 2 warm-up steps"
+    )
+    print(
+        "| ranks | schedule | titan_pipeline ms | torch.pipelining ms | ratio | max grad diff "
+        "| bubble unit-cost sim | bubble sim (measured costs) | bubble measured | diff pp |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    # The ranks load this file by module name; under "__main__" they would rerun main().
+    spec = importlib.util.spec_from_file_location("bench_vs_torch", __file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for world in args.ranks:
+        res = run_distributed(
+            module._bench,
+            world,
+            args.schedules,
+            args.steps,
+            args.dim,
+            args.batch,
+            args.microbatches,
+            timeout=1800,
+            num_threads=1,
+        )[0]
+        for name, r in res.items():
+            theirs = f"{1e3 * r['torch']:.1f}" if r["torch"] else "n/a"
+            ratio = f"{r['ours'] / r['torch']:.2f}" if r["torch"] else "n/a"
+            diff = f"{r['grad_diff']:.1e}" if r["torch"] else "n/a"
+            print(
+                f"| {world} | {name} | {1e3 * r['ours']:.1f} | {theirs} | {ratio} | {diff} "
+                f"| {100 * r['unit_bubble']:.1f}% | {100 * r['sim_bubble']:.1f}% "
+                f"| {100 * r['meas_bubble']:.1f}% "
+                f"| {100 * (r['meas_bubble'] - r['sim_bubble']):+.1f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
