@@ -29,7 +29,8 @@ def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The dense tensors holding ``t``'s memory (a DTensor's local shard, a subclass's parts)."""
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
-        return [p for n in names for p in _plain_tensors(getattr(t, n))]
+        inner = [getattr(t, n) for n in names]
+        return [p for x in inner if isinstance(x, torch.Tensor) for p in _plain_tensors(x)]
     return [t]
 
 
