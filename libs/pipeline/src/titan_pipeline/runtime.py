@@ -422,6 +422,21 @@ def _check_microbatches(
             )
 
 
+_MAX_DIMS = 8
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+
+
 def _stage_output_meta(
     schedule: Schedule,
     local: dict[int, PipelineStage],
@@ -432,24 +447,37 @@ def _stage_output_meta(
 ) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Shape and dtype of every stage's output, the same on every rank.
 
-    One small all-gather per run shares each rank's input problems (so every rank raises the
-    same ``ValueError`` instead of some waiting forever) and the microbatch shape. The first
+    One small all-reduce per run shares whether any rank found a problem in its inputs (so
+    every rank raises the same ``ValueError`` instead of some waiting forever) and the
+    microbatch shape. The first
     time a shape is seen, each stage in turn runs its module on meta tensors and its owner
     broadcasts the result, or the error that says the stages do not fit.
     """
     distributed = dist.is_initialized() and schedule.num_ranks > 1
     first = schedule.stage_to_rank[0]
-    mine = (problem, None)
-    if rank == first and problem is None:
-        mine = (None, (tuple(microbatches[0].shape), microbatches[0].dtype))
-    every = [mine]
+    # [problem?, ndim, dtype code, shape...]: summed over ranks, only the first stage's
+    # rank fills the shape. One tiny all-reduce per run; messages travel only on failure.
+    code = torch.zeros(3 + _MAX_DIMS, dtype=torch.int64)
+    if problem is None and rank == first:
+        mb = microbatches[0]
+        if mb.dim() > _MAX_DIMS or mb.dtype not in _DTYPES:
+            problem = (
+                f"rank {rank}: microbatches must have at most {_MAX_DIMS} dims and a dtype in "
+                f"{list(_DTYPES)}, got shape {list(mb.shape)} dtype {mb.dtype}"
+            )
+        else:
+            code[1], code[2] = mb.dim(), _DTYPES.index(mb.dtype)
+            code[3 : 3 + mb.dim()] = torch.tensor(mb.shape)
+    code[0] = problem is not None
     if distributed:
-        every = [None] * schedule.num_ranks
-        dist.all_gather_object(every, mine, group=group)
-    problems = [p for p, _ in every if p is not None]
-    if problems:
-        raise ValueError("; ".join(problems))
-    key = every[first][1]
+        dist.all_reduce(code, group=group)
+    if code[0]:
+        problems = [problem]
+        if distributed:
+            problems = [None] * schedule.num_ranks
+            dist.all_gather_object(problems, problem, group=group)
+        raise ValueError("; ".join(p for p in problems if p is not None))
+    key = (tuple(code[3 : 3 + int(code[1])].tolist()), _DTYPES[int(code[2])])
 
     def share(obj: object, owner_rank: int) -> object:
         if not distributed:
