@@ -73,3 +73,26 @@ def test_recipe_returns_a_fresh_config_each_time():
     a = get_recipe("llama3_debug")
     a.optimizer.lr = 123.0
     assert get_recipe("llama3_debug").optimizer.lr != 123.0
+
+
+def test_dry_run_of_llama3_70b_prints_per_rank_memory_without_allocating(capsys):
+    from titan_train.memory_plan import dry_run
+
+    cfg = parse_config([], "llama3_70b")
+    table = dry_run(cfg)
+    out = capsys.readouterr().out
+    assert "70.55 B parameters on 256 ranks" in out
+    assert len(table) == cfg.parallel.pp
+    # 70.55e9 params / (tp 8 * pp 4 * dp 8) per rank ≈ 0.276e9 elements, 4 bytes each.
+    per_rank = sum(m.params for m in table) / len(table) / 4
+    assert abs(per_rank - 70.55e9 / 256) / (70.55e9 / 256) < 0.05
+
+
+def test_dry_run_rejects_a_tp_degree_that_does_not_divide_the_heads(capsys):
+    assert (
+        main(
+            ["--dry-run", "--recipe", "llama3_8b", "--parallel.tp", "3", "--parallel.dp-shard", "1"]
+        )
+        == 2
+    )
+    assert "parallel.tp=3 must divide num_heads=32" in capsys.readouterr().err

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -200,7 +201,7 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     """
     try:  # everything that can reject the config runs before anything is written
         validate(cfg)
-        check_supported(cfg, world_size=1)
+        check_supported(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         tokenizer = build_tokenizer(cfg.data.tokenizer)
         loader, val_src = _loaders(cfg, tokenizer)
         torch.manual_seed(cfg.training.seed)
