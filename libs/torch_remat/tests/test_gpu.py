@@ -26,7 +26,6 @@ def test_offload_on_cuda_keeps_no_activation_on_the_device(make_stack):
     assert off.offloaded_bytes >= plain.saved_bytes
     # What stays on the device between forward and backward is the output, not activations.
     assert held < 0.05 * plain.saved_bytes
-    assert off.peak_bytes < plain.peak_bytes
 
 
 @requires_gpus(1)
