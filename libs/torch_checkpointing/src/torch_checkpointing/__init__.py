@@ -1,5 +1,73 @@
-"""Async distributed checkpoints with one metadata exchange, atomic commits, resharding, HF export."""
+"""Async distributed checkpoints with one metadata exchange, atomic commits, resharding, HF export.
+
+``import torch_checkpointing`` is cheap: names load on first use, and the background writer
+process imports only the torch-free modules (storage, format, writer).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+_EXPORTS = {
+    "CheckpointManager": "manager",
+    "SaveHandle": "manager",
+    "ASYNC_MODES": "manager",
+    "PerRank": "_tree",
+    "Storage": "storage",
+    "FileSystemStorage": "storage",
+    "FsspecStorage": "storage",
+    "save_hf": "hf",
+    "load_hf": "hf",
+    "CheckpointError": "_errors",
+    "CheckpointNotFoundError": "_errors",
+    "CheckpointWriteError": "_errors",
+    "CorruptCheckpointError": "_errors",
+    "StateMismatchError": "_errors",
+}
+
+__all__ = [
+    "ASYNC_MODES",
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "CheckpointWriteError",
+    "CorruptCheckpointError",
+    "FileSystemStorage",
+    "FsspecStorage",
+    "PerRank",
+    "SaveHandle",
+    "StateMismatchError",
+    "Storage",
+    "__version__",
+    "load_hf",
+    "save_hf",
+]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._errors import (
+        CheckpointError,
+        CheckpointNotFoundError,
+        CheckpointWriteError,
+        CorruptCheckpointError,
+        StateMismatchError,
+    )
+    from ._tree import PerRank
+    from .hf import load_hf, save_hf
+    from .manager import ASYNC_MODES, CheckpointManager, SaveHandle
+    from .storage import FileSystemStorage, FsspecStorage, Storage
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torch_checkpointing' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

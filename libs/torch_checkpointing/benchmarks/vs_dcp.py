@@ -1,0 +1,277 @@
+"""torch_checkpointing vs torch.distributed.checkpoint (DCP), same state, same run.
+
+Each rank holds ``--gib`` GiB of model + AdamW state as Shard(0) DTensors (params, exp_avg,
+exp_avg_sq in equal thirds, plus the step counters). Per repetition, interleaved:
+
+* blocking: how long ``save()`` blocks the trainer in async mode, vs ``dcp.async_save``;
+* write: ``save()`` until ``handle.wait()`` returns (the files, marker and manifest are on
+  disk, fsynced), vs ``dcp.save`` (its FileSystemWriter also fsyncs);
+* load: ``manager.load(state)`` (every block's CRC32 verified; and again with
+  ``verify=False``, since DCP verifies nothing), vs ``dcp.load(state)``; both in place,
+  both cold: every checkpoint file is dropped from the page cache first (``posix_fadvise``),
+  as when a job restarts on fresh nodes.
+
+A first untimed round warms both up (our metadata exchange + staging buffers + writer
+process; DCP's planner caches and executor). Times are the max over ranks of each
+repetition, then the median over repetitions.
+
+    python benchmarks/vs_dcp.py --gib 1 --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _meminfo_available_gib() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return float("inf")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_state(gib: float, mesh, n_tensors: int = 24, cols: int = 4096) -> dict:
+    """Local bytes ~= gib GiB per rank: params + exp_avg + exp_avg_sq, fp32, Shard(0)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    world = mesh.size()
+    local_elems = int(gib * 2**30 / 4 / 3)
+    rows = max(1, local_elems // (n_tensors * cols))
+    g = torch.Generator().manual_seed(dist.get_rank())
+
+    def dt(scale: float):
+        local = torch.randn(rows, cols, generator=g) * scale
+        return DTensor.from_local(
+            local,
+            mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=(rows * world, cols),
+            stride=(cols, 1),
+        )
+
+    model = {f"layers.{i}.weight": dt(0.02) for i in range(n_tensors)}
+    optim = {
+        "state": {
+            f"layers.{i}.weight": {
+                "step": torch.tensor(10.0),
+                "exp_avg": dt(1e-3),
+                "exp_avg_sq": dt(1e-6),
+            }
+            for i in range(n_tensors)
+        },
+        "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.1}],
+    }
+    return {"model": model, "optim": optim}
+
+
+def local_bytes(state: dict) -> int:
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+
+    def walk(x):
+        nonlocal total
+        if isinstance(x, DTensor):
+            t = x.to_local()
+            total += t.numel() * t.element_size()
+        elif isinstance(x, torch.Tensor):
+            total += x.numel() * x.element_size()
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+
+    walk(state)
+    return total
+
+
+def _max(t: float) -> float:
+    x = torch.tensor([t], dtype=torch.float64)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return float(x.item())
+
+
+def _evict(path: str) -> None:
+    """Drop ``path``'s files from the page cache (both libraries load cold, as after a restart)."""
+    for dirpath, _, names in os.walk(path):
+        for n in names:
+            fd = os.open(os.path.join(dirpath, n), os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _rmtree(path: str) -> None:
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torch_checkpointing import CheckpointManager
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = build_state(args.gib, mesh)
+    nbytes = local_bytes(state)
+    base = args.dir
+    ours_root = os.path.join(base, "ours")
+    mgr = CheckpointManager(ours_root, async_mode=args.mode, keep_last=1)
+    res: dict[str, list[float]] = {k: [] for k in (
+        "ours_block", "ours_write", "ours_load", "ours_load_noverify", "dcp_async_block", "dcp_async_total",
+        "dcp_save", "dcp_load", "ours_first_block", "dcp_first_async_block")}  # fmt: skip
+
+    def ours_save(step: int) -> tuple[float, float]:
+        dist.barrier()
+        t0 = time.perf_counter()
+        h = mgr.save(step, state)
+        t1 = time.perf_counter()
+        h.wait()
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t0
+
+    def dcp_async(step: int) -> tuple[float, float]:
+        path = os.path.join(base, f"dcp_async_{step}")
+        dist.barrier()
+        t0 = time.perf_counter()
+        fut = dcp.async_save(state, checkpoint_id=path)
+        t1 = time.perf_counter()
+        fut.result()
+        t2 = time.perf_counter()
+        _rmtree(path)
+        return t1 - t0, t2 - t0
+
+    # Warm-up round (not in the medians, reported as "first").
+    b, _ = ours_save(0)
+    res["ours_first_block"].append(_max(b))
+    b, _ = dcp_async(0)
+    res["dcp_first_async_block"].append(_max(b))
+    for rep in range(1, args.reps + 1):
+        b, w = ours_save(rep)
+        res["ours_block"].append(_max(b))
+        res["ours_write"].append(_max(w))
+        b, w = dcp_async(rep)
+        res["dcp_async_block"].append(_max(b))
+        res["dcp_async_total"].append(_max(w))
+        path = os.path.join(base, f"dcp_sync_{rep}")
+        dist.barrier()
+        t0 = time.perf_counter()
+        dcp.save(state, checkpoint_id=path)
+        res["dcp_save"].append(_max(time.perf_counter() - t0))
+        _evict(ours_root)
+        _evict(path)
+        dist.barrier()
+        t0 = time.perf_counter()
+        mgr.load(state)
+        res["ours_load"].append(_max(time.perf_counter() - t0))
+        _evict(ours_root)
+        dist.barrier()
+        t0 = time.perf_counter()
+        mgr.load(state, verify=False)
+        res["ours_load_noverify"].append(_max(time.perf_counter() - t0))
+        dist.barrier()
+        t0 = time.perf_counter()
+        dcp.load(state, checkpoint_id=path)
+        res["dcp_load"].append(_max(time.perf_counter() - t0))
+        _rmtree(path)
+    mgr.close()
+    if rank == 0:
+        out_q.put({"res": res, "bytes": nbytes})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--gib", type=float, default=1.0, help="model+optimizer GiB per rank")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--mode", default="process", choices=["process", "thread"])
+    ap.add_argument("--dir", default=None, help="local-disk folder for the checkpoints")
+    args = ap.parse_args()
+    if args.reps < 3:
+        ap.error("--reps must be >= 3 (medians of at least 3)")
+    need = args.ranks * args.gib * 3.2 + 1
+    avail = _meminfo_available_gib()
+    if avail < need:
+        sys.exit(
+            f"need about {need:.1f} GiB of free memory, {avail:.1f} GiB available; lower --gib"
+        )
+    base = tempfile.mkdtemp(prefix="tcp_vs_dcp_", dir=args.dir)
+    args.dir = base
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    try:
+        procs = [ctx.Process(target=worker, args=(r, args.ranks, port, args, q))
+                 for r in range(args.ranks)]  # fmt: skip
+        for p in procs:
+            p.start()
+        out = q.get()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            sys.exit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    res = {k: statistics.median(v) for k, v in out["res"].items()}
+    gib = out["bytes"] / 2**30
+    print(
+        f"\n{args.ranks} ranks (gloo), {gib:.2f} GiB of model+optimizer state per rank, "
+        f"median of {args.reps} reps, our async_mode={args.mode!r}, torch {torch.__version__}\n"
+    )
+    rows = [
+        ("trainer blocking, async save", "ours_block", "dcp.async_save", "dcp_async_block", 0.2),
+        ("total write (until durable)", "ours_write", "dcp.save", "dcp_save", 0.7),
+        ("load (in place, cold cache)", "ours_load", "dcp.load", "dcp_load", 0.7),
+        ("load, CRC checks off (DCP has none)", "ours_load_noverify", "dcp.load", "dcp_load", 0.7),
+    ]
+    print("| metric | torch_checkpointing | DCP | DCP call | ratio | goal |")
+    print("|---|---:|---:|---|---:|---:|")
+    for name, ours, dname, theirs, goal in rows:
+        r = res[ours] / res[theirs]
+        print(
+            f"| {name} | {res[ours]:.3f} s | {res[theirs]:.3f} s | `{dname}` | {r:.2f}x "
+            f"| <= {goal}x |"
+        )
+    print(
+        f"\nfirst save (warm-up) blocking: ours {res['ours_first_block']:.3f} s, "
+        f"dcp.async_save {res['dcp_first_async_block']:.3f} s; dcp.async_save until done: "
+        f"{res['dcp_async_total']:.3f} s"
+    )
+    print("raw (max over ranks, per rep):")
+    for k, v in out["res"].items():
+        print(f"  {k}: {[round(x, 3) for x in v]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,408 @@
+"""Where checkpoint bytes live: the ``Storage`` protocol and two backends.
+
+Paths are relative, ``/``-separated names under the storage's root (``"step-.../model-00000
+.safetensors"``). A backend must support:
+
+=========================================  ====================================================
+``write(path, chunks)``                    create or replace ``path`` with the concatenation of
+                                           ``chunks`` (bytes-like objects), creating parent
+                                           folders; durable when it returns if the backend
+                                           offers durability
+``read(path, offset=0, length=None)``      bytes ``[offset, offset + length)`` of ``path``
+``read_into(path, offset, buffer)``        fill the writable ``buffer`` from ``offset``
+``size(path)``                             size in bytes; ``FileNotFoundError`` when missing
+``list(path)``                             names directly inside the folder ``path`` (``""`` is
+                                           the root); ``[]`` when it does not exist
+``exists(path)``                           whether a file or folder ``path`` exists
+``delete(path)``                           remove a file or a whole folder; missing is fine
+``rename(src, dst)``                       move ``src`` to ``dst``, replacing ``dst`` (atomic
+                                           where the backend allows it)
+=========================================  ====================================================
+
+``process_safe`` tells whether a pickled copy used in another process sees the same files
+(false for in-memory filesystems); ``async_mode="process"`` needs it. Nothing here imports
+torch, so the background writer process stays light.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+import posixpath
+import shutil
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
+
+from ._errors import CheckpointError
+
+__all__ = ["FileSystemStorage", "FsspecStorage", "PrefixedStorage", "Storage"]
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """The operations a checkpoint backend provides (see the module docstring)."""
+
+    process_safe: bool
+
+    def write(self, path: str, chunks: Iterable[Any]) -> None: ...
+
+    def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes: ...
+
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> None: ...
+
+    def size(self, path: str) -> int: ...
+
+    def list(self, path: str) -> list[str]: ...
+
+    def exists(self, path: str) -> bool: ...
+
+    def delete(self, path: str) -> None: ...
+
+    def rename(self, src: str, dst: str) -> None: ...
+
+
+def _check_relative(path: str) -> str:
+    if not isinstance(path, str):
+        raise TypeError(f"storage path must be a str, got {type(path).__name__}")
+    norm = posixpath.normpath(path) if path else ""
+    if norm in (".", ""):
+        return ""
+    if norm.startswith("/") or norm == ".." or norm.startswith("../"):
+        raise ValueError(f"storage path {path!r} must stay inside the storage root")
+    return norm
+
+
+class FileSystemStorage:
+    """Files under a local (or mounted) folder.
+
+    ``create=True`` makes the folder when missing. ``fsync=True`` (default) flushes each
+    written file and the folder entries of renames to disk, so a completed checkpoint survives
+    a power loss, not just a process crash. ``direct_io=True`` (default) writes the
+    page-aligned parts of large buffers with ``O_DIRECT`` where the filesystem supports it:
+    checkpoint data bypasses the page cache (it is written once and read rarely), which is
+    both faster and kinder to the training job's memory. Everything else is ordinary I/O.
+    """
+
+    process_safe = True
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        fsync: bool = True,
+        create: bool = True,
+        direct_io: bool = True,
+    ) -> None:
+        if not isinstance(root, str | os.PathLike):
+            raise TypeError(
+                f"FileSystemStorage: root must be a str or os.PathLike, got {type(root).__name__}"
+            )
+        self.root = os.path.abspath(os.fspath(root))
+        self.fsync = bool(fsync)
+        self.direct_io = bool(direct_io) and _O_DIRECT != 0
+        if not create and not os.path.isdir(self.root):
+            raise FileNotFoundError(f"checkpoint folder {self.root!r} does not exist")
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(
+                f"checkpoint root {self.root!r} does not exist and cannot be created: {e}"
+            ) from e
+        if not os.path.isdir(self.root):
+            raise CheckpointError(f"checkpoint root {self.root!r} is not a folder")
+
+    def __repr__(self) -> str:
+        return f"FileSystemStorage({self.root!r}, fsync={self.fsync})"
+
+    def full_path(self, path: str) -> str:
+        rel = _check_relative(path)
+        return os.path.join(self.root, rel) if rel else self.root
+
+    def write(self, path: str, chunks: Iterable[Any]) -> None:
+        full = self.full_path(path)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        direct = False
+        pos = 0
+        try:
+            for chunk in chunks:
+                mv = memoryview(chunk).cast("B")
+                if (
+                    self.direct_io
+                    and pos % _ALIGN == 0
+                    and mv.nbytes >= _ALIGN
+                    and _address(mv) % _ALIGN == 0
+                ):
+                    if not direct:
+                        direct = self._set_direct(fd, True)
+                    if direct:
+                        n = mv.nbytes - mv.nbytes % _ALIGN
+                        try:
+                            _write_all(fd, mv[:n])
+                            pos += n
+                            mv = mv[n:]
+                        except OSError as e:
+                            if e.errno != errno.EINVAL:
+                                raise
+                            # Accepted O_DIRECT but cannot do it: plain writes from here on.
+                            # A failed O_DIRECT write writes nothing, so pos is still right.
+                            self.direct_io = False
+                            direct = not self._set_direct(fd, False)
+                            os.lseek(fd, pos, os.SEEK_SET)
+                if mv.nbytes:
+                    if direct:
+                        direct = not self._set_direct(fd, False)
+                    _write_all(fd, mv)
+                    pos += mv.nbytes
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _set_direct(self, fd: int, on: bool) -> bool:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, (flags | _O_DIRECT) if on else (flags & ~_O_DIRECT))
+        except OSError:
+            if on:
+                self.direct_io = False  # this filesystem (tmpfs, ...) has no O_DIRECT
+                return False
+            raise
+        return True
+
+    def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        full = self.full_path(path)
+        with open(full, "rb") as f:
+            f.seek(offset)
+            data = f.read() if length is None else f.read(length)
+        if length is not None and len(data) != length:
+            raise EOFError(
+                f"{full}: wanted {length} bytes at offset {offset}, the file ends after {len(data)}"
+            )
+        return data
+
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
+        full = self.full_path(path)
+        mv = memoryview(buffer).cast("B")
+        want = mv.nbytes
+        fd = os.open(full, os.O_RDONLY)
+        try:
+            done = 0
+            while done < want:
+                n = os.preadv(fd, [mv[done:]], offset + done)
+                if n == 0:
+                    raise EOFError(
+                        f"{full}: wanted {want} bytes at offset {offset}, the file ends after "
+                        f"{done}"
+                    )
+                done += n
+        finally:
+            os.close(fd)
+
+    def size(self, path: str) -> int:
+        return os.stat(self.full_path(path)).st_size
+
+    def list(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self.full_path(path)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(self.full_path(path))
+
+    def delete(self, path: str) -> None:
+        full = self.full_path(path)
+        if full == self.root:
+            raise ValueError("FileSystemStorage.delete: refusing to delete the storage root")
+        if os.path.isdir(full) and not os.path.islink(full):
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(full)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(full)
+
+    def rename(self, src: str, dst: str) -> None:
+        full_dst = self.full_path(dst)
+        os.replace(self.full_path(src), full_dst)
+        if self.fsync:
+            _fsync_dir(os.path.dirname(full_dst))
+
+
+_ALIGN = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _address(mv: memoryview) -> int:
+    """Address of a buffer's first byte (1, i.e. unaligned, when it is read-only)."""
+    if mv.readonly or mv.nbytes == 0:
+        return 1
+    ref = ctypes.c_char.from_buffer(mv)
+    try:
+        return ctypes.addressof(ref)
+    finally:
+        del ref
+
+
+def _write_all(fd: int, mv: memoryview) -> None:
+    while mv.nbytes:
+        n = os.write(fd, mv)
+        mv = mv[n:]
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some filesystems cannot fsync a folder; the data files are synced
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+class FsspecStorage:
+    """Any fsspec filesystem (``pip install titan-checkpointing[fsspec]``).
+
+    ``FsspecStorage("memory://ckpt")``, ``FsspecStorage("file:///data/ckpt")``, or
+    ``FsspecStorage(fs=my_fs, root="bucket/ckpt")``. Renames use the filesystem's ``mv``
+    (a copy and a delete on object stores, where the manifest and done-markers, written last,
+    still make a checkpoint complete only once everything is in place).
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        fs: Any = None,
+        root: str | None = None,
+        **storage_options: Any,
+    ) -> None:
+        try:
+            import fsspec
+        except ImportError as e:  # pragma: no cover - fsspec is installed in dev
+            raise ImportError(
+                "FsspecStorage needs fsspec: pip install 'titan-checkpointing[fsspec]'"
+            ) from e
+        if (url is None) == (fs is None):
+            raise ValueError("FsspecStorage: pass exactly one of url=... or fs=... (with root=)")
+        if fs is None:
+            if not isinstance(url, str):
+                raise TypeError(f"FsspecStorage: url must be a str, got {type(url).__name__}")
+            fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        elif root is None:
+            raise ValueError("FsspecStorage: fs=... needs root=... (a folder on that filesystem)")
+        self.fs = fs
+        self.root = str(root).rstrip("/") or "/"
+        protocols = fs.protocol if isinstance(fs.protocol, tuple | list) else (fs.protocol,)
+        self.process_safe = "memory" not in protocols
+        self.fs.makedirs(self.root, exist_ok=True)
+
+    def __repr__(self) -> str:
+        return f"FsspecStorage(fs={type(self.fs).__name__}, root={self.root!r})"
+
+    def _full(self, path: str) -> str:
+        rel = _check_relative(path)
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def write(self, path: str, chunks: Iterable[Any]) -> None:
+        full = self._full(path)
+        self.fs.makedirs(posixpath.dirname(full), exist_ok=True)
+        with self.fs.open(full, "wb") as f:
+            for chunk in chunks:
+                f.write(memoryview(chunk).cast("B"))
+
+    def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        full = self._full(path)
+        end = None if length is None else offset + length
+        data = self.fs.cat_file(full, start=offset, end=end)
+        if length is not None and len(data) != length:
+            raise EOFError(
+                f"{full}: wanted {length} bytes at offset {offset}, the file ends after {len(data)}"
+            )
+        return bytes(data)
+
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
+        mv = memoryview(buffer).cast("B")
+        mv[:] = self.read(path, offset, mv.nbytes)
+
+    def size(self, path: str) -> int:
+        full = self._full(path)
+        if not self.fs.isfile(full):
+            raise FileNotFoundError(full)
+        return int(self.fs.size(full))
+
+    def list(self, path: str) -> list[str]:
+        full = self._full(path)
+        try:
+            if not self.fs.isdir(full):
+                return []
+            names = self.fs.ls(full, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(posixpath.basename(str(n).rstrip("/")) for n in names)
+
+    def exists(self, path: str) -> bool:
+        return bool(self.fs.exists(self._full(path)))
+
+    def delete(self, path: str) -> None:
+        full = self._full(path)
+        if _check_relative(path) == "":
+            raise ValueError("FsspecStorage.delete: refusing to delete the storage root")
+        with contextlib.suppress(FileNotFoundError):
+            if self.fs.exists(full):
+                self.fs.rm(full, recursive=True)
+
+    def rename(self, src: str, dst: str) -> None:
+        full_dst = self._full(dst)
+        if self.fs.exists(full_dst):
+            self.fs.rm(full_dst)
+        self.fs.mv(self._full(src), full_dst)
+
+
+class PrefixedStorage:
+    """A folder inside another storage (``CheckpointManager(root, storage=s)``)."""
+
+    def __init__(self, inner: Any, prefix: str) -> None:
+        self.inner = inner
+        self.prefix = _check_relative(str(prefix).replace(os.sep, "/"))
+        self.process_safe = getattr(inner, "process_safe", True)
+
+    def __repr__(self) -> str:
+        return f"{self.inner!r}/{self.prefix}"
+
+    def _p(self, path: str) -> str:
+        rel = _check_relative(path)
+        return f"{self.prefix}/{rel}" if rel and self.prefix else rel or self.prefix
+
+    def write(self, path: str, chunks: Iterable[Any]) -> None:
+        self.inner.write(self._p(path), chunks)
+
+    def read(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        return self.inner.read(self._p(path), offset, length)
+
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
+        self.inner.read_into(self._p(path), offset, buffer)
+
+    def size(self, path: str) -> int:
+        return self.inner.size(self._p(path))
+
+    def list(self, path: str) -> list[str]:
+        return self.inner.list(self._p(path))
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(self._p(path))
+
+    def delete(self, path: str) -> None:
+        if _check_relative(path) == "":
+            raise ValueError("PrefixedStorage.delete: refusing to delete the root")
+        self.inner.delete(self._p(path))
+
+    def rename(self, src: str, dst: str) -> None:
+        self.inner.rename(self._p(src), self._p(dst))

@@ -1,0 +1,107 @@
+"""HF-style sharded safetensors export and import (one process; 2/4 ranks in test_distributed)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from torch_checkpointing import FsspecStorage, StateMismatchError, load_hf, save_hf
+
+
+class Chunked:
+    def __init__(self, global_shape, dtype, chunks):
+        self.global_shape = tuple(global_shape)
+        self.dtype = dtype
+        self._chunks = chunks
+
+    def local_chunks(self):
+        return self._chunks
+
+
+def _state():
+    g = torch.Generator().manual_seed(1)
+    return {
+        "model.embed.weight": torch.randn(50, 16, generator=g),
+        "model.layers.0.attn.q.weight": torch.randn(16, 16, generator=g).to(torch.bfloat16),
+        "model.layers.0.mlp.up.weight": torch.randn(32, 16, generator=g).half(),
+        "model.norm.weight": torch.ones(16),
+        "lm_head.weight": torch.randn(50, 16, generator=g),
+        "model.step": torch.tensor(3, dtype=torch.int64),
+    }
+
+
+def test_sharded_export_is_hf_compatible(tmp_path):
+    sd = _state()
+    index = save_hf(sd, tmp_path, max_shard_size=4000)
+    on_disk = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert on_disk == index
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2
+    assert files == [
+        f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)
+    ]
+    loaded = {}
+    for f in files:
+        part = load_file(str(tmp_path / f))  # the reference reader
+        assert all(index["weight_map"][k] == f for k in part)
+        loaded.update(part)
+    assert sorted(loaded) == sorted(sd) and all(torch.equal(loaded[k], sd[k]) for k in sd)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in sd.values())
+    back = load_hf(tmp_path)
+    assert list(back) == list(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_single_file_and_files_written_by_safetensors(tmp_path):
+    sd = _state()
+    save_hf(sd, tmp_path / "one")
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["model.safetensors"]
+    back = load_hf(tmp_path / "one")
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+    (tmp_path / "ref").mkdir()
+    save_file(sd, str(tmp_path / "ref" / "model.safetensors"), metadata={"format": "pt"})
+    target = {k: torch.zeros_like(v) for k, v in sd.items()}
+    load_hf(tmp_path / "ref", target)
+    assert all(torch.equal(target[k], sd[k]) for k in sd)
+
+
+def test_in_place_into_chunks_and_mismatch(tmp_path):
+    sd = _state()
+    save_hf(sd, tmp_path, max_shard_size=2000)
+    emb = sd["model.embed.weight"]
+    chunked = Chunked(
+        emb.shape, emb.dtype, [((10, 4), torch.zeros(20, 8)), ((45, 0), torch.zeros(5, 16))]
+    )
+    load_hf(tmp_path, {"model.embed.weight": chunked}, strict=False)
+    assert torch.equal(chunked.local_chunks()[0][1], emb[10:30, 4:12])
+    assert torch.equal(chunked.local_chunks()[1][1], emb[45:50])
+    wrong = {k: torch.zeros_like(v) for k, v in sd.items()}
+    wrong["lm_head.weight"] = torch.zeros(51, 16)
+    wrong["extra"] = torch.zeros(1)
+    del wrong["model.norm.weight"]
+    snapshot = {k: v.clone() for k, v in wrong.items()}
+    with pytest.raises(StateMismatchError) as info:
+        load_hf(tmp_path, wrong)
+    assert info.value.missing == ["extra"] and info.value.unexpected == ["model.norm.weight"]
+    assert info.value.mismatched == [("lm_head.weight", "float32[51, 16]", "float32[50, 16]")]
+    assert all(torch.equal(wrong[k], snapshot[k]) for k in wrong)
+
+
+def test_fsspec_backend_and_bad_input(tmp_path):
+    storage = FsspecStorage(f"memory://hf-{uuid.uuid4().hex}")
+    sd = _state()
+    save_hf(sd, "export", storage=storage, max_shard_size="3KB")
+    back = load_hf("export", storage=storage)
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+    with pytest.raises(ValueError, match="max_shard_size"):
+        save_hf(sd, tmp_path, max_shard_size="lots")
+    with pytest.raises(TypeError, match="sharded tensor"):
+        save_hf({"x": Chunked((2,), torch.float32, [])}, tmp_path)
+    with pytest.raises(TypeError, match="safetensors lacks"):
+        save_hf({"x": torch.zeros(2, dtype=torch.complex128)}, tmp_path)
+    with pytest.raises(FileNotFoundError):
+        load_hf(tmp_path / "empty-dir")
