@@ -1,0 +1,111 @@
+"""Static key/value cache for incremental decoding, one row per sequence.
+
+Rows advance independently: row ``b`` holds ``lengths[b]`` tokens, and the next forward writes
+its ``S`` new tokens at slots ``lengths[b] .. lengths[b] + S - 1`` (which are also their
+positions). Ragged prompts are right-padded to a common ``S`` and prefilled with
+``input_lengths``; the padding is written past each row's length, stays invisible to every query
+(a query sees slots up to its own) and is overwritten by the next step.
+
+Shapes: B batch, S new tokens, K kv heads, L cache capacity, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LayerKVCache:
+    """One attention layer's buffers ``(B, K, L, D)``."""
+
+    def __init__(self, parent: KVCache, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor) -> None:
+        self._parent = parent
+        self.k_BKLD = k_BKLD
+        self.v_BKLD = v_BKLD
+
+    def update(
+        self, k_BSKD: torch.Tensor, v_BSKD: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's keys/values; return every visible slot's, ``(B, K, kv_len, D)``."""
+        step = self._parent._step
+        assert step is not None, "KVCache.begin() must run before a layer updates the cache"
+        slots_BS, kv_len = step
+        rows_BS = torch.arange(slots_BS.shape[0], device=slots_BS.device)[:, None]
+        # Advanced indices on dims 0 and 2 around a slice put (B, S) first: the value is (B,S,K,D).
+        self.k_BKLD[rows_BS, :, slots_BS] = k_BSKD.to(self.k_BKLD.dtype)
+        self.v_BKLD[rows_BS, :, slots_BS] = v_BSKD.to(self.v_BKLD.dtype)
+        return self.k_BKLD[:, :, :kv_len], self.v_BKLD[:, :, :kv_len]
+
+
+class KVCache:
+    """Per-layer key/value buffers plus the number of cached tokens of every row."""
+
+    def __init__(
+        self,
+        *,
+        layers: list[int],
+        batch_size: int,
+        max_seq_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        for name, value in (
+            ("batch_size", batch_size),
+            ("max_seq_len", max_seq_len),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if value < 1:
+                raise ValueError(f"KVCache {name} must be >= 1, got {value}")
+        shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
+        self.max_seq_len = max_seq_len
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.layers = {
+            i: LayerKVCache(
+                self,
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for i in layers
+        }
+        self._step: tuple[torch.Tensor, int] | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    def begin(self, seq_len: int) -> torch.Tensor:
+        """Start a forward of ``seq_len`` new tokens per row; return their slots ``(B, S)``."""
+        # One host sync per forward (not per layer) to bound the attended keys to the used part.
+        kv_len = int(self.lengths.max()) + seq_len
+        if kv_len > self.max_seq_len:
+            raise ValueError(
+                f"KVCache overflow: a row holds {kv_len - seq_len} tokens and {seq_len} more "
+                f"do not fit in max_seq_len={self.max_seq_len}"
+            )
+        slots_BS = self.lengths[:, None] + torch.arange(seq_len, device=self.lengths.device)
+        self._step = (slots_BS, kv_len)
+        return slots_BS
+
+    def attention_mask(self, slots_BS: torch.Tensor) -> torch.Tensor:
+        """``(B, 1, S, kv_len)`` boolean mask: a query sees the slots up to its own."""
+        assert self._step is not None
+        kv_len = self._step[1]
+        keys_L = torch.arange(kv_len, device=slots_BS.device)
+        return (keys_L[None, None, :] <= slots_BS[:, :, None]).unsqueeze(1)
+
+    def end(self, input_lengths: torch.Tensor | None) -> None:
+        """Commit the step: each row grows by its ``input_lengths`` (all ``S`` by default)."""
+        assert self._step is not None
+        slots_BS, _ = self._step
+        if input_lengths is None:
+            self.lengths += slots_BS.shape[1]
+        else:
+            self.lengths += input_lengths.to(self.lengths)
+        self._step = None
+
+    def reset(self) -> None:
+        """Forget every row's tokens (the buffers are reused)."""
+        self.lengths.zero_()
+        self._step = None

@@ -1,0 +1,249 @@
+"""The decoder-only language model every family builds on: embedding → blocks → norm → head.
+
+A family supplies its config (a ``TransformerConfig`` subclass with its flavours) and the
+blocks; everything else — the forward pass, packed documents, the KV cache, meta-device
+construction and the initialisation scheme — lives here once.
+
+Shapes: B batch, S sequence, D model dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+from torch import nn
+
+from .attention import attention_inputs
+from .kv_cache import KVCache, LayerKVCache
+from .norm import RMSNorm
+from .rope import RopeConfig, RotaryEmbedding
+
+
+@dataclass(kw_only=True, slots=True)
+class TransformerConfig:
+    """Hyper-parameters shared by the dense decoder families."""
+
+    vocab_size: int
+    """Rows of the token embedding and of the output head."""
+    dim: int
+    """Width of the residual stream (HF ``hidden_size``)."""
+    num_layers: int
+    """Number of transformer blocks."""
+    num_heads: int
+    """Query heads per attention layer."""
+    num_kv_heads: int
+    """Key/value heads per attention layer (grouped-query attention when < ``num_heads``)."""
+    head_dim: int
+    """Width of one attention head (need not equal ``dim // num_heads``)."""
+    ffn_hidden_dim: int
+    """Hidden width of the SwiGLU feed-forward (HF ``intermediate_size``)."""
+    rope: RopeConfig
+    """Rotary embedding frequencies."""
+    max_seq_len: int
+    """Longest context the model is meant for (HF ``max_position_embeddings``)."""
+    norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
+    tie_embeddings: bool = False
+    """Share the output head's weight with the token embedding."""
+    init_std: float = 0.02
+    """Standard deviation of the weight initialisation (see ``Transformer.init_weights``)."""
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+        for name in (*positive, "ffn_hidden_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{type(self).__name__}.{name} must be an int >= 1, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{type(self).__name__}.num_heads={self.num_heads} must be a multiple of "
+                f"num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"{type(self).__name__}.head_dim must be even, got {self.head_dim}")
+        if not isinstance(self.rope, RopeConfig):
+            raise ValueError(
+                f"{type(self).__name__}.rope must be a RopeConfig, got {type(self.rope).__name__}"
+            )
+        for name in ("norm_eps", "init_std"):
+            if not getattr(self, name) > 0:
+                raise ValueError(
+                    f"{type(self).__name__}.{name} must be > 0, got {getattr(self, name)!r}"
+                )
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """The names ``dataclasses.replace`` accepts."""
+        return [f.name for f in fields(cls)]
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
+
+    def __init__(
+        self, *, dim: int, norm_eps: float, attention: nn.Module, feed_forward: nn.Module
+    ) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(dim, eps=norm_eps)
+        self.attention = attention
+        self.ffn_norm = RMSNorm(dim, eps=norm_eps)
+        self.feed_forward = feed_forward
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        kv_cache: LayerKVCache | None = None,
+    ) -> torch.Tensor:
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope, mask, kv_cache)
+        return h_BSD + self.feed_forward(self.ffn_norm(h_BSD))
+
+    def init_weights(self, *, std: float, out_std: float, generator: torch.Generator) -> None:
+        self.attention_norm.init_weights()
+        self.ffn_norm.init_weights()
+        self.attention.init_weights(std=std, out_std=out_std, generator=generator)
+        self.feed_forward.init_weights(std=std, out_std=out_std, generator=generator)
+
+
+class Transformer(nn.Module):
+    """Decoder-only causal LM. Build it on the meta device and call ``init_weights(device=...)``.
+
+    Module names follow torchtitan (``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``);
+    ``layers`` is a ``ModuleDict`` keyed by the layer index so a pipeline stage that drops
+    blocks (or the embedding / head, set to ``None``) keeps every FQN unchanged.
+    """
+
+    def __init__(self, config: TransformerConfig, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        if len(blocks) != config.num_layers:
+            raise ValueError(f"got {len(blocks)} blocks for num_layers={config.num_layers}")
+        self.config = config
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(blocks)})
+        self.norm: RMSNorm | None = RMSNorm(config.dim, eps=config.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(config.rope, config.head_dim)
+        self._tie()
+        if not self.tok_embeddings.weight.is_meta:
+            self.init_weights()
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        input_lengths: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``(B, S, V)`` for token ids ``(B, S)``.
+
+        Args:
+            tokens: token ids; hidden states ``(B, S, D)`` on a pipeline stage without the
+                embedding. Such a stage returns hidden states when it has no head.
+            positions: RoPE positions ``(B, S)``; by default ``0..S-1``, the position inside
+                the document with ``document_ids``, or the cache slot with ``kv_cache``.
+            document_ids: ``(B, S)`` ids of packed documents; attention stays inside one.
+            kv_cache: decode incrementally: attend to the cached tokens and append these.
+            input_lengths: with ``kv_cache``, how many of the ``S`` tokens of each row are real
+                (right-padded ragged prompts); the rest is written but never attended to.
+        """
+        B, S = tokens.shape[:2]
+        _check_shape("positions", positions, (B, S))
+        if input_lengths is not None:
+            _check_input_lengths(input_lengths, B, S, kv_cache)
+        positions_BS, mask = attention_inputs(
+            B, S, tokens.device, positions=positions, document_ids=document_ids, kv_cache=kv_cache
+        )
+
+        h_BSD = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope(positions_BS, h_BSD.dtype)
+        for index, layer in self.layers.items():
+            layer_cache = kv_cache.layers[int(index)] if kv_cache is not None else None
+            h_BSD = layer(h_BSD, rope, mask, layer_cache)
+        if kv_cache is not None:
+            kv_cache.end(input_lengths)
+        h_BSD = self.norm(h_BSD) if self.norm is not None else h_BSD
+        return self.output(h_BSD) if self.output is not None else h_BSD
+
+    @torch.no_grad()
+    def init_weights(
+        self,
+        device: torch.device | str | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        seed: int = 0,
+    ) -> Transformer:
+        """Materialise (if on meta) and initialise every weight; returns ``self``.
+
+        Scheme (GPT-2 / Megatron "scaled init"): with ``std = config.init_std``, the token
+        embedding, the output head and every projection into a residual branch (q, k, v, w1,
+        w3) are drawn from N(0, std²); the projections out of a residual branch (``wo``, ``w2``)
+        from N(0, (std / √(2·num_layers))²), so the residual stream's variance stays flat in
+        depth; every RMSNorm weight is 1. Deterministic for a given ``seed`` and device.
+        """
+        if dtype is not None:
+            self.to(dtype=dtype)  # before materialising: a cast on meta allocates nothing
+        if device is not None or any(p.is_meta for p in self.parameters()):
+            self.to_empty(device=device if device is not None else "cpu")
+            self._tie()
+        target = next(self.parameters()).device
+        generator = torch.Generator(device=target).manual_seed(seed)
+        std = self.config.init_std
+        out_std = std / math.sqrt(2 * self.config.num_layers)
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, std=std, generator=generator)
+        for layer in self.layers.values():
+            layer.init_weights(std=std, out_std=out_std, generator=generator)
+        if self.norm is not None:
+            self.norm.init_weights()
+        if self.output is not None and not self.config.tie_embeddings:
+            nn.init.normal_(self.output.weight, std=std, generator=generator)
+        return self
+
+    def new_kv_cache(
+        self,
+        batch_size: int,
+        max_seq_len: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
+        """An empty cache for this model's layers (dtype and device of the weights by default)."""
+        weight = next(self.parameters())
+        return KVCache(
+            layers=[int(i) for i in self.layers],
+            batch_size=batch_size,
+            max_seq_len=max_seq_len,
+            num_kv_heads=self.config.num_kv_heads,
+            head_dim=self.config.head_dim,
+            dtype=dtype or weight.dtype,
+            device=device or weight.device,
+        )
+
+    def _tie(self) -> None:
+        # to_empty() replaces each module's parameters separately, which unties them.
+        if (
+            self.config.tie_embeddings
+            and self.output is not None
+            and self.tok_embeddings is not None
+        ):
+            self.output.weight = self.tok_embeddings.weight
+
+
+def _check_shape(name: str, tensor: torch.Tensor | None, shape: tuple[int, ...]) -> None:
+    if tensor is not None and tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
+
+
+def _check_input_lengths(
+    input_lengths: torch.Tensor, B: int, S: int, kv_cache: KVCache | None
+) -> None:
+    if kv_cache is None:
+        raise ValueError("input_lengths needs a kv_cache (it says how far each row advances)")
+    _check_shape("input_lengths", input_lengths, (B,))
+    if bool((input_lengths < 1).any()) or bool((input_lengths > S).any()):
+        raise ValueError(f"input_lengths must lie in [1, {S}], got {input_lengths.tolist()}")

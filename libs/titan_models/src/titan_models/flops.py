@@ -1,0 +1,32 @@
+"""Training FLOPs per token, for model-FLOPs utilisation (MFU)."""
+
+from __future__ import annotations
+
+from .components import TransformerConfig
+
+
+def matmul_params(config: TransformerConfig) -> int:
+    """Weights that take part in a matmul per token: every projection plus the output head.
+
+    The embedding lookup is a gather, not a matmul; the head counts even when tied to it.
+    Norm weights are negligible and left out.
+    """
+    c = config
+    attention = c.dim * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    attention += c.num_heads * c.head_dim * c.dim
+    return c.num_layers * (attention + 3 * c.dim * c.ffn_hidden_dim) + c.dim * c.vocab_size
+
+
+def flops_per_token(config: TransformerConfig, seq_len: int) -> int:
+    """Forward + backward FLOPs for one token of a ``seq_len`` training sequence.
+
+    ``6·N + 12·L·H·E·T`` (Kaplan et al. 2020; Chowdhery et al. 2022, App. B), where ``N`` is
+    ``matmul_params`` (2 FLOPs per weight forward, 4 backward), and the attention term counts
+    ``q·kᵀ`` and ``p·v`` (2·T·H·E each, forward, per layer) times 3 for the backward: ``L``
+    layers, ``H`` query heads, ``E`` head dim, ``T = seq_len``. As in PaLM and torchtitan the
+    attention term ignores causal masking (a causal kernel does about half of it).
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    c = config
+    return 6 * matmul_params(c) + 12 * c.num_layers * c.num_heads * c.head_dim * seq_len

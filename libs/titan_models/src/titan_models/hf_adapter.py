@@ -1,0 +1,272 @@
+"""How a family's parameters and config map to Hugging Face's format.
+
+An adapter describes, for each of our parameters, the HF tensors it is made of as *views into
+the parameter* (``HFTensor``). That one description drives loading (copy each HF tensor into
+its view), saving (write each view) and validation (evaluated on the meta device it yields
+every expected key and shape without allocating). A one-to-one rename is one view, the whole
+parameter; per-expert tensors of a fused MoE weight would be ``param[e]``; a permuted layout
+supplies ``to_hf`` / ``from_hf`` transforms.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from .components import Llama3RopeScaling, RopeConfig, TransformerConfig, YarnRopeScaling
+
+
+@dataclass(frozen=True, slots=True)
+class HFTensor:
+    """One tensor of an HF checkpoint and where it lives in our model."""
+
+    key: str
+    """Its name in the HF state dict."""
+    ours: torch.Tensor
+    """A view into our parameter holding exactly this tensor's values."""
+    to_hf: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Our layout → HF's (``None``: identical)."""
+    from_hf: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """HF's layout → ours (``None``: identical)."""
+
+    def hf_shape(self) -> tuple[int, ...]:
+        """Shape of the tensor in the checkpoint (free on the meta device)."""
+        return tuple((self.to_hf(self.ours) if self.to_hf else self.ours).shape)
+
+
+class HFAdapter:
+    """Base of a family's adapter; subclasses set the class attributes and the config mapping."""
+
+    model_types: ClassVar[tuple[str, ...]]
+    """HF ``model_type`` values this adapter reads."""
+    architecture: ClassVar[str]
+    """HF ``architectures[0]`` written by ``to_hf``."""
+    key_map: ClassVar[tuple[tuple[str, str], ...]]
+    """(our FQN template, HF key template); ``{}`` stands for the layer index."""
+    ignored_hf_keys: ClassVar[tuple[str, ...]] = (r"(.*\.)?rotary_emb\.inv_freq",)
+    """Regexes of checkpoint keys that carry nothing we load (old RoPE buffers)."""
+
+    def __init__(self) -> None:
+        self._to_hf = [(_template_regex(ours), hf) for ours, hf in self.key_map]
+
+    def config_from_hf(self, hf: Mapping[str, Any]) -> TransformerConfig:
+        raise NotImplementedError
+
+    def config_to_hf(self, config: TransformerConfig) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def hf_tensors(self, fqn: str, param: torch.Tensor) -> list[HFTensor]:
+        """The HF tensors that make up our parameter ``fqn``."""
+        for pattern, hf in self._to_hf:
+            match = pattern.fullmatch(fqn)
+            if match:
+                return [HFTensor(hf.format(*match.groups()), param)]
+        raise ValueError(f"{type(self).__name__} has no HF name for parameter {fqn!r}")
+
+    def is_ignored(self, key: str, config: TransformerConfig) -> bool:
+        """Checkpoint keys we skip: old RoPE buffers, and ``lm_head`` when the head is tied
+        (``transformers`` ignores it too, using the embedding)."""
+        if config.tie_embeddings and key == "lm_head.weight":
+            return True
+        return any(re.fullmatch(p, key) for p in self.ignored_hf_keys)
+
+
+def _template_regex(template: str) -> re.Pattern[str]:
+    return re.compile(re.escape(template).replace(r"\{\}", r"(\d+)"))
+
+
+DENSE_KEY_MAP: tuple[tuple[str, str], ...] = (
+    ("tok_embeddings.weight", "model.embed_tokens.weight"),
+    ("layers.{}.attention_norm.weight", "model.layers.{}.input_layernorm.weight"),
+    ("layers.{}.attention.wq.weight", "model.layers.{}.self_attn.q_proj.weight"),
+    ("layers.{}.attention.wk.weight", "model.layers.{}.self_attn.k_proj.weight"),
+    ("layers.{}.attention.wv.weight", "model.layers.{}.self_attn.v_proj.weight"),
+    ("layers.{}.attention.wo.weight", "model.layers.{}.self_attn.o_proj.weight"),
+    ("layers.{}.attention.q_norm.weight", "model.layers.{}.self_attn.q_norm.weight"),
+    ("layers.{}.attention.k_norm.weight", "model.layers.{}.self_attn.k_norm.weight"),
+    ("layers.{}.ffn_norm.weight", "model.layers.{}.post_attention_layernorm.weight"),
+    ("layers.{}.feed_forward.w1.weight", "model.layers.{}.mlp.gate_proj.weight"),
+    ("layers.{}.feed_forward.w2.weight", "model.layers.{}.mlp.down_proj.weight"),
+    ("layers.{}.feed_forward.w3.weight", "model.layers.{}.mlp.up_proj.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+)
+"""Our names ↔ the ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` names."""
+
+
+# HF config fields that change the architecture, with the only values we model. A checkpoint
+# with any other value is refused instead of loading into a silently different model.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "attention_bias": (False, None),
+    "mlp_bias": (False, None),
+    "hidden_act": ("silu",),
+    "attention_dropout": (0, 0.0, None),
+    "partial_rotary_factor": (1, 1.0, None),
+    "quantization_config": (None,),
+}
+
+
+class DenseHFAdapter(HFAdapter):
+    """Adapter of a dense decoder whose HF config is Llama-shaped (Llama 3, Qwen3)."""
+
+    key_map = DENSE_KEY_MAP
+    config_cls: ClassVar[type[TransformerConfig]]
+    default_max_position_embeddings: ClassVar[int]
+    """What HF's config class assumes when ``max_position_embeddings`` is absent."""
+    default_rms_norm_eps: ClassVar[float] = 1e-6
+    """What HF's config class assumes when ``rms_norm_eps`` is absent."""
+
+    def config_from_hf(self, hf: Mapping[str, Any]) -> TransformerConfig:
+        """Our config for an HF ``config.json``; ``ValueError`` naming any field we do not model."""
+        check_supported(hf)
+        heads = _required(hf, "num_attention_heads")
+        hidden = _required(hf, "hidden_size")
+        max_pos = hf.get("max_position_embeddings") or self.default_max_position_embeddings
+        return self.config_cls(
+            vocab_size=_required(hf, "vocab_size"),
+            dim=hidden,
+            num_layers=_required(hf, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hidden // heads,
+            ffn_hidden_dim=_required(hf, "intermediate_size"),
+            rope=rope_from_hf(hf, max_position_embeddings=max_pos),
+            max_seq_len=max_pos,
+            norm_eps=hf.get("rms_norm_eps", self.default_rms_norm_eps),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            init_std=hf.get("initializer_range", 0.02),
+        )
+
+    def config_to_hf(self, config: TransformerConfig) -> dict[str, Any]:
+        """The HF ``config.json`` fields (legacy ``rope_theta`` / ``rope_scaling`` spelling,
+        which transformers 4.x and 5.x both read)."""
+        return {
+            "architectures": [self.architecture],
+            "model_type": self.model_types[0],
+            "vocab_size": config.vocab_size,
+            "hidden_size": config.dim,
+            "intermediate_size": config.ffn_hidden_dim,
+            "num_hidden_layers": config.num_layers,
+            "num_attention_heads": config.num_heads,
+            "num_key_value_heads": config.num_kv_heads,
+            "head_dim": config.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": config.max_seq_len,
+            "rms_norm_eps": config.norm_eps,
+            "initializer_range": config.init_std,
+            **rope_to_hf(config.rope),
+            "tie_word_embeddings": config.tie_embeddings,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+        }
+
+
+def check_supported(hf: Mapping[str, Any]) -> None:
+    """``ValueError`` naming the first HF config field whose value we do not model."""
+    for name, allowed in _NEUTRAL.items():
+        if name in hf and hf[name] not in allowed:
+            raise ValueError(
+                f"HF config field {name}={hf[name]!r} is not supported (supported: "
+                f"{', '.join(repr(a) for a in allowed if a is not None) or 'absent'})"
+            )
+    if "use_sliding_window" in hf:
+        if hf["use_sliding_window"]:
+            raise ValueError(
+                "HF config field use_sliding_window=True is not supported (sliding-window "
+                "attention is not modelled; supported: False)"
+            )
+    elif hf.get("sliding_window") is not None:
+        raise ValueError(
+            f"HF config field sliding_window={hf['sliding_window']!r} is not supported "
+            "(sliding-window attention is not modelled; supported: None)"
+        )
+    other = sorted({t for t in hf.get("layer_types") or () if t != "full_attention"})
+    if other:
+        raise ValueError(
+            f"HF config field layer_types contains {other} (supported: 'full_attention')"
+        )
+
+
+def _required(hf: Mapping[str, Any], name: str) -> Any:
+    if hf.get(name) is None:
+        raise ValueError(f"HF config field {name} is missing")
+    return hf[name]
+
+
+def rope_from_hf(hf: Mapping[str, Any], *, max_position_embeddings: int) -> RopeConfig:
+    """``RopeConfig`` from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
+    ``rope_scaling`` (checkpoints on the Hub)."""
+    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = dict(hf.get(field) or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"HF config field {field} is per layer type, which is not supported")
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    factor = params.get("partial_rotary_factor", 1.0)
+    if factor not in (1, 1.0):
+        raise ValueError(
+            f"HF config field {field}.partial_rotary_factor={factor!r} is not supported"
+        )
+    original = params.get("original_max_position_embeddings") or max_position_embeddings
+    if kind == "default":
+        return RopeConfig(theta=theta)
+    if kind == "llama3":
+        return RopeConfig(
+            theta=theta,
+            scaling=Llama3RopeScaling(
+                factor=float(params["factor"]),
+                low_freq_factor=float(params["low_freq_factor"]),
+                high_freq_factor=float(params["high_freq_factor"]),
+                original_max_seq_len=int(original),
+            ),
+        )
+    if kind == "yarn":
+        return RopeConfig(
+            theta=theta,
+            scaling=YarnRopeScaling(
+                factor=float(params["factor"]),
+                original_max_seq_len=int(original),
+                beta_fast=float(params.get("beta_fast") or 32.0),
+                beta_slow=float(params.get("beta_slow") or 1.0),
+                mscale=params.get("mscale"),
+                mscale_all_dim=params.get("mscale_all_dim"),
+                attention_factor=params.get("attention_factor"),
+                truncate=bool(params.get("truncate", True)),
+            ),
+        )
+    raise ValueError(
+        f"HF config field {field}.rope_type={kind!r} is not supported "
+        "(supported: 'default', 'llama3', 'yarn')"
+    )
+
+
+def rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
+    """``rope_theta`` and ``rope_scaling`` as Hub checkpoints spell them."""
+    s = rope.scaling
+    if s is None:
+        scaling = None
+    elif isinstance(s, Llama3RopeScaling):
+        scaling = {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_seq_len,
+        }
+    else:
+        scaling = {
+            "rope_type": "yarn",
+            "factor": s.factor,
+            "original_max_position_embeddings": s.original_max_seq_len,
+            "beta_fast": s.beta_fast,
+            "beta_slow": s.beta_slow,
+            "truncate": s.truncate,
+        }
+        for name in ("mscale", "mscale_all_dim", "attention_factor"):
+            if getattr(s, name) is not None:
+                scaling[name] = getattr(s, name)
+    return {"rope_theta": rope.theta, "rope_scaling": scaling}

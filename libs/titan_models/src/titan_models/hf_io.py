@@ -1,0 +1,316 @@
+"""Hugging Face checkpoints in and out, streamed one tensor at a time.
+
+``from_hf`` validates every key, shape and dtype against the model built on the meta device
+before it allocates anything, then materialises the model once and copies each checkpoint
+tensor into place as it is read (peak memory: the model plus one tensor). ``to_hf`` writes
+``config.json`` and size-capped safetensors shards (plus the index when there is more than one)
+into a temporary folder that is renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .components import Transformer
+from .hf_adapter import HFAdapter, HFTensor
+from .registry import family_for_hf, family_of
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+_DTYPE_NAMES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+_MAX_LISTED = 20
+
+
+def from_hf(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+) -> Transformer:
+    """Our model with the weights of the HF checkpoint folder ``path``.
+
+    Args:
+        path: folder with ``config.json`` and ``model.safetensors`` or sharded
+            ``*.safetensors`` (with ``model.safetensors.index.json``).
+        dtype: dtype of the returned model; floating tensors are converted to it. By default
+            the checkpoint's own (``config.json``'s ``dtype``/``torch_dtype``, else that of its
+            tensors), and every tensor must already have it.
+        device: where the weights are materialised.
+
+    Raises:
+        ValueError: an HF config feature we do not model (naming the field); missing,
+            unexpected, mis-shaped or wrongly typed tensors (naming each key). Nothing is
+            allocated before these checks pass.
+    """
+    root = Path(path)
+    config_file = root / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} does not exist: not an HF checkpoint folder")
+    hf_config = json.loads(config_file.read_text())
+    family = family_for_hf(hf_config.get("model_type"))
+    adapter = family.hf_adapter
+    config = adapter.config_from_hf(hf_config)
+    files = checkpoint_files(root)
+
+    with torch.device("meta"):
+        model = family.model_cls(config)
+    declared = _declared_dtype(hf_config)
+    target = dtype or declared or _first_tensor_dtype(files)
+    model.to(dtype=target)  # on meta: free
+    _validate(model, adapter, files, target, convert=dtype is not None)
+
+    model.to_empty(device=device)
+    model._tie()
+    _load(model, adapter, files)
+    return model
+
+
+def to_hf(
+    model: Transformer,
+    path: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write ``model`` as an HF checkpoint folder that ``AutoModelForCausalLM`` loads.
+
+    Args:
+        path: a folder that does not exist yet (or is empty).
+        max_shard_size: bytes per safetensors shard, an int or a string such as ``"5GB"``
+            (decimal units) or ``"512MiB"``; a tensor larger than this gets a shard of its own.
+        dtype: dtype of the written tensors; the parameters' own by default.
+    """
+    family = family_of(model)
+    adapter = family.hf_adapter
+    limit = parse_size(max_shard_size)
+    root = Path(path)
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise ValueError(f"{root} exists and is not an empty folder; to_hf writes a new one")
+    tensors = _hf_tensors_for_saving(model, adapter)
+    out_dtype = dtype or tensors[0].ours.dtype
+
+    shards: list[list[HFTensor]] = [[]]
+    shard_bytes = 0
+    for ht in tensors:
+        size = ht.ours.numel() * out_dtype.itemsize
+        if shards[-1] and shard_bytes + size > limit:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(ht)
+        shard_bytes += size
+    names = (
+        [SINGLE_FILE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+
+    partial = root.parent / f".{root.name}.partial-{uuid.uuid4().hex[:8]}"
+    partial.mkdir(parents=True)
+    try:
+        weight_map, total = {}, 0
+        for name, shard in zip(names, shards, strict=True):
+            state = {ht.key: _standalone(ht, dtype) for ht in shard}
+            save_file(state, partial / name, metadata={"format": "pt"})
+            total += sum(t.numel() * t.element_size() for t in state.values())
+            weight_map.update(dict.fromkeys(state, name))
+            del state
+        if len(shards) > 1:
+            index = {
+                "metadata": {"total_size": total},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
+            (partial / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        hf_config = adapter.config_to_hf(model.config)
+        hf_config["torch_dtype"] = str(out_dtype).removeprefix("torch.")
+        (partial / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        if root.exists():
+            root.rmdir()
+        os.replace(partial, root)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return root
+
+
+def checkpoint_files(root: Path) -> dict[str, Path]:
+    """Every tensor key of the checkpoint in ``root`` and the file holding it."""
+    index = root / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {key: root / name for key, name in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not file.is_file():
+                raise FileNotFoundError(f"{file}, named in {index}, does not exist")
+        return files
+    paths = (
+        [root / SINGLE_FILE]
+        if (root / SINGLE_FILE).is_file()
+        else sorted(root.glob("*.safetensors"))
+    )
+    if not paths:
+        raise FileNotFoundError(f"{root} holds no *.safetensors file")
+    files: dict[str, Path] = {}
+    for file in paths:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if key in files:
+                    raise ValueError(f"tensor {key!r} is in both {files[key].name} and {file.name}")
+                files[key] = file
+    return files
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in ``size``: an int, or a number with B/KB/MB/GB/TB (powers of 1000) or
+    KiB/MiB/GiB/TiB (powers of 1024)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(size), re.IGNORECASE)
+        if not match:
+            raise ValueError(f"max_shard_size={size!r} is not a size like 5GB, 512MiB or 1000000")
+        unit = (match.group(2) or "B").upper()
+        power = "BKMGT".index(unit[0])
+        value = int(float(match.group(1)) * (1024 if "I" in unit else 1000) ** power)
+    if value < 1:
+        raise ValueError(f"max_shard_size must be at least one byte, got {size!r}")
+    return value
+
+
+def _declared_dtype(hf_config: dict) -> torch.dtype | None:
+    name = hf_config.get("dtype") or hf_config.get("torch_dtype")
+    return _DTYPE_NAMES.get(name) if isinstance(name, str) else None
+
+
+def _first_tensor_dtype(files: dict[str, Path]) -> torch.dtype:
+    key, file = next(iter(files.items()))
+    with safe_open(file, framework="pt") as f:
+        found = f.get_slice(key).get_dtype()
+    if found not in _DTYPES:
+        raise ValueError(f"tensor {key!r} has dtype {found}; pass dtype= to from_hf")
+    return _DTYPES[found]
+
+
+def _validate(
+    model: Transformer,
+    adapter: HFAdapter,
+    files: dict[str, Path],
+    target: torch.dtype,
+    *,
+    convert: bool,
+) -> None:
+    """Every key, shape and dtype, checked on the meta model; one error listing all problems."""
+    expected = {
+        ht.key: ht.hf_shape()
+        for fqn, param in model.named_parameters()
+        for ht in adapter.hf_tensors(fqn, param)
+    }
+    missing = sorted(set(expected) - set(files))
+    unexpected = sorted(
+        k for k in files if k not in expected and not adapter.is_ignored(k, model.config)
+    )
+    wrong: list[str] = []
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for key in expected:
+        if key in files:
+            by_file[files[key]].append(key)
+    for file, keys in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for key in keys:
+                piece = f.get_slice(key)
+                shape, found = tuple(piece.get_shape()), piece.get_dtype()
+                if shape != expected[key]:
+                    wrong.append(f"{key}: checkpoint shape {shape}, model shape {expected[key]}")
+                if found not in _DTYPES:
+                    wrong.append(f"{key}: dtype {found} is not a floating dtype we can load")
+                elif not convert and _DTYPES[found] != target:
+                    wrong.append(
+                        f"{key}: dtype {_DTYPES[found]}, checkpoint dtype {target} "
+                        "(pass dtype= to convert)"
+                    )
+    problems = [
+        _listing("missing keys", missing),
+        _listing("unexpected keys", unexpected),
+        _listing("mismatched tensors", wrong),
+    ]
+    problems = [p for p in problems if p]
+    if problems:
+        raise ValueError(f"checkpoint does not fit {type(model).__name__}: " + "; ".join(problems))
+
+
+def _listing(what: str, items: list[str]) -> str:
+    if not items:
+        return ""
+    more = f" and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else ""
+    return f"{len(items)} {what}: {', '.join(items[:_MAX_LISTED])}{more}"
+
+
+@torch.no_grad()
+def _load(model: Transformer, adapter: HFAdapter, files: dict[str, Path]) -> None:
+    targets = {
+        ht.key: ht
+        for fqn, param in model.named_parameters()
+        for ht in adapter.hf_tensors(fqn, param)
+    }
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for key in targets:
+        by_file[files[key]].append(key)
+    for file, keys in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for key in keys:
+                ht = targets[key]
+                tensor = f.get_tensor(key)
+                ht.ours.copy_(ht.from_hf(tensor) if ht.from_hf else tensor)
+                del tensor
+
+
+def _hf_tensors_for_saving(model: Transformer, adapter: HFAdapter) -> list[HFTensor]:
+    with torch.device("meta"):
+        reference = type(model)(model.config)
+    wanted = [name for name, _ in reference.named_parameters()]
+    params = dict(model.named_parameters())
+    missing = [name for name in wanted if name not in params]
+    if missing:
+        raise ValueError(
+            f"to_hf needs the whole model; {_listing('parameters are absent', missing)}"
+        )
+    tensors = []
+    for name in wanted:
+        param = params[name]
+        if param.is_meta or type(param.data) is not torch.Tensor:
+            raise ValueError(
+                f"parameter {name} is a {type(param.data).__name__} on {param.device}: "
+                "to_hf writes a materialised, unsharded model (gather it first)"
+            )
+        tensors += adapter.hf_tensors(name, param)
+    return tensors
+
+
+def _standalone(ht: HFTensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A CPU tensor owning exactly its own bytes (safetensors refuses shared storage)."""
+    tensor = (ht.to_hf(ht.ours) if ht.to_hf else ht.ours).detach()
+    tensor = tensor.to(device="cpu", dtype=dtype or tensor.dtype).contiguous()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    return tensor

@@ -1,0 +1,70 @@
+"""Tiny random Hugging Face checkpoints, built offline, for parity and interop tests."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+LLAMA_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def _hf_config(family: str, **overrides):
+    import transformers
+
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    if family == "llama3":
+        kw = dict(
+            common,
+            head_dim=16,
+            rope_theta=500_000.0,
+            rope_scaling=LLAMA_ROPE_SCALING,
+            max_position_embeddings=131_072,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+        )
+        kw.update(overrides)
+        return transformers.LlamaConfig(**kw)
+    kw = dict(common, head_dim=32, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+    kw.update(overrides)
+    return transformers.Qwen3Config(**kw)
+
+
+@pytest.fixture
+def hf_checkpoint(tmp_path):
+    """``make(family, attn="sdpa", shard=None, **config) -> (hf_model, folder)``: a random tiny
+    HF model in fp32, saved with ``save_pretrained`` (sharded when ``shard`` is a size)."""
+    pytest.importorskip("transformers")
+    import transformers
+
+    def make(family: str, *, attn: str = "sdpa", shard: str | None = None, seed: int = 0, **kw):
+        torch.manual_seed(seed)
+        config = _hf_config(family, **kw)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+        # Random norm weights, so a mix-up of norms cannot hide behind weights of one.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5)
+        folder = tmp_path / f"hf-{family}-{len(list(tmp_path.iterdir()))}"
+        extra = {"max_shard_size": shard} if shard else {}
+        model.save_pretrained(folder, **extra)
+        return model, folder
+
+    return make

@@ -1,0 +1,178 @@
+"""Bad HF input gets an error naming the field or key; nothing half-loaded or half-written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import titan_models
+from titan_models import hf_io
+
+
+def _edit_config(folder, **changes):
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is KeyError:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+
+
+def _edit_tensors(folder, edit):
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    ("family", "changes", "match"),
+    [
+        (
+            "llama3",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+            r"rope_parameters.rope_type='dynamic' is not supported",
+        ),
+        (
+            "llama3",
+            {"rope_parameters": None, "rope_scaling": {"type": "longrope", "factor": 2.0}},
+            r"rope_scaling.rope_type='longrope' is not supported",
+        ),
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 128}, r"use_sliding_window=True"),
+        ("llama3", {"sliding_window": 4096}, r"sliding_window=4096"),
+        ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types"),
+        ("llama3", {"attention_bias": True}, r"attention_bias=True"),
+        ("llama3", {"mlp_bias": True}, r"mlp_bias=True"),
+        ("qwen3", {"hidden_act": "gelu"}, r"hidden_act='gelu'"),
+        ("llama3", {"quantization_config": {"quant_method": "fp8"}}, r"quantization_config"),
+        ("llama3", {"model_type": "mistral"}, r"model_type='mistral' is not supported"),
+        ("qwen3", {"hidden_size": KeyError}, r"hidden_size is missing"),
+    ],
+)
+def test_unsupported_hf_config_names_the_field(hf_checkpoint, family, changes, match):
+    _, folder = hf_checkpoint(family)
+    _edit_config(folder, **changes)
+    with pytest.raises(ValueError, match=match):
+        titan_models.from_hf(folder)
+
+
+def test_missing_and_unexpected_keys_are_all_named(hf_checkpoint):
+    _, folder = hf_checkpoint("llama3")
+
+    def edit(t):
+        del t["model.layers.1.mlp.up_proj.weight"]
+        t["model.layers.1.mlp.extra.weight"] = torch.zeros(2)
+
+    _edit_tensors(folder, edit)
+    with pytest.raises(ValueError) as info:
+        titan_models.from_hf(folder)
+    message = str(info.value)
+    assert "1 missing keys: model.layers.1.mlp.up_proj.weight" in message
+    assert "1 unexpected keys: model.layers.1.mlp.extra.weight" in message
+
+
+def test_wrong_shape_names_the_key_and_both_shapes(hf_checkpoint):
+    _, folder = hf_checkpoint("qwen3")
+    _edit_tensors(
+        folder, lambda t: t.update({"model.layers.0.self_attn.k_norm.weight": torch.ones(16)})
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"model.layers.0.self_attn.k_norm.weight: checkpoint shape \(16,\), model shape \(32,\)",
+    ):
+        titan_models.from_hf(folder)
+
+
+def test_integer_tensor_is_refused(hf_checkpoint):
+    _, folder = hf_checkpoint("llama3")
+    _edit_tensors(
+        folder, lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int32)})
+    )
+    with pytest.raises(ValueError, match=r"model.norm.weight: dtype I32 is not a floating dtype"):
+        titan_models.from_hf(folder, dtype=torch.float32)
+
+
+def test_mixed_dtype_without_dtype_argument_is_refused(hf_checkpoint):
+    _, folder = hf_checkpoint("llama3")
+    _edit_tensors(folder, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].half()}))
+    with pytest.raises(
+        ValueError, match=r"model.norm.weight: dtype torch.float16, checkpoint dtype torch.float32"
+    ):
+        titan_models.from_hf(folder)
+    model = titan_models.from_hf(folder, dtype=torch.float32)  # explicit conversion is fine
+    assert model.norm.weight.dtype == torch.float32
+
+
+def test_tied_checkpoint_with_a_stored_lm_head_is_accepted(hf_checkpoint):
+    _, folder = hf_checkpoint("qwen3", tie_word_embeddings=True)
+    _edit_tensors(
+        folder, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()})
+    )
+    model = titan_models.from_hf(folder)
+    assert model.output.weight is model.tok_embeddings.weight
+
+
+def test_folder_without_config_or_weights(tmp_path, hf_checkpoint):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        titan_models.from_hf(tmp_path)
+    _, folder = hf_checkpoint("llama3")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        titan_models.from_hf(folder)
+
+
+def test_to_hf_refuses_a_non_empty_folder(tmp_path):
+    cls, config = titan_models.get_model("llama3", "debug", num_layers=1)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    with pytest.raises(ValueError, match="not an empty folder"):
+        titan_models.to_hf(cls(config), tmp_path / "out")
+
+
+def test_to_hf_refuses_a_partial_or_meta_model(tmp_path):
+    cls, config = titan_models.get_model("llama3", "debug", num_layers=2)
+    stage = cls(config)
+    stage.output = None  # a pipeline stage without the head
+    with pytest.raises(ValueError, match="needs the whole model.*output.weight"):
+        titan_models.to_hf(stage, tmp_path / "a")
+    with torch.device("meta"):
+        meta = cls(config)
+    with pytest.raises(ValueError, match="gather it first"):
+        titan_models.to_hf(meta, tmp_path / "b")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
+    cls, config = titan_models.get_model("llama3", "debug", num_layers=2)
+    model = cls(config)
+    calls = []
+
+    def failing_save(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return save_file(*args, **kwargs)
+
+    monkeypatch.setattr(hf_io, "save_file", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        titan_models.to_hf(model, tmp_path / "ckpt", max_shard_size="1MB")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("size", "expected"),
+    [(1000, 1000), ("5GB", 5 * 10**9), ("512MiB", 512 * 2**20), ("1.5kb", 1500), ("10 B", 10)],
+)
+def test_shard_sizes_parse(size, expected):
+    assert hf_io.parse_size(size) == expected
+
+
+@pytest.mark.parametrize("size", ["five", "0", 0, "3 parsecs"])
+def test_bad_shard_size_is_refused(size):
+    with pytest.raises(ValueError, match="max_shard_size"):
+        hf_io.parse_size(size)

@@ -1,0 +1,129 @@
+"""Our models reproduce transformers' logits and gradients, and round-trip through HF files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import titan_models
+from titan_models.hf_adapter import DENSE_KEY_MAP
+
+CASES = [
+    # (family, HF config overrides): Llama with GQA + llama3 rope scaling + untied head;
+    # Qwen3 with QK-norm, tied and untied.
+    pytest.param("llama3", {}, id="llama3-gqa-rope_scaling-untied"),
+    pytest.param("qwen3", {"tie_word_embeddings": True}, id="qwen3-qknorm-tied"),
+    pytest.param("qwen3", {"tie_word_embeddings": False}, id="qwen3-qknorm-untied"),
+]
+
+
+def _inputs(vocab: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (2, 64), generator=g), torch.randint(
+        0, vocab, (2, 64), generator=g
+    )
+
+
+def _hf_name(fqn: str) -> str:
+    for ours, hf in DENSE_KEY_MAP:
+        parts = ours.split("{}")
+        if len(parts) == 1 and fqn == ours:
+            return hf
+        if len(parts) == 2 and fqn.startswith(parts[0]) and fqn.endswith(parts[1]):
+            index = fqn[len(parts[0]) : len(fqn) - len(parts[1])]
+            if index.isdigit():
+                return hf.format(index)
+    raise KeyError(fqn)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize(("family", "overrides"), CASES)
+def test_logits_and_gradients_match_transformers(hf_checkpoint, family, overrides, attn):
+    hf, folder = hf_checkpoint(family, attn=attn, **overrides)
+    ours = titan_models.from_hf(folder)
+    assert type(ours).__name__ == {"llama3": "Llama3", "qwen3": "Qwen3"}[family]
+    tokens, labels = _inputs(hf.config.vocab_size)
+
+    hf_logits = hf(input_ids=tokens).logits
+    our_logits = ours(tokens)
+    assert our_logits.shape == hf_logits.shape == (2, 64, hf.config.vocab_size)
+    assert (our_logits - hf_logits).abs().max().item() <= 1e-4
+    kl = F.kl_div(
+        F.log_softmax(our_logits, -1),
+        F.log_softmax(hf_logits, -1),
+        log_target=True,
+        reduction="none",
+    ).sum(-1)
+    assert kl.max().item() <= 1e-6
+
+    F.cross_entropy(hf_logits.flatten(0, 1), labels.flatten()).backward()
+    F.cross_entropy(our_logits.flatten(0, 1), labels.flatten()).backward()
+    hf_params = dict(hf.named_parameters())
+    checked = 0
+    for fqn, param in ours.named_parameters():
+        hf_grad = hf_params[_hf_name(fqn)].grad
+        diff = (param.grad - hf_grad).abs().max().item()
+        assert diff <= 1e-4, f"{fqn}: gradient differs by {diff}"
+        checked += 1
+    assert checked == len(hf_params)
+
+
+@pytest.mark.parametrize(("family", "overrides"), CASES)
+def test_to_hf_then_from_pretrained_gives_the_same_logits(
+    hf_checkpoint, tmp_path, family, overrides
+):
+    transformers = pytest.importorskip("transformers")
+    hf, folder = hf_checkpoint(family, **overrides)
+    ours = titan_models.from_hf(folder)
+    out = titan_models.to_hf(ours, tmp_path / "exported", max_shard_size="40KB")
+
+    files = sorted(p.name for p in out.iterdir())
+    shards = [f for f in files if f.endswith(".safetensors")]
+    assert len(shards) > 1 and "model.safetensors.index.json" in files
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    assert ("lm_head.weight" in index["weight_map"]) == (not ours.config.tie_embeddings)
+
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert reloaded.config.tie_word_embeddings == ours.config.tie_embeddings
+    tokens, _ = _inputs(ours.config.vocab_size)
+    with torch.no_grad():
+        # Same weights, same HF code: bit-identical logits.
+        assert torch.equal(reloaded(input_ids=tokens).logits, hf(input_ids=tokens).logits)
+    again = titan_models.from_hf(out)
+    for (name, a), (_, b) in zip(
+        ours.state_dict().items(), again.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
+def test_sharded_hf_checkpoint_loads(hf_checkpoint):
+    hf, folder = hf_checkpoint("llama3", shard="30KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    ours = titan_models.from_hf(folder)
+    tokens, _ = _inputs(hf.config.vocab_size)
+    with torch.no_grad():
+        assert (ours(tokens) - hf(input_ids=tokens).logits).abs().max().item() <= 1e-4
+
+
+def test_from_hf_converts_dtype_and_places_on_device(hf_checkpoint):
+    _, folder = hf_checkpoint("qwen3", tie_word_embeddings=True)
+    ours = titan_models.from_hf(folder, dtype=torch.bfloat16, device="cpu")
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    assert ours.output.weight is ours.tok_embeddings.weight  # still tied after loading
+
+
+def test_bf16_model_tracks_transformers_bf16(hf_checkpoint):
+    hf, folder = hf_checkpoint("qwen3", tie_word_embeddings=False)
+    ours = titan_models.from_hf(folder, dtype=torch.bfloat16)
+    hf = hf.to(torch.bfloat16)
+    tokens, _ = _inputs(hf.config.vocab_size)
+    with torch.no_grad():
+        a, b = ours(tokens).float(), hf(input_ids=tokens).logits.float()
+    # bf16 rounds each op; the kernels differ slightly (fused norm / rotary), so compare the
+    # distributions loosely rather than to the fp32 tolerance.
+    kl = F.kl_div(F.log_softmax(a, -1), F.log_softmax(b, -1), log_target=True, reduction="none")
+    assert kl.sum(-1).mean().item() < 1e-3

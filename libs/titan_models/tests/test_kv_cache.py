@@ -1,0 +1,81 @@
+"""Incremental decoding with the KV cache reproduces the full forward pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import titan_models
+
+
+def _model(family: str) -> titan_models.Transformer:
+    cls, config = titan_models.get_model(family, "debug", num_layers=2, vocab_size=512)
+    with torch.device("meta"):
+        model = cls(config)
+    return model.init_weights(device="cpu", seed=3).eval()
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_cached_decoding_matches_full_forward_for_ragged_prompts(family):
+    model = _model(family)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 17, 9)]
+    new_tokens, step_logits = titan_models.greedy_generate(model, prompts, max_new_tokens=32)
+    assert new_tokens.shape == (3, 32)
+
+    with torch.no_grad():
+        for row, prompt in enumerate(prompts):
+            full = torch.tensor(prompt + new_tokens[row].tolist())[None]
+            logits = model(full)[0]
+            # Logits at the last prompt position and at every generated token but the last.
+            expected = logits[len(prompt) - 1 : len(prompt) - 1 + 32]
+            diff = (step_logits[row] - expected).abs().max().item()
+            assert diff <= 1e-5, f"row {row}: cached decoding differs by {diff}"
+
+
+def test_chunked_prefill_equals_one_prefill():
+    model = _model("llama3")
+    tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = model.new_kv_cache(2, 32)
+        chunks = [model(part, kv_cache=cache) for part in tokens.split([10, 1, 13], dim=1)]
+    assert torch.allclose(torch.cat(chunks, dim=1), full, atol=1e-5, rtol=0)
+    assert cache.lengths.tolist() == [24, 24]
+
+
+def test_cache_overflow_is_refused_before_any_write():
+    model = _model("qwen3")
+    cache = model.new_kv_cache(1, 8)
+    with torch.no_grad():
+        model(torch.zeros(1, 6, dtype=torch.long), kv_cache=cache)
+        before = cache.layers[0].k_BKLD.clone()
+        with pytest.raises(ValueError, match="max_seq_len=8"):
+            model(torch.zeros(1, 3, dtype=torch.long), kv_cache=cache)
+    assert torch.equal(cache.layers[0].k_BKLD, before)
+    assert cache.lengths.tolist() == [6]
+
+
+@pytest.mark.parametrize(
+    ("lengths", "match"),
+    [([0, 3], r"input_lengths must lie in \[1, 3\]"), ([4, 3], r"\[1, 3\]"), ([1], "shape")],
+)
+def test_bad_input_lengths_are_refused(lengths, match):
+    model = _model("llama3")
+    cache = model.new_kv_cache(2, 8)
+    with pytest.raises(ValueError, match=match):
+        model(
+            torch.zeros(2, 3, dtype=torch.long), kv_cache=cache, input_lengths=torch.tensor(lengths)
+        )
+
+
+def test_input_lengths_without_a_cache_are_refused():
+    model = _model("llama3")
+    with pytest.raises(ValueError, match="needs a kv_cache"):
+        model(torch.zeros(2, 3, dtype=torch.long), input_lengths=torch.tensor([3, 3]))
+
+
+def test_cache_batch_must_match_the_input():
+    model = _model("llama3")
+    with pytest.raises(ValueError, match="batch_size=3"):
+        model(torch.zeros(2, 3, dtype=torch.long), kv_cache=model.new_kv_cache(3, 8))

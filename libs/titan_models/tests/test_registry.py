@@ -1,0 +1,79 @@
+"""The registry names every family and flavour and refuses unknown ones with the list."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import titan_models
+
+
+def test_list_models_names_both_families_and_all_flavors():
+    assert titan_models.list_models() == {
+        "llama3": ["debug", "1B", "3B", "8B", "70B", "405B"],
+        "qwen3": ["debug", "0.6B", "1.7B", "4B", "8B", "14B", "32B"],
+    }
+
+
+def test_get_model_returns_class_and_config_with_overrides():
+    cls, config = titan_models.get_model("qwen3", "8B", num_layers=2)
+    assert cls is titan_models.Qwen3
+    assert isinstance(config, titan_models.Qwen3Config)
+    assert (config.num_layers, config.dim, config.vocab_size) == (2, 4096, 151_936)
+    assert titan_models.get_model("qwen3", "8B")[1].num_layers == 36  # flavours are not mutated
+
+
+def test_unknown_family_lists_the_known_ones():
+    with pytest.raises(
+        ValueError, match=r"unknown model family 'gpt2'; known: \['llama3', 'qwen3'\]"
+    ):
+        titan_models.get_model("gpt2", "debug")
+
+
+def test_unknown_flavor_lists_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown flavor '7B'.*'debug', '1B', '3B', '8B'"):
+        titan_models.get_model("llama3", "7B")
+
+
+def test_unknown_override_lists_the_fields():
+    with pytest.raises(
+        ValueError, match=r"unknown Llama3Config field\(s\) \['n_layers'\].*num_layers"
+    ):
+        titan_models.get_model("llama3", "debug", n_layers=2)
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ({"num_kv_heads": 3}, "num_heads=8 must be a multiple of num_kv_heads=3"),
+        ({"dim": 0}, r"Llama3Config.dim must be an int >= 1, got 0"),
+        ({"head_dim": 31}, "head_dim must be even"),
+        ({"norm_eps": 0.0}, "norm_eps must be > 0"),
+    ],
+)
+def test_invalid_config_values_name_the_field(override, match):
+    with pytest.raises(ValueError, match=match):
+        titan_models.get_model("llama3", "debug", **override)
+
+
+def test_flavor_hyperparameters_match_the_hf_configs():
+    llama8 = titan_models.get_model("llama3", "8B")[1]
+    assert (llama8.vocab_size, llama8.rope.theta, llama8.rope.scaling.factor) == (
+        128_256,
+        500_000.0,
+        8.0,
+    )
+    assert (llama8.norm_eps, llama8.max_seq_len, llama8.tie_embeddings) == (1e-5, 131_072, False)
+    llama1 = titan_models.get_model("llama3", "1B")[1]
+    assert (llama1.rope.scaling.factor, llama1.tie_embeddings) == (32.0, True)  # Llama 3.2
+    for flavor in ("0.6B", "1.7B", "4B", "8B", "14B", "32B"):
+        q = titan_models.get_model("qwen3", flavor)[1]
+        assert (q.vocab_size, q.head_dim, q.rope.theta, q.rope.scaling) == (151_936, 128, 1e6, None)
+        assert q.tie_embeddings == (flavor in ("0.6B", "1.7B", "4B"))
+        assert q.norm_eps == 1e-6
+
+
+def test_debug_flavor_builds_and_runs_on_cpu():
+    cls, config = titan_models.get_model("llama3", "debug")
+    logits = cls(config)(torch.zeros(2, 8, dtype=torch.long))
+    assert logits.shape == (2, 8, config.vocab_size)
