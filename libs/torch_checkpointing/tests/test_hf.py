@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,15 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from torch_checkpointing import FsspecStorage, StateMismatchError, load_hf, save_hf
 
-
-class Chunked:
-    def __init__(self, global_shape, dtype, chunks):
-        self.global_shape = tuple(global_shape)
-        self.dtype = dtype
-        self._chunks = chunks
-
-    def local_chunks(self):
-        return self._chunks
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _checkpointing_cases import Chunked
 
 
 def _state():

@@ -6,7 +6,7 @@ import errno
 import itertools
 import math
 import os
-import random
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,21 +26,15 @@ from torch_checkpointing import (
     StateMismatchError,
 )
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _checkpointing_cases import Chunked, CountingStorage, RNGHolder
+
+from titan_testing import requires_gpus
+
 MODES = ("off", "thread", "process")
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-class RNGHolder:
-    """Stateful holder of the torch and Python RNG states."""
-
-    def state_dict(self):
-        return {"torch": torch.get_rng_state(), "python": random.getstate()}
-
-    def load_state_dict(self, sd):
-        torch.set_rng_state(sd["torch"])
-        random.setstate(sd["python"])
 
 
 class Loader:
@@ -66,18 +60,6 @@ class Loader:
         self.position = sd["position"]
         self.epoch_log = list(sd["epoch_log"])
         self.weights = dict(sd["weights"])
-
-
-class Chunked:
-    """Test-only implementation of the sharded-tensor protocol of DESIGN.md."""
-
-    def __init__(self, global_shape, dtype, chunks):
-        self.global_shape = tuple(global_shape)
-        self.dtype = dtype
-        self._chunks = chunks
-
-    def local_chunks(self):
-        return self._chunks
 
 
 def row_chunks(full: torch.Tensor, bounds: list[int]) -> Chunked:
@@ -180,21 +162,6 @@ class FailingStorage(FileSystemStorage):
             list(chunks)[:1]
             raise OSError(self.err, os.strerror(self.err), path)
         super().write(path, chunks)
-
-
-class CountingStorage(FileSystemStorage):
-    def __init__(self, root):
-        super().__init__(root, fsync=False)
-        self.read_bytes: dict[str, int] = {}
-
-    def read_into(self, path, offset, buffer):
-        self.read_bytes[path] = self.read_bytes.get(path, 0) + memoryview(buffer).nbytes
-        super().read_into(path, offset, buffer)
-
-    def read(self, path, offset=0, length=None):
-        data = super().read(path, offset, length)
-        self.read_bytes[path] = self.read_bytes.get(path, 0) + len(data)
-        return data
 
 
 # ---------------------------------------------------------------------------- round trip
@@ -586,3 +553,19 @@ def test_fresh_optimizer_and_layout_change(tmp_path):
     mgr.load({"model": other}, 2)
     assert torch.equal(other.weight, bigger.weight)
     mgr.close()
+
+
+@requires_gpus(1)
+@pytest.mark.parametrize("mode", ["off", "thread", "process"])
+def test_cuda_state_stages_into_pinned_buffers_and_round_trips(tmp_path, mode):
+    w = torch.randn(1024, 1024, device="cuda")
+    b = torch.arange(10, device="cuda")
+    ref = (w.cpu(), b.cpu())
+    with CheckpointManager(tmp_path, async_mode=mode) as mgr:
+        handle = mgr.save(1, {"m": {"w": w, "b": b}})
+        w.add_(1)  # same stream: runs after the asynchronous device-to-host staging copy
+        handle.wait()
+        out = {"m": {"w": torch.empty_like(w), "b": torch.empty_like(b)}}
+        mgr.load(out)
+    assert out["m"]["w"].is_cuda and torch.equal(out["m"]["w"].cpu(), ref[0])
+    assert torch.equal(out["m"]["b"].cpu(), ref[1])

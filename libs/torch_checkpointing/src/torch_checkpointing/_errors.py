@@ -51,3 +51,25 @@ class StateMismatchError(CheckpointError, ValueError):
         self.missing = missing
         self.unexpected = unexpected
         self.mismatched = mismatched
+
+    @classmethod
+    def listing(
+        cls,
+        where: str,
+        missing: list[str],
+        unexpected: list[str],
+        mismatched: list[tuple[str, str, str]],
+    ) -> StateMismatchError:
+        """The error for ``where``, its message listing every difference (20 of each kind)."""
+        lines = [f"load: the state does not match {where}; nothing was loaded"]
+        if missing:
+            lines.append(f"  missing from the checkpoint ({len(missing)}): {missing[:20]}")
+        if unexpected:
+            lines.append(
+                f"  in the checkpoint but not in the state ({len(unexpected)}): {unexpected[:20]}"
+            )
+        for name, have, ckpt in mismatched[:20]:
+            lines.append(f"  mismatched {name}: state has {have}, checkpoint has {ckpt}")
+        if len(mismatched) > 20:
+            lines.append(f"  ... and {len(mismatched) - 20} more mismatched")
+        return cls("\n".join(lines), missing, unexpected, mismatched)

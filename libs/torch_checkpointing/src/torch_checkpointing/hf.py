@@ -243,16 +243,7 @@ def load_hf(
             mismatched.append((name, f"{leaf.dtype}{list(leaf.shape)}", f"{dtype}{list(shape)}"))
         leaves[name] = leaf
     if mismatched or (strict and (missing or unexpected)):
-        lines = [f"load_hf: the state dict does not match {store!r}; nothing was loaded"]
-        if missing:
-            lines.append(f"  missing from the files ({len(missing)}): {missing[:20]}")
-        if unexpected:
-            lines.append(
-                f"  in the files but not in the state dict ({len(unexpected)}): {unexpected[:20]}"
-            )
-        for n, have, ckpt in mismatched[:20]:
-            lines.append(f"  mismatched {n}: state dict has {have}, file has {ckpt}")
-        raise StateMismatchError("\n".join(lines), missing, unexpected, mismatched)
+        raise StateMismatchError.listing(repr(store), missing, unexpected, mismatched)
     plan = rs.ReadPlan()
     files: dict[str, rs.FileInfo] = {}
     with torch.no_grad():

@@ -1080,11 +1080,8 @@ class CheckpointManager:
                     if key not in flat.leaves:
                         unexpected.append(tr.display(item, key))
             if mismatched or (strict and (missing or unexpected)):
-                raise StateMismatchError(
-                    _mismatch_message(folder, missing, unexpected, mismatched),
-                    missing,
-                    unexpected,
-                    mismatched,
+                raise StateMismatchError.listing(
+                    f"the checkpoint at {folder}", missing, unexpected, mismatched
                 )
             # Check sizes of every file we will read before touching the target.
             plan = rs.ReadPlan()
@@ -1119,9 +1116,7 @@ class CheckpointManager:
                 tree_keys = tr.tree_tensor_keys(trees[item])
                 extra = [k for k in tree_keys if k not in flat.leaves]
                 if extra and strict:  # pragma: no cover - caught above through the markers
-                    raise StateMismatchError(
-                        _mismatch_message(folder, [], extra, []), [], extra, []
-                    )
+                    raise StateMismatchError.listing(f"the checkpoint at {folder}", [], extra, [])
             if not verify:
                 files = {p: rs.FileInfo(p, f.size, None, None) for p, f in files.items()}
             rs.execute(self.storage, plan, files, threads=self.io_threads)
@@ -1201,23 +1196,6 @@ def _as_target(value: Any, per_rank: bool) -> Any:
     if not per_rank and isinstance(value, tr.PerRank):
         return value.value
     return value
-
-
-def _mismatch_message(
-    folder: str, missing: list[str], unexpected: list[str], mismatched: list[tuple[str, str, str]]
-) -> str:
-    lines = [f"load: the state does not match the checkpoint at {folder}; nothing was loaded"]
-    if missing:
-        lines.append(f"  missing from the checkpoint ({len(missing)}): {missing[:20]}")
-    if unexpected:
-        lines.append(
-            f"  in the checkpoint but not in the state ({len(unexpected)}): {unexpected[:20]}"
-        )
-    for name, have, ckpt in mismatched[:20]:
-        lines.append(f"  mismatched {name}: state has {have}, checkpoint has {ckpt}")
-    if len(mismatched) > 20:
-        lines.append(f"  ... and {len(mismatched) - 20} more mismatched")
-    return "\n".join(lines)
 
 
 def _is_empty_optimizer(obj: Any) -> bool:
