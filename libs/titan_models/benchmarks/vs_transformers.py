@@ -120,7 +120,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=["llama3", "qwen3"], default="llama3")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip-bf16", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -12,7 +12,7 @@ from .rope import (
     apply_rotary,
     rope_frequencies,
 )
-from .transformer import Transformer, TransformerBlock, TransformerConfig
+from .transformer import Transformer, TransformerBlock, TransformerConfig, dense_blocks
 
 __all__ = [
     "Attention",
@@ -29,6 +29,7 @@ __all__ = [
     "YarnRopeScaling",
     "apply_rotary",
     "attention_inputs",
+    "dense_blocks",
     "positions_from_document_ids",
     "rope_frequencies",
 ]

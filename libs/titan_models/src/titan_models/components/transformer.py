@@ -15,7 +15,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from .attention import attention_inputs
+from .attention import Attention, attention_inputs
+from .feedforward import FeedForward
 from .kv_cache import KVCache, LayerKVCache
 from .norm import RMSNorm
 from .rope import RopeConfig, RotaryEmbedding
@@ -106,6 +107,25 @@ class TransformerBlock(nn.Module):
         self.ffn_norm.init_weights()
         self.attention.init_weights(std=std, out_std=out_std, generator=generator)
         self.feed_forward.init_weights(std=std, out_std=out_std, generator=generator)
+
+
+def dense_blocks(config: TransformerConfig, *, qk_norm: bool) -> list[TransformerBlock]:
+    """``num_layers`` blocks of GQA attention + SwiGLU (Llama 3; with ``qk_norm``, Qwen3)."""
+    return [
+        TransformerBlock(
+            dim=config.dim,
+            norm_eps=config.norm_eps,
+            attention=Attention(
+                dim=config.dim,
+                num_heads=config.num_heads,
+                num_kv_heads=config.num_kv_heads,
+                head_dim=config.head_dim,
+                qk_norm_eps=config.norm_eps if qk_norm else None,
+            ),
+            feed_forward=FeedForward(dim=config.dim, hidden_dim=config.ffn_hidden_dim),
+        )
+        for _ in range(config.num_layers)
+    ]
 
 
 class Transformer(nn.Module):

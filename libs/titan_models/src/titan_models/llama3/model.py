@@ -1,30 +1,17 @@
 """Llama 3 (Grattafiori et al., 2024): pre-norm GQA + SwiGLU decoder, Llama 3.1 RoPE scaling.
 
-Single-device code: parallelism is applied from outside, from ``plan.py``.
+Single-device code: parallelism is applied from outside, from ``plan.py``. The forward pass is
+``components.Transformer.forward``; the block is ``components.TransformerBlock``.
 """
 
 from __future__ import annotations
 
-from ..components import Attention, FeedForward, Transformer, TransformerBlock
+from ..components import Transformer, dense_blocks
 from .config import Llama3Config
 
 
 class Llama3(Transformer):
-    """Llama 3.x causal LM; the forward pass is ``Transformer.forward``."""
+    """Llama 3.x causal LM: embedding → [RMSNorm → GQA, RMSNorm → SwiGLU] × L → RMSNorm → head."""
 
     def __init__(self, config: Llama3Config) -> None:
-        blocks = [
-            TransformerBlock(
-                dim=config.dim,
-                norm_eps=config.norm_eps,
-                attention=Attention(
-                    dim=config.dim,
-                    num_heads=config.num_heads,
-                    num_kv_heads=config.num_kv_heads,
-                    head_dim=config.head_dim,
-                ),
-                feed_forward=FeedForward(dim=config.dim, hidden_dim=config.ffn_hidden_dim),
-            )
-            for _ in range(config.num_layers)
-        ]
-        super().__init__(config, blocks)
+        super().__init__(config, dense_blocks(config, qk_norm=False))
