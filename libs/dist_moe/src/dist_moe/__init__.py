@@ -1,5 +1,55 @@
 """MoE routing, grouped experts, expert-parallel dispatch (local, all-to-all, symmetric memory), Triton kernels."""
 
+from dist_moe.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher, SymmMemDispatcher
+from dist_moe.experts import GroupedExperts, SharedExperts, grouped_mm_available
+from dist_moe.kernels import combine_rows, expert_histogram, permute_rows
+from dist_moe.moe import MoE, MoEConfig, expert_parallel
+from dist_moe.permute import (
+    PermuteConfig,
+    PermutePlan,
+    permute,
+    plan_permutation,
+    unpermute,
+    unpermute_and_combine,
+)
+from dist_moe.placement import ExpertPlacement
+from dist_moe.router import (
+    ExpertLoad,
+    RouterConfig,
+    RouterOutput,
+    TopKRouter,
+    expert_load,
+    update_expert_biases,
+)
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "AllToAllDispatcher",
+    "Dispatcher",
+    "ExpertLoad",
+    "ExpertPlacement",
+    "GroupedExperts",
+    "LocalDispatcher",
+    "MoE",
+    "MoEConfig",
+    "PermuteConfig",
+    "PermutePlan",
+    "RouterConfig",
+    "RouterOutput",
+    "SharedExperts",
+    "SymmMemDispatcher",
+    "TopKRouter",
+    "__version__",
+    "combine_rows",
+    "expert_histogram",
+    "expert_load",
+    "expert_parallel",
+    "grouped_mm_available",
+    "permute",
+    "permute_rows",
+    "plan_permutation",
+    "unpermute",
+    "unpermute_and_combine",
+    "update_expert_biases",
+]

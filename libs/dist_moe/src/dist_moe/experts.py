@@ -1,0 +1,137 @@
+"""SwiGLU experts as 3-D weights, computed with grouped GEMM or a per-expert loop; shared experts.
+
+Shapes: ``E`` experts (local ones, under expert parallelism), ``D`` model dim, ``I`` expert
+hidden dim, ``R`` rows of the permuted buffer, grouped by expert with ``group_ends`` (E,).
+
+Weights use the ``nn.Linear`` layout per expert: ``w_gate``/``w_up`` (E, I, D), ``w_down``
+(E, D, I); ``expert(x) = (silu(x @ w_gate[e].T) * (x @ w_up[e].T)) @ w_down[e].T``.
+
+``torch._grouped_mm`` facts this relies on (checked on CPU, torch 2.15): ``offs`` are int32
+group *ends*; rows past ``offs[-1]`` of the output are left uninitialised (no token reads
+them: the combine only reads rows that hold assignments); the row stride of each operand must
+be a multiple of 16 bytes (D and I multiples of 4 in fp32, 8 in bf16), otherwise the loop is
+used; its backward fails on a stride-0 gradient, hence the ``contiguous`` hook.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GroupedExperts", "SharedExperts", "grouped_mm_available"]
+
+ExpertsImpl = Literal["auto", "grouped_mm", "loop"]
+
+
+def _grouped_mm_fn():
+    fn = getattr(F, "grouped_mm", None)
+    return fn if fn is not None else getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mm_available(x: torch.Tensor, *dims: int) -> bool:
+    """Whether grouped GEMM can run on ``x``'s device/dtype with these inner dims."""
+    if _grouped_mm_fn() is None:
+        return False
+    if x.device.type == "cpu":
+        ok_dtype = x.dtype in (torch.float32, torch.bfloat16)
+    elif x.device.type == "cuda":
+        ok_dtype = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 8
+    else:
+        return False
+    return ok_dtype and all((d * x.element_size()) % 16 == 0 for d in dims)
+
+
+def _grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    out = _grouped_mm_fn()(x_RK, w_EKN, offs=offs)
+    if out.requires_grad:
+        out.register_hook(lambda g: g.contiguous())
+    return out
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts over a buffer grouped by expert."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, impl: ExpertsImpl = "auto"):
+        super().__init__()
+        for name, v in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"GroupedExperts: {name} must be an int >= 1, got {v!r}")
+        if impl not in ("auto", "grouped_mm", "loop"):
+            raise ValueError(
+                f"GroupedExperts: impl must be 'auto', 'grouped_mm' or 'loop', got {impl!r}"
+            )
+        self.dim, self.hidden_dim, self.num_experts, self.impl = dim, hidden_dim, num_experts, impl
+        self.w_gate = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w_up = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w_down = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for w in (self.w_gate, self.w_up, self.w_down):
+            nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
+
+    def uses_grouped_mm(self, x: torch.Tensor) -> bool:
+        if self.impl == "loop":
+            return False
+        ok = grouped_mm_available(x, self.dim, self.hidden_dim)
+        if self.impl == "grouped_mm" and not ok:
+            raise RuntimeError(
+                f"GroupedExperts(impl='grouped_mm'): grouped GEMM unavailable for {x.dtype} on "
+                f"{x.device.type} with dim={self.dim}, hidden_dim={self.hidden_dim}"
+            )
+        return ok
+
+    def forward(self, x_RD: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+        """(R, D) rows grouped by expert (``group_ends`` (E,) int) → (R, D)."""
+        if self.uses_grouped_mm(x_RD):
+            offs = group_ends.to(torch.int32)
+            gate = _grouped_mm(x_RD, self.w_gate.transpose(-2, -1), offs)
+            up = _grouped_mm(x_RD, self.w_up.transpose(-2, -1), offs)
+            return _grouped_mm(F.silu(gate) * up, self.w_down.transpose(-2, -1), offs)
+        return self.forward_loop(x_RD, group_ends)
+
+    def forward_loop(self, x_RD: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+        """Reference: one dense SwiGLU per expert on its rows (reads group_ends to the host)."""
+        ends = group_ends.tolist()
+        sizes = [end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)]
+        # split/unbind rather than slicing/indexing: their backward concatenates/stacks once
+        # instead of materialising a full-size zero gradient per expert.
+        xs = torch.split(x_RD, [*sizes, x_RD.shape[0] - ends[-1]])
+        outs = [
+            F.linear(F.silu(F.linear(xe, wg)) * F.linear(xe, wu), wd)
+            for xe, wg, wu, wd in zip(
+                xs, self.w_gate.unbind(0), self.w_up.unbind(0), self.w_down.unbind(0), strict=False
+            )
+        ]
+        outs.append(x_RD.new_zeros(xs[-1].shape[0], self.dim))  # slack rows: zeros
+        return torch.cat(outs)
+
+
+class SharedExperts(nn.Module):
+    """Dense SwiGLU MLP seen by every token (DeepSeek's shared experts, Qwen2-MoE's shared
+    expert); ``gate=True`` adds Qwen2-MoE's per-token sigmoid gate."""
+
+    def __init__(self, dim: int, hidden_dim: int, *, gate: bool = False) -> None:
+        super().__init__()
+        for name, v in (("dim", dim), ("hidden_dim", hidden_dim)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"SharedExperts: {name} must be an int >= 1, got {v!r}")
+        self.w_gate = nn.Linear(dim, hidden_dim, bias=False)
+        self.w_up = nn.Linear(dim, hidden_dim, bias=False)
+        self.w_down = nn.Linear(hidden_dim, dim, bias=False)
+        self.gate = nn.Linear(dim, 1, bias=False) if gate else None
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in (self.w_gate, self.w_up, self.w_down, self.gate):
+            if m is not None:
+                nn.init.trunc_normal_(m.weight, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        out = self.w_down(F.silu(self.w_gate(x_TD)) * self.w_up(x_TD))
+        if self.gate is not None:
+            out = torch.sigmoid(self.gate(x_TD)) * out
+        return out

@@ -1,0 +1,176 @@
+"""The MoE layer: router + (shared experts) + dispatch/permute + grouped experts + combine.
+
+Shapes: ``B`` batch, ``S`` sequence, ``T = B * S`` tokens, ``D`` model dim, ``K`` top_k,
+``R`` rows of the expert buffer.
+
+A drop-in for a dense MLP: ``MoE(config)(x)`` maps (B, S, D) or (T, D) to the same shape.
+Single-device by default (``LocalDispatcher``); ``expert_parallel(moe, group)`` shards the
+experts over a process group and installs an expert-parallel dispatcher, from outside.
+
+The sequence-wise balance loss (``RouterConfig.seq_aux_loss_coef > 0``, training only) is
+attached to the output the way DeepSeek-V2 does it: the forward value is unchanged and the
+backward adds d(aux)/d(params) as if ``aux`` had been added to the loss with weight 1. Its
+value is kept (detached) in ``moe.aux_loss`` for logging.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dist_moe.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher, SymmMemDispatcher
+from dist_moe.experts import ExpertsImpl, GroupedExperts, SharedExperts
+from dist_moe.permute import PermuteConfig
+from dist_moe.placement import ExpertPlacement
+from dist_moe.router import ExpertLoad, RouterConfig, TopKRouter
+
+__all__ = ["MoE", "MoEConfig", "expert_parallel"]
+
+
+@dataclass(kw_only=True, slots=True)
+class MoEConfig:
+    """One MoE layer."""
+
+    dim: int
+    """Model dim D."""
+    hidden_dim: int
+    """Hidden dim of each routed SwiGLU expert."""
+    router: RouterConfig
+    """Routing (number of experts, top-k, scores, balancing)."""
+    shared_hidden_dim: int = 0
+    """Hidden dim of the shared SwiGLU expert(s) seen by every token (0: none). DeepSeek-V3:
+    n_shared_experts * moe_intermediate_size."""
+    shared_gate: bool = False
+    """Sigmoid gate on the shared expert output (Qwen2-MoE)."""
+    permute: PermuteConfig = field(default_factory=PermuteConfig)
+    """Alignment, dropless or capacity, static shapes, kernel backend."""
+    experts_impl: ExpertsImpl = "auto"
+    """"grouped_mm", the per-expert "loop" reference, or "auto" (grouped GEMM when usable)."""
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "hidden_dim"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"MoEConfig.{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.router, RouterConfig):
+            raise ValueError(f"MoEConfig.router must be a RouterConfig, got {self.router!r}")
+        if not isinstance(self.permute, PermuteConfig):
+            raise ValueError(f"MoEConfig.permute must be a PermuteConfig, got {self.permute!r}")
+        v = self.shared_hidden_dim
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"MoEConfig.shared_hidden_dim must be an int >= 0, got {v!r}")
+        if self.experts_impl not in ("auto", "grouped_mm", "loop"):
+            raise ValueError(
+                "MoEConfig.experts_impl must be 'auto', 'grouped_mm' or 'loop', "
+                f"got {self.experts_impl!r}"
+            )
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad.device)
+
+
+class MoE(nn.Module):
+    """Mixture-of-experts SwiGLU layer (see the module docstring)."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        rc = config.router
+        self.router = TopKRouter(config.dim, rc)
+        self.experts = GroupedExperts(
+            config.dim, config.hidden_dim, rc.num_experts, impl=config.experts_impl
+        )
+        self.shared_experts = (
+            SharedExperts(config.dim, config.shared_hidden_dim, gate=config.shared_gate)
+            if config.shared_hidden_dim
+            else None
+        )
+        self.dispatcher: Dispatcher = LocalDispatcher(rc.num_experts, config.permute)
+        self.aux_loss: torch.Tensor | None = None
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        self.router.reset_parameters(std)
+        self.experts.reset_parameters(std)
+        if self.shared_experts is not None:
+            self.shared_experts.reset_parameters(std)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"MoE: x must be a tensor, got {type(x).__name__}")
+        if x.dim() not in (2, 3) or x.shape[-1] != self.config.dim:
+            raise ValueError(
+                f"MoE: x must have shape (B, S, {self.config.dim}) or (T, {self.config.dim}), "
+                f"got {tuple(x.shape)}"
+            )
+        w = self.experts.w_gate
+        if not x.is_floating_point() or x.dtype != w.dtype:
+            raise ValueError(f"MoE: x.dtype must be the parameters' dtype {w.dtype}, got {x.dtype}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        shape = x.shape
+        x_TD = x.reshape(-1, shape[-1])
+        route = self.router(x_TD, seq_len=shape[1] if x.dim() == 3 else None)
+        rows_RD, group_ends, ctx = self.dispatcher.dispatch(x_TD, route.indices, route.counts)
+        y_RD = self.experts(rows_RD, group_ends)
+        out_TD = self.dispatcher.combine(y_RD, route.weights, ctx)
+        if self.shared_experts is not None:
+            out_TD = out_TD + self.shared_experts(x_TD)
+        if route.aux_loss is not None:
+            self.aux_loss = route.aux_loss.detach()
+            out_TD = _AttachAuxLoss.apply(out_TD, route.aux_loss)
+        return out_TD.reshape(shape)
+
+    def load(self) -> ExpertLoad:
+        """Expert load since the last bias update / reset (see ``TopKRouter.load``)."""
+        return self.router.load()
+
+
+def expert_parallel(
+    moe: MoE,
+    group: dist.ProcessGroup | None = None,
+    *,
+    dispatcher: Literal["all_to_all", "symm_mem"] = "all_to_all",
+) -> ExpertPlacement:
+    """Shard ``moe``'s routed experts over ``group`` and install an expert-parallel dispatcher.
+
+    The experts must still be full (E, ...) tensors, identical on every rank (same seed or
+    loaded from the same checkpoint); each rank keeps its slice. Router and shared experts
+    stay replicated (their gradients are data-parallel: reduce them as usual). The expert
+    parameters are replaced, so call this before building the optimizer. Checks happen before
+    anything changes; no collective runs here.
+    """
+    if not isinstance(moe, MoE):
+        raise ValueError(f"expert_parallel: moe must be a MoE, got {type(moe).__name__}")
+    if dispatcher not in ("all_to_all", "symm_mem"):
+        raise ValueError(
+            f"expert_parallel: dispatcher must be 'all_to_all' or 'symm_mem', got {dispatcher!r}"
+        )
+    num_experts = moe.config.router.num_experts
+    if moe.experts.num_experts != num_experts:
+        raise ValueError("expert_parallel: the experts of this MoE are already sharded")
+    placement = ExpertPlacement.from_group(num_experts, group)
+    cls = AllToAllDispatcher if dispatcher == "all_to_all" else SymmMemDispatcher
+    new_dispatcher = cls(num_experts, group, moe.config.permute)
+    experts = moe.experts
+    for name in ("w_gate", "w_up", "w_down"):
+        full = getattr(experts, name)
+        shard = nn.Parameter(
+            placement.shard(full.detach()).clone(), requires_grad=full.requires_grad
+        )
+        setattr(experts, name, shard)
+    experts.num_experts = placement.num_local_experts
+    moe.dispatcher = new_dispatcher
+    return placement
