@@ -1,0 +1,125 @@
+"""Gradient clipping with the true global norm over every placement."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flexshard._runtime import param_info
+from flexshard.placements import Replicate
+
+__all__ = ["clip_grad_norm_", "global_grad_norm"]
+
+
+def _reduce_groups(p: torch.Tensor) -> tuple:
+    """Groups over which this parameter's local gradient is split (no group: replicated)."""
+    info = param_info(p)
+    groups: list = []
+    if info is None:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements):
+            groups.append(_tp_group(p.device_mesh, p.placements))
+        return tuple(groups)
+    if not isinstance(info.placement, Replicate):
+        groups.append(info.group)
+    if info.dtensor is not None:
+        mesh, placements, _, _ = info.dtensor
+        if any(pl.is_shard() for pl in placements):
+            groups.append(_tp_group(mesh, placements))
+    return tuple(groups)
+
+
+def _tp_group(mesh, placements):
+    if mesh.ndim != 1:
+        raise ValueError("flexshard.clip_grad_norm_: only 1-D tensor-parallel meshes are supported")
+    return mesh.get_group()
+
+
+def _local_grad(p: torch.Tensor) -> torch.Tensor:
+    g = p.grad
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(g, DTensor):
+        g = g.to_local()
+    return g
+
+
+@torch.no_grad()
+def global_grad_norm(
+    parameters: nn.Module | torch.Tensor | Iterable[torch.Tensor], norm_type: float = 2.0
+) -> torch.Tensor:
+    """The norm of the gradient of the whole (unsharded) model, identical on every rank.
+
+    Sharded/owned pieces are summed over the mesh (each element lives on one rank);
+    replicated ones count once. A collective: every rank of the mesh must call it."""
+    params = _as_list(parameters)
+    norm_type = float(norm_type)
+    # Every rank must issue the same collectives, even one holding no gradient of a group
+    # (an Owned parameter's non-owner): groups come from placements, in parameter order.
+    inf = math.isinf(norm_type)
+    contrib: dict[tuple, torch.Tensor] = {}
+    device = None
+    for p in params:
+        if p.grad is None:
+            continue
+        g = _local_grad(p)
+        device = g.device
+        if g.numel() == 0:
+            v = torch.zeros((), dtype=torch.float32, device=g.device)
+        elif inf:
+            v = g.detach().abs().max().float()
+        else:
+            v = torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type
+        key = _reduce_groups(p)
+        if key in contrib:
+            contrib[key] = torch.maximum(contrib[key], v) if inf else contrib[key] + v
+        else:
+            contrib[key] = v
+    keys = list(dict.fromkeys(_reduce_groups(p) for p in params))
+    if device is None:
+        device = params[0].device if params else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for key in keys:
+        v = contrib.get(key, torch.zeros((), dtype=torch.float32, device=device)).to(device)
+        for grp in key:
+            dist.all_reduce(v, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=grp)
+        total = torch.maximum(total, v) if inf else total + v
+    return total if inf else total ** (1.0 / norm_type)
+
+
+def _as_list(parameters) -> list[torch.Tensor]:
+    if isinstance(parameters, nn.Module):
+        return list(parameters.parameters())
+    if isinstance(parameters, torch.Tensor):
+        return [parameters]
+    return list(parameters)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: nn.Module | torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Like ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: scales every local
+    gradient by ``min(1, max_norm / (global_norm + 1e-6))`` and returns the global norm.
+    A collective over the mesh: every rank must call it with the same parameters."""
+    params = _as_list(parameters)
+    total = global_grad_norm(params, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"flexshard.clip_grad_norm_: the total norm of order {norm_type} is non-finite "
+            f"({total.item()}); set error_if_nonfinite=False to clip anyway"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            g = _local_grad(p)
+            g.mul_(coef.to(g.device, g.dtype))
+    return total
