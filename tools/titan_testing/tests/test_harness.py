@@ -102,3 +102,27 @@ def test_local_function_is_rejected_before_spawning():
 def test_unpicklable_argument_is_rejected_before_spawning():
     with pytest.raises(TypeError, match="positional argument 0"):
         run_distributed(_raise_on_rank_one, 2, lambda: None)
+
+
+_SCRIPT = """
+import torch, torch.distributed as dist
+from titan_testing import run_distributed
+
+def rank_sum():
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+if __name__ == "__main__":
+    print(run_distributed(rank_sum, 2, timeout=60))
+"""
+
+
+def test_script_calling_the_harness_from_main_does_not_respawn_itself(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[2.0, 2.0]"

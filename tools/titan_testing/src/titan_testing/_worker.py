@@ -30,10 +30,15 @@ def _load_module(name: str, file: str) -> ModuleType:
     except ImportError:
         pass
     # Test modules imported by pytest's importlib mode are not importable by name: load the
-    # file itself under the same module name so pickled objects from it resolve.
-    spec = importlib.util.spec_from_file_location(name, file)
+    # file itself under the same module name so pickled objects from it resolve. A script's
+    # __main__ is loaded as __mp_main__ (as multiprocessing does), so its
+    # `if __name__ == "__main__":` block does not run again in every rank and spawn ranks of
+    # its own; the alias keeps pickled references to __main__ working.
+    load_as = "__mp_main__" if name == "__main__" else name
+    spec = importlib.util.spec_from_file_location(load_as, file)
     assert spec is not None and spec.loader is not None, file
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[load_as] = mod
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
