@@ -130,6 +130,27 @@ class Layout:
         raise NotImplementedError
 
     # -- helpers -------------------------------------------------------------------------
+    def _reduce_scatter(
+        self, send: torch.Tensor, out_numel: int, predivide: bool, stats: CommStats
+    ) -> Pending:
+        """Start the (optionally pre-divided) sum-reduce-scatter of ``send`` into a new buffer."""
+        if predivide:
+            send.div_(self.g.world)
+        out = torch.empty(out_numel, dtype=send.dtype, device=send.device)
+        work = dist.reduce_scatter_tensor(
+            out, send, op=dist.ReduceOp.SUM, group=self.g.group, async_op=True
+        )
+        stats.add("reduce_scatter", send.nbytes)
+        return Pending([work], out, [send], send.nbytes + out.nbytes)
+
+    def _reduced(self, p: Pending, predivide: bool) -> torch.Tensor:
+        """Wait for ``_reduce_scatter`` and return this rank's averaged segment."""
+        p.wait()
+        out = p.recv
+        if not predivide:
+            out.div_(self.g.world)
+        return out
+
     def out_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         info = self.infos[i]
         off = self.full_offsets[i]
@@ -249,20 +270,10 @@ class ShardLayout(Layout):
                     dst[k + 1 :].zero_()
             elif k < W:
                 dst[k:].zero_()
-        if predivide:
-            send.div_(W)
-        out = torch.empty(self.seg, dtype=rdtype, device=device)
-        work = dist.reduce_scatter_tensor(
-            out, send, op=dist.ReduceOp.SUM, group=self.g.group, async_op=True
-        )
-        stats.add("reduce_scatter", send.nbytes)
-        return Pending([work], out, [send], send.nbytes + out.nbytes)
+        return self._reduce_scatter(send, self.seg, predivide, stats)
 
     def finish_reduce(self, p, predivide):
-        p.wait()
-        out = p.recv
-        if not predivide:
-            out.div_(self.g.world)
+        out = self._reduced(p, predivide)
         res: list[torch.Tensor | None] = []
         for s in self.specs:
             res.append(
@@ -396,20 +407,10 @@ class BlockShardLayout(Layout):
             if gr is None:
                 continue
             st.index_copy_(0, s.src_index.to(device), self._tiles(gr.to(rdtype), s))
-        if predivide:
-            send.div_(W)
-        out = torch.empty(M * tile, dtype=rdtype, device=device)
-        work = dist.reduce_scatter_tensor(
-            out, send, op=dist.ReduceOp.SUM, group=self.g.group, async_op=True
-        )
-        stats.add("reduce_scatter", send.nbytes)
-        return Pending([work], out, [send], send.nbytes + out.nbytes)
+        return self._reduce_scatter(send, M * tile, predivide, stats)
 
     def finish_reduce(self, p, predivide):
-        p.wait()
-        out = p.recv
-        if not predivide:
-            out.div_(self.g.world)
+        out = self._reduced(p, predivide)
         br, bc = self.placement.block
         tiles = out.view(self.M, br, bc)
         r = self.g.rank
