@@ -205,3 +205,54 @@ def test_split_units_balances_by_parameter_count():
     assert [list(r) for r in balance([1, 1, 1, 1], 4)] == [[0], [1], [2], [3]]
     with pytest.raises(ValueError, match="need >= 1 unit each"):
         balance([1, 2], 3)
+
+
+class _Scaled(nn.Module):
+    """A stage whose forward needs a per-microbatch side input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * scale
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1", "zbv"])
+def test_stage_kwargs_reach_every_stage_and_hooks_see_every_gradient(name):
+    torch.manual_seed(0)
+    per_rank = 2 if name == "zbv" else 1
+    units = [_Scaled() for _ in range(per_rank)]
+    schedule = build_schedule(name, num_ranks=1, num_microbatches=4, stages_per_rank=per_rank)
+    x, y = torch.randn(8, DIM), torch.randn(8, DIM)
+    scales = [torch.full((2, 1), float(i + 1)) for i in range(4)]
+    hooked: list[str] = []
+    for i, u in enumerate(units):  # post-accumulate-grad hooks are how DP wrappers reduce
+        for n, p in u.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda _p, n=f"{i}.{n}": hooked.append(n))
+    spec = lambda shape, dtype: (shape, dtype)  # noqa: E731
+    stages = [PipelineStage(u, s, per_rank, output_spec=spec) for s, u in enumerate(units)]
+    losses = run(
+        schedule,
+        stages,
+        split_microbatches(x, 4),
+        split_microbatches(y, 4),
+        _loss,
+        stage_kwargs=[{"scale": s} for s in scales],
+    )
+    ref_units = [_Scaled() for _ in units]
+    for r, u in zip(ref_units, units, strict=True):
+        r.load_state_dict(u.state_dict())
+    ref_loss = 0.0
+    for i, (xm, ym) in enumerate(zip(x.chunk(4), y.chunk(4), strict=True)):
+        h = xm
+        for r in ref_units:
+            h = r(h, scale=scales[i])
+        loss = _loss(h, ym)
+        (loss / 4).backward()
+        ref_loss += loss.item()
+        assert losses[i].item() == pytest.approx(loss.item(), abs=1e-6)
+    for r, u in zip(ref_units, units, strict=True):
+        for (n, p), q in zip(u.named_parameters(), r.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6, msg=n)
+    assert len(hooked) == 4 * sum(len(list(u.parameters())) for u in units)

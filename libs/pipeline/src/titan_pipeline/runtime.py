@@ -13,6 +13,12 @@ of the mean loss over the whole batch. Gradients accumulate into ``param.grad`` 
 autograd (zero them between steps). Every stage runs its backward (B, or W) in increasing
 microbatch order in all built-in schedules, so their gradient sums are bitwise identical.
 
+Backward passes go through ``torch.autograd.backward`` (B, and W from the branch points), so
+gradients land in ``.grad`` through the parameters' ``AccumulateGrad`` nodes and any
+post-accumulate-grad hooks fire: a data-parallel wrapper that reduces gradients from those
+hooks (flexshard, FSDP2) composes with the runtime. Side inputs every stage needs for a
+microbatch (positions, document ids, masks) travel as ``stage_kwargs``, not through the pipe.
+
 Zero-bubble split: I computes the input gradient with ``retain_graph=True`` and, through
 prehooks, keeps the gradients arriving at the autograd nodes where the weight-only branches
 leave the input path; W then starts autograd from those nodes (``GradientEdge``) to reach the
@@ -72,7 +78,13 @@ class PipelineStage:
         stage_index: int,
         num_stages: int,
         group: dist.ProcessGroup | None = None,
+        *,
+        output_spec: Callable[[tuple[int, ...], torch.dtype], tuple[tuple[int, ...], torch.dtype]]
+        | None = None,
     ) -> None:
+        """``output_spec(input_shape, input_dtype) -> (output_shape, output_dtype)`` replaces
+        the meta-device trial forward for modules that cannot run on meta tensors (sharded
+        parameters gathered by hooks, DTensors)."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if not isinstance(num_stages, int) or num_stages < 1:
@@ -85,6 +97,7 @@ class PipelineStage:
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.group = group
+        self.output_spec = output_spec
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._inputs: dict[int, torch.Tensor] = {}
         self._outputs: dict[int, torch.Tensor] = {}
@@ -101,10 +114,10 @@ class PipelineStage:
         """True for the last stage (it computes the loss)."""
         return self.stage_index == self.num_stages - 1
 
-    def _forward(self, mb: int, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, mb: int, x: torch.Tensor, kwargs: dict[str, object]) -> torch.Tensor:
         if not self.is_first and x.is_floating_point():
             x = x.detach().requires_grad_(True)
-        y = self.module(x)
+        y = self.module(x, **kwargs)
         self._inputs[mb] = x
         self._outputs[mb] = y
         return y.detach()
@@ -121,10 +134,8 @@ class PipelineStage:
         x = self._inputs.pop(mb)
         x_grad = x.requires_grad and not self.is_first
         if not split:
-            inputs = ([x] if x_grad else []) + self._params
-            grads = torch.autograd.grad(y, inputs, gy, allow_unused=True)
-            _accumulate(self._params, grads[1:] if x_grad else grads)
-            return grads[0] if x_grad else None
+            torch.autograd.backward(y, gy)
+            return x.grad if x_grad else None
         work = _SplitBackward(y, gy, [])
         self._split[mb] = work
         if not x_grad:
@@ -145,10 +156,7 @@ class PipelineStage:
             return
         complete = bool(work.branches) and all(n in work.grads for n, _ in work.branches)
         if not complete:  # no input path (first stage): one backward from the root
-            grads = torch.autograd.grad(
-                work.output, self._params, work.grad_output, allow_unused=True
-            )
-            _accumulate(self._params, grads)
+            torch.autograd.backward(work.output, work.grad_output)
             return
         # One autograd call per branch point: a single call from all of them would also send
         # each one's gradient down the input path to the branches below it, counting those
@@ -160,10 +168,7 @@ class PipelineStage:
                     edges.append(GradientEdge(node, i))
                     grads_out.append(g)
             if edges and leaves:
-                grads = torch.autograd.grad(
-                    edges, leaves, grads_out, retain_graph=True, allow_unused=True
-                )
-                _accumulate(leaves, grads)
+                torch.autograd.backward(edges, grads_out, retain_graph=True, inputs=leaves)
 
 
 def _catch(work: _SplitBackward, node: Node) -> Callable[..., None]:
@@ -226,16 +231,6 @@ def _leaves_under(nodes: list[Node]) -> list[torch.Tensor]:
     return list(leaves.values())
 
 
-def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    for p, g in zip(params, grads, strict=True):
-        if g is None:
-            continue
-        if p.grad is None:
-            p.grad = g.detach()
-        else:
-            p.grad.add_(g)
-
-
 class TimelineRecorder:
     """Collects the start and end of each compute action ``run`` executes on this rank."""
 
@@ -270,11 +265,13 @@ def run(
     *,
     loss_scale: float | None = None,
     recorder: TimelineRecorder | None = None,
+    stage_kwargs: Sequence[dict[str, object]] | None = None,
 ) -> list[torch.Tensor]:
     """Run one step of ``schedule`` on this rank's ``stages``; return the losses.
 
     ``microbatches`` is needed on the rank of stage 0 and ``targets`` on the rank of the last
-    stage (others may pass None). Returns the detached, unscaled per-microbatch losses on the
+    stage (others may pass None). ``stage_kwargs[i]``, if given, is passed as keyword
+    arguments to every stage's module for microbatch ``i`` (on every rank). Returns the detached, unscaled per-microbatch losses on the
     rank of the last stage and ``[]`` elsewhere. Bad input raises ``ValueError`` on every
     rank before any activation is sent.
     """
@@ -306,6 +303,10 @@ def run(
             _check_microbatches("microbatches", microbatches, m, same_shape=True)
         if schedule.num_stages - 1 in local:
             _check_microbatches("targets", targets, m, same_shape=False)
+        if stage_kwargs is not None and len(stage_kwargs) != m:
+            raise ValueError(
+                f"stage_kwargs must hold num_microbatches={m} dicts, got {len(stage_kwargs)}"
+            )
     except ValueError as e:
         problem = f"rank {rank}: {e}"
     out_meta = _stage_output_meta(schedule, local, microbatches, rank, group, problem)
@@ -375,7 +376,7 @@ def run(
         if a.kind == F:
             x = microbatches[mb] if s == 0 else value("F", s, mb)
             start = time.perf_counter()
-            y = st._forward(mb, x)
+            y = st._forward(mb, x, stage_kwargs[mb] if stage_kwargs is not None else {})
             if st.is_last:
                 loss = loss_fn(st._outputs[mb], targets[mb])
                 st._set_loss(mb, loss * scale)
@@ -493,7 +494,7 @@ def _stage_output_meta(
     shape, dtype = key
     metas: list[tuple[tuple[int, ...], torch.dtype]] = []
     for s, owner_rank in enumerate(schedule.stage_to_rank):
-        result = _meta_forward(local[s].module, shape, dtype) if owner_rank == rank else None
+        result = _stage_meta(local[s], shape, dtype) if owner_rank == rank else None
         result = share(result, owner_rank)
         if isinstance(result, str):
             what = "the microbatches" if s == 0 else f"the output of stage {s - 1}"
@@ -506,6 +507,18 @@ def _stage_output_meta(
         metas.append((shape, dtype))
     cache[cache_key] = metas
     return metas
+
+
+def _stage_meta(
+    stage: PipelineStage, shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[tuple[int, ...], torch.dtype] | str:
+    if stage.output_spec is None:
+        return _meta_forward(stage.module, shape, dtype)
+    try:
+        out_shape, out_dtype = stage.output_spec(shape, dtype)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return tuple(out_shape), out_dtype
 
 
 def _meta_forward(
