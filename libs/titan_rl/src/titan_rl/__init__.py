@@ -1,5 +1,63 @@
 """RL post-training with the same model code in trainer and generator."""
 
+from .arithmetic import ArithmeticTask, Problem, Prompt, arithmetic_problem
+from .batch_invariant import batch_invariant, invariant_attention, invariant_linear
+from .diagnostics import logprob_diagnostics, reward_diagnostics
+from .generator import Generation, Generator, SamplingParams, TorchGenerator
+from .logprobs import pack_sequences, sequence_logprobs, token_logprobs
+from .losses import (
+    LossConfig,
+    LossOutput,
+    aggregate,
+    correction_weights,
+    group_advantages,
+    grpo_loss,
+)
+from .rewards import (
+    RewardResult,
+    SandboxLimits,
+    SandboxResult,
+    boxed_math_reward,
+    code_reward,
+    exact_match_reward,
+    last_boxed,
+    run_sandboxed,
+)
+from .tokenizer import Tokenizer
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "ArithmeticTask",
+    "Generation",
+    "Generator",
+    "LossConfig",
+    "LossOutput",
+    "Problem",
+    "Prompt",
+    "RewardResult",
+    "SamplingParams",
+    "SandboxLimits",
+    "SandboxResult",
+    "Tokenizer",
+    "TorchGenerator",
+    "__version__",
+    "aggregate",
+    "arithmetic_problem",
+    "batch_invariant",
+    "boxed_math_reward",
+    "code_reward",
+    "correction_weights",
+    "exact_match_reward",
+    "group_advantages",
+    "grpo_loss",
+    "invariant_attention",
+    "invariant_linear",
+    "last_boxed",
+    "logprob_diagnostics",
+    "pack_sequences",
+    "reward_diagnostics",
+    "run_sandboxed",
+    "sequence_logprobs",
+    "token_logprobs",
+]

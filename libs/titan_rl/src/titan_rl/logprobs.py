@@ -1,0 +1,64 @@
+"""Log-probabilities of sampled tokens: one function for the generator and the trainer.
+
+The generator takes the log-prob of each token from the logits row that sampled it; the trainer
+recomputes them with one causal forward over ``prompt + response``. Both go through
+``token_logprobs`` on the same ``(V,)`` logits row, so in batch-invariant mode they are equal.
+
+Shapes: B sequences, P prompt tokens, T response tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``log softmax(logits / temperature)[token]`` per row, in fp32 (``temperature`` 0 → 1)."""
+    scaled = logits.float()
+    if temperature not in (0.0, 1.0):
+        scaled = scaled / temperature
+    return scaled.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
+
+
+def pack_sequences(
+    prompts: list[list[int]], responses: torch.Tensor, response_mask: torch.Tensor, pad_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``prompt + response`` rows ``(B, P + T)`` and each response's start index."""
+    B, T = responses.shape
+    if len(prompts) != B or tuple(response_mask.shape) != (B, T):
+        raise ValueError(
+            f"{len(prompts)} prompts, responses {tuple(responses.shape)} and mask "
+            f"{tuple(response_mask.shape)} must agree on the batch size and length"
+        )
+    starts = torch.tensor([len(p) for p in prompts])
+    lengths = starts + response_mask.sum(1)
+    seq_BS = torch.full((B, int(lengths.max())), pad_id, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        n = int(lengths[row]) - len(prompt)
+        seq_BS[row, : len(prompt)] = torch.tensor(prompt)
+        seq_BS[row, len(prompt) : len(prompt) + n] = responses[row, :n]
+    return seq_BS, starts
+
+
+def sequence_logprobs(
+    model: nn.Module,
+    prompts: list[list[int]],
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """The trainer's log-prob ``(B, T)`` of every response token (0 where the mask is off).
+
+    One forward over the packed ``prompt + response`` rows; response token ``t`` of row ``b`` is
+    predicted by the logits at ``starts[b] + t - 1``. Differentiable.
+    """
+    seq_BS, starts = pack_sequences(prompts, responses, response_mask)
+    seq_BS = seq_BS.to(responses.device)
+    logits_BSV = model(seq_BS)
+    B, T = responses.shape
+    index_BT = (starts[:, None] - 1 + torch.arange(T)).clamp(max=seq_BS.shape[1] - 1)
+    logits_BTV = logits_BSV[torch.arange(B)[:, None], index_BT.to(seq_BS.device)]
+    lp_BT = token_logprobs(logits_BTV, responses.clamp(min=0), temperature)
+    return lp_BT.masked_fill(~response_mask.bool(), 0.0)

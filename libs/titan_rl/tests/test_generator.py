@@ -1,0 +1,163 @@
+"""TorchGenerator: sampling controls, seeds, stop tokens, weights, and its log-probs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import titan_models
+from titan_rl import (
+    Generation,
+    SamplingParams,
+    TorchGenerator,
+    batch_invariant,
+    sequence_logprobs,
+)
+from titan_rl.generator import _sample
+
+PROMPTS = [[256, 49, 43, 50, 61], [256, 55, 61], [256, 57, 57, 45, 51, 52, 61]]
+
+
+def test_greedy_matches_titan_models_greedy_generate(tiny_model):
+    out = TorchGenerator(tiny_model).generate(
+        PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.0), seeds=[0, 0, 0]
+    )
+    expected, _ = titan_models.greedy_generate(tiny_model, PROMPTS, 6)
+    assert torch.equal(out.tokens, expected)
+    assert out.finish_reasons == ["length"] * 3 and out.mask.all()
+    assert torch.equal(out.processed_logprobs, torch.zeros(3, 6))  # greedy: probability one
+
+
+def test_a_sample_depends_on_its_seed_not_on_its_batch_position(tiny_model):
+    gen = TorchGenerator(tiny_model, batch_invariant=True)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    batch = gen.generate(PROMPTS, params, seeds=[1, 2, 3])
+    alone = gen.generate([PROMPTS[2]], params, seeds=[3])
+    assert torch.equal(batch.tokens[2], alone.tokens[0])
+    assert torch.equal(batch.logprobs[2], alone.logprobs[0])
+    again = gen.generate(PROMPTS, params, seeds=[1, 2, 3])
+    assert torch.equal(batch.tokens, again.tokens)
+    other = gen.generate(PROMPTS, params, seeds=[4, 5, 6])
+    assert not torch.equal(batch.tokens, other.tokens)
+
+
+def test_stop_tokens_end_rows_and_are_kept(tiny_model):
+    gen = TorchGenerator(tiny_model)
+    free = gen.generate(PROMPTS, SamplingParams(max_new_tokens=8), seeds=[7, 8, 9])
+    stop = int(free.tokens[0, 2])  # make row 0's third token a stop token
+    out = gen.generate(PROMPTS, SamplingParams(max_new_tokens=8, stop_token_ids=(stop,)), [7, 8, 9])
+    assert out.lengths[0] == 3 and out.finish_reasons[0] == "stop"
+    assert int(out.tokens[0, 2]) == stop and not out.mask[0, 3:].any()
+    assert torch.equal(out.tokens[0, :3], free.tokens[0, :3])
+    for row in range(3):  # every row ends at its first stop token, or runs to the budget
+        n = int(out.lengths[row])
+        assert stop not in out.tokens[row, : n - 1].tolist()
+        assert out.finish_reasons[row] == ("stop" if out.tokens[row, n - 1] == stop else "length")
+        assert out.finish_reasons[row] == "stop" or n == 8
+
+
+def test_top_k_and_top_p_restrict_the_distribution(tiny_model):
+    gen = TorchGenerator(tiny_model)
+    greedy = gen.generate(PROMPTS, SamplingParams(max_new_tokens=5, temperature=0.0), [0, 0, 0])
+    for params in (
+        SamplingParams(max_new_tokens=5, top_k=1),
+        SamplingParams(max_new_tokens=5, top_p=1e-6),
+    ):
+        out = gen.generate(PROMPTS, params, seeds=[1, 2, 3])
+        assert torch.equal(out.tokens, greedy.tokens)
+        assert torch.equal(out.processed_logprobs, torch.zeros(3, 5))
+        assert (out.logprobs < 0).all()  # raw log-probs are the model's, before truncation
+    out = gen.generate(PROMPTS, SamplingParams(max_new_tokens=5, top_k=5), seeds=[1, 2, 3])
+    assert (out.processed_logprobs >= out.logprobs).all()
+
+
+def test_temperature_scales_the_raw_logprobs(tiny_model):
+    gen = TorchGenerator(tiny_model, batch_invariant=True)
+    for temperature in (0.5, 1.7):
+        out = gen.generate(
+            PROMPTS, SamplingParams(max_new_tokens=4, temperature=temperature), [1, 2, 3]
+        )
+        with torch.no_grad(), batch_invariant():
+            lp = sequence_logprobs(
+                tiny_model, PROMPTS, out.tokens, out.mask, temperature=temperature
+            )
+        assert torch.equal(lp, out.logprobs)
+
+
+def test_sampler_draws_from_the_processed_distribution():
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -30.0])
+    n = 4000
+    rngs = [torch.Generator().manual_seed(s) for s in range(n)]
+    params = SamplingParams(max_new_tokens=1, top_k=3)
+    tokens, logp = _sample(logits.expand(n, -1).clone(), params, rngs)
+    freq = torch.bincount(tokens, minlength=5).double() / n
+    expected = torch.cat([logits[:3].softmax(0), torch.zeros(2)]).double()
+    assert (freq - expected).abs().max() < 0.03  # 3 sigma of a 4000-draw frequency is ~0.022
+    assert torch.allclose(logp, expected.float().log()[tokens])
+
+
+def test_update_weights_copies_in_memory_and_tags_the_version(tiny_model, model_factory):
+    gen = TorchGenerator(model_factory(seed=1))
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    before = gen.generate(PROMPTS, params, [0, 0, 0])
+    assert before.weight_version == 0
+    gen.update_weights(tiny_model.state_dict(), version=5)
+    after = gen.generate(PROMPTS, params, [0, 0, 0])
+    reference = TorchGenerator(tiny_model).generate(PROMPTS, params, [0, 0, 0])
+    assert after.weight_version == 5 and torch.equal(after.tokens, reference.tokens)
+    state = dict(tiny_model.state_dict())
+    state.pop("norm.weight")
+    with pytest.raises(ValueError, match="missing keys"):
+        gen.update_weights(state, version=6)
+    state["norm.weight"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="norm.weight has shape"):
+        gen.update_weights(state, version=6)
+    assert gen.weight_version == 5
+
+
+def test_bad_sampling_input_is_refused(tiny_model):
+    gen = TorchGenerator(tiny_model)
+    for kwargs, field in [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": 1, "temperature": -1.0}, "temperature"),
+        ({"max_new_tokens": 1, "top_p": 0.0}, "top_p"),
+        ({"max_new_tokens": 1, "top_k": -1}, "top_k"),
+    ]:
+        with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+            SamplingParams(**kwargs)
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        gen.generate(PROMPTS, SamplingParams(max_new_tokens=1), seeds=[0, 1])
+    with pytest.raises(ValueError, match="non-empty"):
+        gen.generate([[1], []], SamplingParams(max_new_tokens=1), seeds=[0, 1])
+    with pytest.raises(TypeError, match="titan_models Transformer"):
+        TorchGenerator(torch.nn.Linear(2, 2))
+
+
+def test_generation_validate_catches_mismatched_lengths():
+    ok = Generation(
+        tokens=torch.zeros(2, 3, dtype=torch.long),
+        mask=torch.ones(2, 3, dtype=torch.bool),
+        logprobs=torch.zeros(2, 3),
+        processed_logprobs=torch.zeros(2, 3),
+        finish_reasons=["length", "length"],
+        weight_version=0,
+    )
+    ok.validate(2)
+    with pytest.raises(ValueError, match="for 3 prompts"):
+        ok.validate(3)
+    bad = Generation(
+        ok.tokens, ok.mask, torch.zeros(2, 2), ok.processed_logprobs, ok.finish_reasons, 0
+    )
+    with pytest.raises(ValueError, match="logprobs has shape"):
+        bad.validate(2)
+    holes = Generation(
+        ok.tokens,
+        torch.tensor([[1, 0, 1], [1, 1, 1]], dtype=torch.bool),
+        ok.logprobs,
+        ok.processed_logprobs,
+        ok.finish_reasons,
+        0,
+    )
+    with pytest.raises(ValueError, match="prefix"):
+        holes.validate(2)

@@ -1,0 +1,153 @@
+"""Losses against values computed by hand for tiny tensors, one test per mode."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from titan_rl import LossConfig, aggregate, correction_weights, group_advantages, grpo_loss
+
+# Two sequences, three token slots; the second sequence has two real tokens.
+MASK = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 100.0]])  # 100 sits under the mask
+
+
+def test_group_advantages_mean_and_std():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])  # groups of 3: [1,0,0], [1,1,1]
+    adv = group_advantages(rewards, 3, normalize_std=False)
+    assert torch.allclose(adv, torch.tensor([2 / 3, -1 / 3, -1 / 3, 0.0, 0.0, 0.0]))
+    adv = group_advantages(rewards, 3, eps=0.0 + 1e-12)
+    std = math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)  # unbiased std of [1, 0, 0]
+    expected = torch.tensor([(2 / 3) / std, -(1 / 3) / std, -(1 / 3) / std, 0.0, 0.0, 0.0])
+    assert torch.allclose(adv, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("group_size", [1, 0, True, 2.0])
+def test_group_size_below_two_is_refused(group_size):
+    with pytest.raises(ValueError, match="group_size"):
+        group_advantages(torch.zeros(4), group_size)
+
+
+def test_rewards_not_a_multiple_of_group_size_is_refused():
+    with pytest.raises(ValueError, match="multiple of group_size=3"):
+        group_advantages(torch.zeros(4), 3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"eps_low": 0.0}, "eps_low"),
+        ({"eps_low": 1.0}, "eps_low"),
+        ({"eps_high": -0.1}, "eps_high"),
+        ({"aggregation": "mean"}, "aggregation"),
+        ({"correction": "is"}, "correction"),
+        ({"correction_level": "batch"}, "correction_level"),
+        ({"correction_cap": 0.5}, "correction_cap"),
+        ({"kl_coef": -1.0}, "kl_coef"),
+        ({"norm_length": 0}, "norm_length"),
+    ],
+)
+def test_bad_loss_config_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"LossConfig.{field}="):
+        LossConfig(**kwargs)
+
+
+def test_aggregation_token_mean():
+    # (1 + 2 + 3 + 4 + 5) / 5 tokens
+    assert aggregate(PER_TOKEN, MASK, LossConfig(aggregation="token_mean")).item() == 3.0
+
+
+def test_aggregation_seq_mean_token_mean():
+    # mean(6 / 3, 9 / 2) = mean(2, 4.5)
+    out = aggregate(PER_TOKEN, MASK, LossConfig(aggregation="seq_mean_token_mean"))
+    assert out.item() == pytest.approx(3.25)
+
+
+def test_aggregation_dr_grpo_divides_by_a_constant():
+    cfg = LossConfig(aggregation="seq_mean_token_sum_norm")
+    assert aggregate(PER_TOKEN, MASK, cfg).item() == pytest.approx((6 / 3 + 9 / 3) / 2)
+    cfg = LossConfig(aggregation="seq_mean_token_sum_norm", norm_length=10)
+    assert aggregate(PER_TOKEN, MASK, cfg).item() == pytest.approx((6 / 10 + 9 / 10) / 2)
+
+
+def test_clipped_objective_by_hand():
+    # Advantage +1 for row 0, -1 for row 1; ratios chosen on both sides of the clip range.
+    ratio = torch.tensor([[1.5, 0.5, 1.0], [1.5, 0.5, 1.0]])
+    old = torch.zeros(2, 3)
+    new = ratio.log().requires_grad_()
+    cfg = LossConfig(eps_low=0.2, eps_high=0.3)
+    out = grpo_loss(new, old, torch.tensor([1.0, -1.0]), MASK, cfg)
+    # A=+1: min(r, clip(r)) = [1.3, 0.5, 1.0]; A=-1: min(-r, -clip(r)) = [-1.5, -0.8, (masked)]
+    per_token = -torch.tensor([[1.3, 0.5, 1.0], [-1.5, -0.8, 0.0]])
+    assert out.loss.item() == pytest.approx(float(per_token[MASK].mean()), abs=1e-6)
+    # Clipped objective taken at (0,0) [1.3 < 1.5] and (1,1) [-0.8 < -0.5]: 2 of 5 tokens.
+    assert out.clip_fraction == pytest.approx(2 / 5)
+    out.loss.backward()
+    # Gradient flows only where the unclipped term is taken: d(-r·A)/d(log r) = -r·A / 5.
+    expected = torch.tensor([[0.0, -0.5 / 5, -1.0 / 5], [1.5 / 5, 0.0, 0.0]])
+    assert torch.allclose(new.grad, expected, atol=1e-6)
+
+
+def _rollout_logprobs() -> tuple[torch.Tensor, torch.Tensor]:
+    old = torch.zeros(2, 3)
+    # Token weights w = exp(old - rollout) = [[0.5, 3, 1], [2, 1.5, (masked)]]
+    w = torch.tensor([[0.5, 3.0, 1.0], [2.0, 1.5, 7.0]])
+    return old, -w.log()
+
+
+def test_token_level_tis_truncates():
+    old, rollout = _rollout_logprobs()
+    cfg = LossConfig(correction="tis", correction_level="token", correction_cap=2.0)
+    w = correction_weights(old, rollout, MASK, cfg)
+    assert torch.allclose(w, torch.tensor([[0.5, 2.0, 1.0], [2.0, 1.5, 0.0]]))
+
+
+def test_token_level_mis_masks():
+    old, rollout = _rollout_logprobs()
+    cfg = LossConfig(correction="mis", correction_level="token", correction_cap=2.0)
+    w = correction_weights(old, rollout, MASK, cfg)
+    assert torch.allclose(w, torch.tensor([[0.5, 0.0, 1.0], [2.0, 1.5, 0.0]]))
+
+
+def test_sequence_level_tis_and_mis():
+    old, rollout = _rollout_logprobs()
+    # Sequence weights: 0.5 * 3 * 1 = 1.5 and 2 * 1.5 = 3 (the masked 7 is ignored).
+    tis = LossConfig(correction="tis", correction_level="sequence", correction_cap=2.0)
+    w = correction_weights(old, rollout, MASK, tis)
+    assert torch.allclose(w, torch.tensor([[1.5, 1.5, 1.5], [2.0, 2.0, 0.0]]))
+    mis = LossConfig(correction="mis", correction_level="sequence", correction_cap=2.0)
+    w = correction_weights(old, rollout, MASK, mis)
+    assert torch.allclose(w, torch.tensor([[1.5, 1.5, 1.5], [0.0, 0.0, 0.0]]))
+
+
+def test_correction_weights_scale_the_loss():
+    old, rollout = _rollout_logprobs()
+    new = old.clone().requires_grad_()  # ratio 1 everywhere: per-token objective = A
+    cfg = LossConfig(correction="tis", correction_cap=2.0)
+    out = grpo_loss(new, old, torch.tensor([1.0, 2.0]), MASK, cfg, rollout_logprobs=rollout)
+    # -(1*[0.5 + 2 + 1] + 2*[2 + 1.5]) / 5
+    assert out.loss.item() == pytest.approx(-(3.5 + 7.0) / 5)
+
+
+def test_kl_penalty_is_k3_by_hand():
+    new = torch.zeros(2, 3)
+    ref = torch.full((2, 3), math.log(2.0))  # log r = log 2: k3 = 2 - log 2 - 1
+    cfg = LossConfig(kl_coef=0.5)
+    out = grpo_loss(new, new, torch.zeros(2), MASK, cfg, ref_logprobs=ref)
+    k3 = 2.0 - math.log(2.0) - 1.0
+    assert out.kl == pytest.approx(k3)
+    assert out.loss.item() == pytest.approx(0.5 * k3)
+
+
+def test_missing_inputs_and_bad_shapes_are_refused():
+    lp = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="needs rollout_logprobs"):
+        grpo_loss(lp, lp, torch.zeros(2), MASK, LossConfig(correction="tis"))
+    with pytest.raises(ValueError, match="needs ref_logprobs"):
+        grpo_loss(lp, lp, torch.zeros(2), MASK, LossConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="old_logprobs must have the shape"):
+        grpo_loss(lp, torch.zeros(2, 4), torch.zeros(2), MASK, LossConfig())
+    with pytest.raises(ValueError, match="advantages must be"):
+        grpo_loss(lp, lp, torch.zeros(3), MASK, LossConfig())
