@@ -84,3 +84,25 @@ def test_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, argv, 
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("world", "argv", "message"),
+    [
+        ("2", ["--parallel.tp", "3"], "must equal the world size 2"),
+        ("3", ["--parallel.tp", "3"], "parallel.tp=3 must divide the model's num_heads=8"),
+        ("8", ["--parallel.pp", "8"], "needs 8 stages but the model has only 6 pipeline units"),
+        ("2", ["--parallel.pp", "2", "--parallel.pp-schedule", "nope"], "pp_schedule='nope'"),
+        ("2", ["--parallel.ep", "2"], "has no MoE layers"),
+        ("2", ["--parallel.cp", "2"], "context parallelism is not supported yet"),
+    ],
+)
+def test_bad_parallel_layout_is_rejected_before_joining_a_process_group(
+    tmp_path, capsys, monkeypatch, world, argv, message
+):
+    monkeypatch.setenv("WORLD_SIZE", world)  # as under torchrun; no group may be formed
+    rc = main(["--output-dir", str(tmp_path), "--training.steps", "1", *argv])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []

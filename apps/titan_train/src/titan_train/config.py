@@ -57,6 +57,8 @@ class OptimizerConfig:
     """Decoupled weight decay."""
     momentum: float = 0.95
     """Muon momentum."""
+    muon_lr: float = 0.02
+    """Muon learning rate of the blocks' matrices (``lr`` applies to the AdamW parameters)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,8 +1,14 @@
-"""The training loop: build, (resume), train with accumulation and clipping, log, save, export.
+"""The training loop: build, parallelize, (resume), train with accumulation and clipping, log,
+save, export.
 
-This file composes the libraries; it implements none of their logic. Today it trains on one
-process; the composed parallelize step (flexshard, TP, PP, EP) is not wired in yet and any
-parallel degree > 1 is rejected with a clear error before anything is built or written.
+This file composes the libraries; it implements none of their logic. One code path serves
+one process and ``torchrun`` jobs: ``parallelize`` returns this rank's model parts, and the
+step either runs them directly (micro-batches) or through the pipeline schedule.
+
+Loss scaling: every rank divides its summed cross-entropy by the step's *global* count of
+target tokens (one all-reduce of an int per step) and multiplies by the data-parallel size,
+because gradient reduction averages over data-parallel ranks. The result is the gradient of
+the mean loss over every target token of the global batch, however it is split.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -26,6 +33,7 @@ from titan_train.data.sources import DocumentSource
 from titan_train.data.tokenizers import Tokenizer, build_tokenizer
 from titan_train.lr_schedule import build_lr_scheduler
 from titan_train.metrics import MetricsLogger, measure_matmul_flops, memory_bytes
+from titan_train.parallelize import ParallelDims, ParallelModel, check_plan, parallelize
 
 
 class ConfigError(ValueError):
@@ -55,33 +63,12 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((3, tuple(int(x) for x in state["python"]), None))
 
 
-def check_supported(cfg: JobConfig, world_size: int) -> None:
-    """Reject what this trainer cannot run yet, before anything is built or written."""
-    p = cfg.parallel
-    degrees = {
-        "parallel.dp_replicate": p.dp_replicate,
-        "parallel.tp": p.tp,
-        "parallel.pp": p.pp,
-        "parallel.ep": p.ep,
-    }
-    dp_shard = world_size if p.dp_shard == -1 else p.dp_shard
-    degrees["parallel.dp_shard"] = dp_shard
-    product = p.dp_replicate * dp_shard * p.tp * p.pp
-    if product != world_size:
-        raise ValueError(
-            f"parallel degrees dp_replicate*dp_shard*tp*pp = {product} must equal the world "
-            f"size {world_size}"
-        )
-    too_big = {k: v for k, v in degrees.items() if v > 1}
-    if too_big:
-        raise ValueError(
-            f"{', '.join(f'{k}={v}' for k, v in too_big.items())}: multi-process parallelism "
-            "is not wired into titan-train yet; run with all degrees 1 on one process"
-        )
-    if cfg.optimizer.name != "adamw":
-        raise ValueError(f"optimizer.name={cfg.optimizer.name!r}: only 'adamw' is wired in yet")
-    if cfg.remat.policy != "none" or cfg.compile.enabled:
-        raise ValueError("remat.policy and compile.enabled are not wired into titan-train yet")
+def check_supported(cfg: JobConfig, dims: ParallelDims) -> None:
+    """Reject combinations this trainer cannot run yet, before anything is built or written."""
+    if dims.pp > 1 and cfg.checkpoint.export_hf:
+        raise ValueError("checkpoint.export_hf with parallel.pp > 1 is not supported yet")
+    if dims.pp > 1 and cfg.compile.enabled:
+        raise ValueError("compile.enabled with parallel.pp > 1 is not supported yet")
 
 
 def build_model(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device) -> nn.Module:
@@ -95,19 +82,50 @@ def build_model(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device) -> n
                 f"tokenizer's {tokenizer.vocab_size} (data.tokenizer={cfg.data.tokenizer!r})"
             )
         return model
-    overrides = {"vocab_size": cfg.model.vocab_size or tokenizer.vocab_size}
-    model_cls, model_cfg = titan_models.get_model(cfg.model.family, cfg.model.flavor, **overrides)
+    model_cls, model_cfg = _model_config(cfg, tokenizer)
     with torch.device("meta"):
         model = model_cls(model_cfg)
     return model.init_weights(device=device, seed=cfg.training.seed)
 
 
-def build_optimizer(model: nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not on norms)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
+def _model_config(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[type, Any]:
+    overrides = {"vocab_size": cfg.model.vocab_size or tokenizer.vocab_size}
+    return titan_models.get_model(cfg.model.family, cfg.model.flavor, **overrides)
+
+
+def _global_ndim(p: torch.Tensor) -> int:
+    import flexshard
+
+    info = flexshard.param_info(p)
+    return len(info.shape) if info is not None else p.ndim
+
+
+def build_optimizer(pm: ParallelModel, cfg: JobConfig) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only; or Muon on the blocks' matrices (flexshard's
+    distributed Muon: Owned matrices are orthogonalised on their owner) with AdamW for the
+    rest (embeddings, head, norms)."""
+    named = [(n, p) for n, p in pm.named_parameters() if p.requires_grad]
     o = cfg.optimizer
+    if o.name == "muon":
+        import flexshard
+
+        muon = [p for n, p in named if n.startswith("layers.") and _global_ndim(p) == 2]
+        ids = {id(p) for p in muon}
+        rest = [p for _, p in named if id(p) not in ids]
+        return flexshard.optim.Muon(
+            [
+                {"params": muon, "use_muon": True},
+                {"params": rest, "use_muon": False, "lr": o.lr},
+            ],
+            lr=o.muon_lr,
+            weight_decay=o.weight_decay,
+            momentum=o.momentum,
+            betas=o.betas,
+            adamw_eps=o.eps,
+            ns_dtype=torch.float32,
+        )
+    decay = [p for _, p in named if _global_ndim(p) >= 2]
+    no_decay = [p for _, p in named if _global_ndim(p) < 2]
     return torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": o.weight_decay},
@@ -122,42 +140,103 @@ def build_optimizer(model: nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
 
 def _loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
     logits = model(batch.input_ids, positions=batch.positions, document_ids=batch.document_ids)
+    return _cross_entropy_sum(logits, batch.labels)
+
+
+def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(
-        logits.flatten(0, 1).float(),
-        batch.labels.flatten(),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
 
 
 def train_step(
-    model: nn.Module,
+    pm: ParallelModel,
     optimizer: torch.optim.Optimizer,
     batch: Batch,
     cfg: JobConfig,
 ) -> tuple[float, float]:
-    """One optimizer step over ``grad_accum`` micro-batches; returns (loss, grad norm).
-
-    The loss is the mean over every target token of the whole step, whatever the split into
-    micro-batches: each micro-batch's summed loss is divided by the step's token count.
-    """
+    """One optimizer step over ``grad_accum`` micro-batches; returns (loss, grad norm), the
+    loss being the mean over every target token of the global batch (see the module doc)."""
+    dims = pm.dims
+    num_tokens = torch.tensor(batch.num_target_tokens, dtype=torch.int64)
+    if dims.dp > 1:
+        dist.all_reduce(num_tokens, group=pm.group("dp_shard"))
+    scale = dims.dp / max(1, int(num_tokens))
     micro = batch.split(cfg.training.grad_accum)
-    num_tokens = max(1, batch.num_target_tokens)
-    total = torch.zeros(())
-    for mb in micro:
+    total = torch.zeros((), dtype=torch.float64)
+    for i, mb in enumerate(micro):
+        _set_gradient_sync(pm, i == len(micro) - 1)
+        if pm.schedule is not None:
+            total += _pipeline_micro_step(pm, mb, scale, cfg)
+            continue
         with _autocast(cfg):
-            loss = _loss_sum(model, mb) / num_tokens
+            loss = _loss_sum(pm.parts[0], mb) * scale
         loss.backward()
         total += loss.detach()
-    if cfg.training.max_grad_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_grad_norm)
-    else:
-        norm = torch.nn.utils.get_total_norm(
-            [p.grad for p in model.parameters() if p.grad is not None]
-        )
+    for p in pm.tp_summed:  # replicated weights applied to local heads: sum their gradients
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=pm.group("tp"))
+    norm = _clip_grad_norm(pm, cfg.training.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if dims.world_size > 1:  # each data-parallel rank's share; tp ranks hold copies of it
+        dist.all_reduce(total)
+        total /= dims.tp * dims.dp
     return float(total), float(norm)
+
+
+def _pipeline_micro_step(pm: ParallelModel, mb: Batch, scale: float, cfg: JobConfig) -> float:
+    import titan_pipeline
+
+    m = cfg.parallel.pp_microbatches
+    side = [
+        {"positions": pos, "document_ids": doc}
+        for pos, doc in zip(mb.positions.chunk(m), mb.document_ids.chunk(m), strict=True)
+    ]
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return _cross_entropy_sum(logits, labels) * scale
+
+    with _autocast(cfg):
+        losses = titan_pipeline.run(
+            pm.schedule,
+            pm.stages,
+            titan_pipeline.split_microbatches(mb.input_ids, m),
+            titan_pipeline.split_microbatches(mb.labels, m),
+            loss_fn,
+            loss_scale=1.0,
+            stage_kwargs=side,
+        )
+    return float(sum(float(x) for x in losses))
+
+
+def _set_gradient_sync(pm: ParallelModel, sync: bool) -> None:
+    """Accumulate locally on all but the last micro-batch (flexshard ``no_sync``)."""
+    if pm.sharded:
+        for part in pm.parts:
+            part.set_requires_gradient_sync(sync)
+
+
+def _clip_grad_norm(pm: ParallelModel, max_norm: float) -> torch.Tensor:
+    """Global gradient norm over every shard, tensor-parallel piece and pipeline stage;
+    gradients scaled down to ``max_norm`` when it is > 0."""
+    params = [p for p in pm.parameters() if p.grad is not None]
+    if pm.dims.world_size == 1:
+        if max_norm > 0:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return torch.nn.utils.get_total_norm([p.grad for p in params])
+    import flexshard
+
+    norm = flexshard.global_grad_norm(params)
+    if pm.dims.pp > 1:  # each stage's norm covers its parameters: add the squares over stages
+        sq = norm.double() ** 2
+        dist.all_reduce(sq, group=pm.group("pp"))
+        norm = sq.sqrt().to(norm.dtype)
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in params:
+            p.grad.mul_(coef.to(p.grad.dtype))
+    return norm
 
 
 def _autocast(cfg: JobConfig) -> Any:
@@ -167,8 +246,8 @@ def _autocast(cfg: JobConfig) -> Any:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: PackedLoader, num_batches: int) -> float:
-    """Mean cross-entropy per target token over ``num_batches`` batches of ``loader``."""
+def evaluate(model: nn.Module, loader: PackedLoader, num_batches: int) -> tuple[float, int]:
+    """Summed cross-entropy and target-token count over ``num_batches`` batches of ``loader``."""
     model.eval()
     total, tokens = 0.0, 0
     for _ in range(num_batches):
@@ -176,10 +255,14 @@ def evaluate(model: nn.Module, loader: PackedLoader, num_batches: int) -> float:
         total += float(_loss_sum(model, batch))
         tokens += batch.num_target_tokens
     model.train()
-    return total / max(1, tokens)
+    return total, tokens
 
 
-def _loaders(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[PackedLoader, DocumentSource]:
+def _loaders(
+    cfg: JobConfig, tokenizer: Tokenizer, *, dp_rank: int = 0, dp_size: int = 1
+) -> tuple[PackedLoader, DocumentSource]:
+    """This data-parallel rank's training stream (every ``dp_size``-th document) and its
+    validation source."""
     d, t = cfg.data, cfg.training
     common = dict(
         kind=d.source,
@@ -187,56 +270,105 @@ def _loaders(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[PackedLoader, Docume
         validation_fraction=d.validation_fraction,
         paths=d.paths,
         text_field=d.text_field,
+        rank=dp_rank,
+        world_size=dp_size,
     )
     train_src = DocumentSource(split="train", **common)
     val_src = DocumentSource(split="validation", **common)
     return PackedLoader(train_src, tokenizer, seq_len=t.seq_len, batch_size=t.batch_size), val_src
 
 
+def _init_distributed() -> int:
+    """World size; joins the process group torchrun describes (gloo on CPU, NCCL on GPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return world
+
+
+class _ModelState:
+    """The model's checkpoint item: sharded pieces (flexshard's protocol objects, DTensors)
+    of every local part under the unsplit model's FQNs."""
+
+    def __init__(self, pm: ParallelModel) -> None:
+        self.pm = pm
+
+    def state_dict(self) -> dict[str, Any]:
+        import flexshard
+
+        out: dict[str, Any] = {}
+        for part in self.pm.parts:
+            out.update(flexshard.sharded_state_dict(part) if self.pm.sharded else part.state_dict())
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # torch_checkpointing fills sharded pieces and tensors in place.
+        pass
+
+
 def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     """Run ``cfg`` to the end (or to step ``stop_after``, for resume tests); returns a summary.
 
     Outputs go to ``<output_dir>/<name>/``: ``config.json``, ``metrics.jsonl``, TensorBoard
-    events, ``loss.png``, ``checkpoints/`` and, when asked, ``hf/``.
+    events, ``loss.png``, ``checkpoints/`` and, when asked, ``hf/`` (written by rank 0).
     """
     try:  # everything that can reject the config runs before anything is written
         validate(cfg)
-        check_supported(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        dims = ParallelDims.resolve(cfg, world)
+        check_supported(cfg, dims)
         tokenizer = build_tokenizer(cfg.data.tokenizer)
-        loader, val_src = _loaders(cfg, tokenizer)
-        torch.manual_seed(cfg.training.seed)
-        random.seed(cfg.training.seed)
+        if not cfg.checkpoint.init_from_hf:
+            check_plan(cfg, dims, _model_config(cfg, tokenizer)[1])
+        _loaders(cfg, tokenizer)  # checks data files and fields
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
         device = torch.device("cpu")
         model = build_model(cfg, tokenizer, device)
+        if cfg.checkpoint.init_from_hf:
+            check_plan(cfg, dims, model.config)
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    optimizer = build_optimizer(model, cfg)
+    _init_distributed()
+    pm = parallelize(model, cfg, dims)
+    del model
+    rank = dist.get_rank() if dims.world_size > 1 else 0
+    dp_rank = pm.mesh["dp_shard"].get_local_rank() if pm.mesh is not None else 0
+    torch.manual_seed(cfg.training.seed + dp_rank)
+    random.seed(cfg.training.seed + dp_rank)
+    loader, val_src = _loaders(cfg, tokenizer, dp_rank=dp_rank, dp_size=dims.dp)
+    optimizer = build_optimizer(pm, cfg)
     scheduler = build_lr_scheduler(optimizer, cfg.training.steps, cfg.lr_schedule)
     state = TrainState()
 
     run_dir = Path(cfg.output_dir) / cfg.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    if dims.world_size > 1:
+        dist.barrier()
     ckpt = _checkpoint_manager(cfg, run_dir)
-    stateful = {"model": model, "optim": optimizer, "lr": scheduler, "data": loader, "train": state}
+    stateful = _checkpoint_state(pm, optimizer, scheduler, loader, state)
     if ckpt is not None and cfg.checkpoint.resume and ckpt.latest_step() is not None:
         ckpt.load(stateful)
 
     logger = MetricsLogger(
-        run_dir, total_steps=cfg.training.steps, tensorboard=cfg.metrics.tensorboard
+        run_dir,
+        total_steps=cfg.training.steps,
+        tensorboard=cfg.metrics.tensorboard,
+        enabled=rank == 0,
     )
     peak = cfg.metrics.peak_flops or measure_matmul_flops()
-    flops_per_token = titan_models.flops_per_token(model.config, cfg.training.seq_len)
-    tokens_per_step = cfg.training.batch_size * cfg.training.seq_len
+    model_config = pm.parts[0].config
+    flops_per_token = titan_models.flops_per_token(model_config, cfg.training.seq_len)
+    tokens_per_step = cfg.training.batch_size * cfg.training.seq_len * dims.dp
     losses: list[float] = []
     last_log = time.perf_counter()
     steps_since_log = 0
     end = cfg.training.steps if stop_after is None else min(stop_after, cfg.training.steps)
     while state.step < end:
         batch = next(loader)
-        loss, grad_norm = train_step(model, optimizer, batch, cfg)
+        loss, grad_norm = train_step(pm, optimizer, batch, cfg)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         state.step += 1
@@ -252,18 +384,16 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict[str, Any]:
                     "grad_norm": grad_norm,
                     "lr": lr,
                     "tokens_per_s": tps,
-                    "mfu": tps * flops_per_token / peak,
+                    "mfu": tps * flops_per_token / (peak * dims.world_size),
                     **memory_bytes(),
                 },
             )
             last_log, steps_since_log = time.perf_counter(), 0
         every = cfg.metrics.validate_every
         if every and (state.step % every == 0 or state.step == cfg.training.steps):
-            val_loader = PackedLoader(
-                val_src, tokenizer, seq_len=cfg.training.seq_len, batch_size=cfg.training.batch_size
-            )
-            val = evaluate(model, val_loader, cfg.metrics.validation_batches)
-            logger.log(state.step, {"loss": val}, prefix="validation")
+            val = _validate(pm, cfg, tokenizer, val_src)
+            if val is not None:
+                logger.log(state.step, {"loss": val}, prefix="validation")
         if ckpt is not None and state.step % cfg.checkpoint.interval == 0:
             ckpt.save(state.step, stateful)
     if ckpt is not None:
@@ -271,8 +401,78 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict[str, Any]:
         ckpt.close()
     logger.close()
     if cfg.checkpoint.export_hf and state.step == cfg.training.steps:
-        titan_models.to_hf(model, run_dir / "hf")
-    return {"losses": losses, "run_dir": run_dir, "model": model, "step": state.step}
+        _export_hf(pm, cfg, tokenizer, run_dir / "hf", rank)
+    return {"losses": losses, "run_dir": run_dir, "model": pm.parts[0], "step": state.step}
+
+
+def _checkpoint_state(
+    pm: ParallelModel, optimizer: Any, scheduler: Any, loader: PackedLoader, state: TrainState
+) -> dict[str, Any]:
+    """What a checkpoint holds. On several ranks, what differs per rank (data position, RNG,
+    optimizer state of local shards, pipeline stages' weights) is saved per rank."""
+    if pm.dims.world_size == 1:
+        return {
+            "model": pm.parts[0],
+            "optim": optimizer,
+            "lr": scheduler,
+            "data": loader,
+            "train": state,
+        }
+    from torch_checkpointing import PerRank
+
+    model = _ModelState(pm) if pm.dims.pp == 1 else PerRank(_ModelState(pm))
+    return {
+        "model": model,
+        "optim": PerRank(optimizer),
+        "lr": scheduler,
+        "data": PerRank(loader),
+        "train": PerRank(state),
+    }
+
+
+def _validate(
+    pm: ParallelModel, cfg: JobConfig, tokenizer: Tokenizer, val_src: DocumentSource
+) -> float | None:
+    """Mean validation loss over every data-parallel rank's batches (None under pipelining:
+    a forward-only pipeline schedule is not wired in yet)."""
+    if pm.schedule is not None:
+        return None
+    t = cfg.training
+    val_loader = PackedLoader(val_src, tokenizer, seq_len=t.seq_len, batch_size=t.batch_size)
+    total, tokens = evaluate(pm.parts[0], val_loader, cfg.metrics.validation_batches)
+    if pm.dims.world_size > 1:
+        both = torch.tensor([total, float(tokens)], dtype=torch.float64)
+        dist.all_reduce(both, group=pm.group("dp_shard"))
+        total, tokens = float(both[0]), int(both[1])
+    return total / max(1, tokens)
+
+
+def _export_hf(
+    pm: ParallelModel, cfg: JobConfig, tokenizer: Tokenizer, path: Path, rank: int
+) -> None:
+    """HF safetensors of the final weights: full tensors gathered to rank 0, written there."""
+    model = pm.parts[0]
+    if pm.dims.world_size > 1:
+        from torch.distributed.tensor import DTensor
+
+        import flexshard
+
+        if pm.sharded:
+            full = flexshard.full_state_dict(model, rank0_only=False)
+        else:
+            full = model.state_dict()
+        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in full.items()}
+        if rank == 0:
+            model_cls, model_cfg = _model_config(cfg, tokenizer)
+            with torch.device("meta"):
+                model = model_cls(model_cfg)
+            model.to_empty(device="cpu")
+            model.load_state_dict(full)
+        dist.barrier()
+    if rank == 0:
+        titan_models.to_hf(model, path)
+    if pm.dims.world_size > 1:
+        dist.barrier()
 
 
 def _checkpoint_manager(cfg: JobConfig, run_dir: Path) -> Any:

@@ -1,0 +1,409 @@
+"""The parallelize step: one device mesh, the model's declarative plan, and the libraries.
+
+``parallelize`` builds the mesh from the configured degrees and, for each of this rank's model
+parts (the whole model, or its pipeline stages), applies in order: tensor parallelism (torch
+DTensor ``parallelize_module`` from the plan's layout), expert parallelism (``dist_moe``),
+rematerialisation (``torch_remat``, per block), per-block ``torch.compile``, and data-parallel
+sharding (``flexshard``; Muon puts matrices ``Owned``). The pipeline split happens first, so
+each stage is parallelised on its own, as in torchtitan; its schedule comes from
+``titan_pipeline`` by name. No sharding, schedule or MoE logic lives here: only the wiring.
+
+Mesh axes, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``. Data-parallel
+ranks (``dp_replicate`` x ``dp_shard``) read different data; ``tp`` and ``pp`` ranks of one
+data-parallel rank read the same.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import titan_models
+from titan_train.config import JobConfig
+
+PP_SCHEDULE_STAGES_PER_RANK = {
+    "gpipe": 1,
+    "1f1b": 1,
+    "zb_h1": 1,
+    "interleaved_1f1b": 2,
+    "zbv": 2,
+    "dualpipev": 2,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelDims:
+    """Resolved degrees of one job (``dp_shard=-1`` filled in)."""
+
+    world_size: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    ep: int
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: those that read different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @classmethod
+    def resolve(cls, cfg: JobConfig, world_size: int) -> ParallelDims:
+        """Check the degrees against the world size; raise ``ValueError`` naming the fields."""
+        p = cfg.parallel
+        others = p.dp_replicate * p.tp * p.pp
+        if p.dp_shard == -1:
+            if world_size % others:
+                raise ValueError(
+                    f"parallel degrees dp_replicate*dp_shard*tp*pp must equal the world size "
+                    f"{world_size}, but dp_replicate*tp*pp = {p.dp_replicate}*{p.tp}*{p.pp} = "
+                    f"{others} does not divide it (parallel.dp_shard=-1 takes the rest)"
+                )
+            dp_shard = world_size // others
+        else:
+            dp_shard = p.dp_shard
+        product = others * dp_shard
+        if product != world_size:
+            raise ValueError(
+                f"parallel degrees dp_replicate*dp_shard*tp*pp = {p.dp_replicate}*{dp_shard}*"
+                f"{p.tp}*{p.pp} = {product} must equal the world size {world_size}"
+            )
+        if p.ep > 1 and p.ep != dp_shard:
+            raise ValueError(
+                f"parallel.ep={p.ep}: expert parallelism is carved out of the data-parallel "
+                f"shards and must equal parallel.dp_shard={dp_shard} (other ratios are not "
+                "supported yet)"
+            )
+        if p.dp_replicate > 1:
+            raise ValueError(
+                f"parallel.dp_replicate={p.dp_replicate}: replicated data parallelism is not "
+                "supported yet (use parallel.dp_shard)"
+            )
+        return cls(world_size, p.dp_replicate, dp_shard, p.tp, p.pp, p.ep)
+
+
+@dataclass(slots=True)
+class ParallelModel:
+    """This rank's part of the model and what the train step needs to drive it."""
+
+    parts: list[nn.Module]
+    """The whole model, or this rank's pipeline stages in stage order."""
+    dims: ParallelDims
+    mesh: Any = None
+    """The ``DeviceMesh`` (None on one process)."""
+    schedule: Any = None
+    """The ``titan_pipeline.Schedule`` when ``pp > 1``."""
+    stages: list[Any] = field(default_factory=list)
+    """The ``titan_pipeline.PipelineStage`` objects of this rank."""
+    sharded: bool = False
+    """Whether ``parts`` are flexshard-sharded (gradients reduced by hooks)."""
+    tp_summed: list[torch.nn.Parameter] = field(default_factory=list)
+    """Replicated parameters applied to tensor-parallel-local heads: gradients summed over tp."""
+
+    @property
+    def has_head(self) -> bool:
+        """Whether this rank computes logits (the last pipeline stage, or no pipeline)."""
+        return self.schedule is None or any(st.is_last for st in self.stages)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """Local parameters of every part, each once."""
+        seen: dict[int, torch.nn.Parameter] = {}
+        for part in self.parts:
+            for p in part.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(FQN in the unsplit model, local parameter): pipeline stages keep their FQNs."""
+        out: dict[int, tuple[str, torch.nn.Parameter]] = {}
+        for part in self.parts:
+            for name, p in part.named_parameters():
+                out.setdefault(id(p), (name, p))
+        return list(out.values())
+
+    def group(self, *axes: str) -> dist.ProcessGroup | None:
+        """The process group of one mesh axis, or of several flattened (None: one process)."""
+        if self.mesh is None:
+            return None
+        if len(axes) == 1:
+            return self.mesh[axes[0]].get_group()
+        return self.mesh[axes]._flatten("_".join(axes)).get_group()
+
+
+def check_plan(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:
+    """Checks that need the model's config and plan; raise before anything is built."""
+    plan = titan_models.get_plan(model_config)
+    p = cfg.parallel
+    if dims.tp > 1:
+        for name in ("num_heads", "num_kv_heads"):
+            heads = getattr(model_config, name, None)
+            if heads is not None and heads % dims.tp:
+                raise ValueError(
+                    f"parallel.tp={dims.tp} must divide the model's {name}={heads} "
+                    f"({cfg.model.family} {cfg.model.flavor})"
+                )
+        hidden = getattr(model_config, "ffn_hidden_dim", None)
+        if hidden is not None and hidden % dims.tp:
+            raise ValueError(f"parallel.tp={dims.tp} must divide ffn_hidden_dim={hidden}")
+    if dims.pp > 1:
+        if p.pp_schedule not in PP_SCHEDULE_STAGES_PER_RANK:
+            raise ValueError(
+                f"parallel.pp_schedule={p.pp_schedule!r} is not one of "
+                f"{sorted(PP_SCHEDULE_STAGES_PER_RANK)}"
+            )
+        stages = dims.pp * PP_SCHEDULE_STAGES_PER_RANK[p.pp_schedule]
+        units = len(plan.pipeline_units)
+        if stages > units:
+            raise ValueError(
+                f"parallel.pp={dims.pp} with schedule {p.pp_schedule!r} needs {stages} stages "
+                f"but the model has only {units} pipeline units (embedding, blocks, head)"
+            )
+        micro = cfg.training.batch_size // cfg.training.grad_accum
+        if micro % p.pp_microbatches:
+            raise ValueError(
+                f"parallel.pp_microbatches={p.pp_microbatches} must divide the micro-batch of "
+                f"{micro} sequences (training.batch_size / training.grad_accum)"
+            )
+    if (dims.pp > 1 or dims.tp > 1) and plan.tied_parameters:
+        raise ValueError(
+            f"{cfg.model.family} {cfg.model.flavor} ties its embedding and output head; "
+            "tied weights under parallel.tp > 1 or parallel.pp > 1 are not supported yet"
+        )
+    experts = getattr(plan, "experts", ())
+    if dims.ep > 1 and not experts:
+        raise ValueError(
+            f"parallel.ep={dims.ep} but {cfg.model.family} {cfg.model.flavor} has no MoE layers"
+        )
+    if dims.ep > 1 and dims.tp > 1:
+        raise ValueError("parallel.ep > 1 together with parallel.tp > 1 is not supported yet")
+
+
+def build_mesh(dims: ParallelDims) -> Any:
+    """The 4-D device mesh (pp, dp_replicate, dp_shard, tp), or None on one process."""
+    if dims.world_size == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(
+        device,
+        (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
+        mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
+    )
+
+
+def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> ParallelModel:
+    """Split, shard and wrap ``model`` (materialised, identical on every rank) for this rank."""
+    plan = titan_models.get_plan(model.config)
+    mesh = build_mesh(dims)
+    pm = ParallelModel(parts=[model], dims=dims, mesh=mesh)
+    if dims.pp > 1:
+        _split_pipeline(pm, model, plan, cfg)
+    for part in pm.parts:
+        if dims.tp > 1:
+            pm.tp_summed += _apply_tensor_parallel(part, plan.tensor_parallel, mesh["tp"])
+        if dims.ep > 1:
+            _apply_expert_parallel(part, plan, pm.group("dp_shard"))
+        _apply_remat(part, plan, cfg)
+        if cfg.compile.enabled:
+            _apply_compile(part, plan)
+        if dims.dp_shard > 1:
+            _apply_data_parallel(part, cfg, mesh["dp_shard"], plan)
+            pm.sharded = True
+    if dims.pp > 1:
+        _build_stages(pm, cfg)
+    return pm
+
+
+# --- tensor parallelism -------------------------------------------------------------------
+
+
+def _apply_tensor_parallel(module: nn.Module, tp_plan: Any, tp_mesh: Any) -> list[nn.Parameter]:
+    """Megatron-style TP from the plan: column-wise / row-wise linears, vocab-parallel
+    embedding, full logits gathered at the head. Norms on the residual stream stay replicated
+    (no sequence parallelism yet). Returns the parameters whose gradients must be summed over
+    tp (the plan's ``replicated`` modules, which see only local heads)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    layout: dict[str, Any] = {}
+    names = [n for n, _ in module.named_modules()]
+    for pattern in tp_plan.colwise:
+        for n in names:
+            if titan_models.fqn_matches(pattern, n):
+                head = n == "output"
+                layout[n] = (
+                    ColwiseParallel(output_layouts=Replicate()) if head else ColwiseParallel()
+                )
+    modules = dict(module.named_modules())
+    for pattern in tp_plan.rowwise:
+        for n in names:
+            if titan_models.fqn_matches(pattern, n):  # an embedding takes replicated token ids
+                vocab = isinstance(modules[n], nn.Embedding)
+                layout[n] = (
+                    RowwiseParallel(input_layouts=Replicate()) if vocab else RowwiseParallel()
+                )
+    if layout:
+        parallelize_module(module, tp_mesh, layout)
+    summed = []
+    for pattern in tp_plan.replicated:
+        for n, sub in module.named_modules():
+            if titan_models.fqn_matches(pattern, n):
+                summed += list(sub.parameters())
+    return summed
+
+
+# --- expert parallelism -------------------------------------------------------------------
+
+
+def _apply_expert_parallel(module: nn.Module, plan: Any, group: dist.ProcessGroup) -> None:
+    import dist_moe
+
+    for n, sub in module.named_modules():
+        if any(titan_models.fqn_matches(p, n) for p in plan.experts):
+            dist_moe.expert_parallel(sub, group)
+
+
+# --- rematerialisation and compile --------------------------------------------------------
+
+
+def _apply_remat(module: nn.Module, plan: Any, cfg: JobConfig) -> None:
+    if cfg.remat.policy == "none":
+        return
+    import torch_remat
+
+    policy = {
+        "full": torch_remat.Full,
+        "selective": torch_remat.Selective,
+        "every_nth": lambda: torch_remat.EveryNth(cfg.remat.every_nth),
+    }[cfg.remat.policy]()
+    units = [n for n, _ in _units(module, plan.remat_units)]
+    if units:
+        torch_remat.apply(module, policy, units=units)
+
+
+def _apply_compile(module: nn.Module, plan: Any) -> None:
+    """Local compile: each block compiled on its own (small graphs, one recompile per shape)."""
+    for _, block in _units(module, plan.remat_units):
+        block.compile()
+
+
+def _units(module: nn.Module, patterns: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    return [
+        (n, m)
+        for n, m in module.named_modules()
+        if n and any(titan_models.fqn_matches(p, n) for p in patterns)
+    ]
+
+
+# --- data parallelism (flexshard) ---------------------------------------------------------
+
+
+def _apply_data_parallel(module: nn.Module, cfg: JobConfig, dp_mesh: Any, plan: Any) -> None:
+    """flexshard over ``dp_shard``: one bucket per block plus the root; with Muon the blocks'
+    matrices are ``Owned`` (whole on one rank, orthogonalised there with no gather). Experts
+    already sharded by expert parallelism are left out (each rank holds whole experts)."""
+    import flexshard as fs
+
+    experts = {
+        id(p)
+        for n, sub in module.named_modules()
+        if any(titan_models.fqn_matches(e, n) for e in getattr(plan, "experts", ()))
+        for p in getattr(sub, "experts", nn.Module()).parameters()
+    }
+    if experts and cfg.parallel.ep > 1:
+        raise ValueError("flexshard cannot leave expert-parallel parameters out yet")
+    mp = None
+    if cfg.training.mixed_precision == "bf16":
+        mp = fs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    buckets = []
+    for bucket in fs.default_buckets(module):
+        params = list(bucket.match)
+        if cfg.optimizer.name == "muon" and bucket.name != "<root>":
+            mats = [p for p in params if _local(p).ndim == 2]
+            rest = [p for p in params if _local(p).ndim != 2]
+            if mats:
+                buckets.append(fs.Bucket(mats, fs.Owned(balance="flops"), name=bucket.name))
+            if rest:
+                buckets.append(fs.Bucket(rest, fs.Shard(0), name=f"{bucket.name}.vectors"))
+        else:
+            buckets.append(bucket)
+    fs.shard(module, dp_mesh, buckets=buckets, mp=mp)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+# --- pipeline -----------------------------------------------------------------------------
+
+
+def _split_pipeline(pm: ParallelModel, model: nn.Module, plan: Any, cfg: JobConfig) -> None:
+    """Cut the model into stages by parameter count and keep this rank's (FQNs unchanged)."""
+    import titan_pipeline
+
+    p = cfg.parallel
+    per_rank = PP_SCHEDULE_STAGES_PER_RANK[p.pp_schedule]
+    schedule = titan_pipeline.build_schedule(
+        p.pp_schedule,
+        num_ranks=pm.dims.pp,
+        num_microbatches=p.pp_microbatches,
+        stages_per_rank=per_rank,
+    )
+    units = plan.pipeline_units
+    ranges = titan_pipeline.balance([u.num_params for u in units], schedule.num_stages)
+    bounds = [[units[i] for i in r] for r in ranges]
+    pp_rank = pm.mesh["pp"].get_local_rank()
+    pm.schedule = schedule
+    pm.parts = []
+    for s in schedule.stages_of_rank(pp_rank):
+        keep = {m for u in bounds[s] for m in u.modules}
+        pm.parts.append(_prune(model, keep))
+
+
+def _prune(model: nn.Module, keep: set[str]) -> nn.Module:
+    """A copy of ``model`` holding only the top-level modules / blocks in ``keep``; dropped
+    parts become ``None`` (the model's forward skips them), FQNs stay those of the whole."""
+    memo = {id(m): None for n, m in model.named_children() if n not in ("layers", "rope")}
+    memo.update({id(b): None for k, b in model.layers.items() if f"layers.{k}" not in keep})
+    memo.pop(id(None), None)
+    part = copy.deepcopy(model, memo)  # never copies the dropped modules' weights
+    for name in ("tok_embeddings", "norm", "output"):
+        if name in keep:
+            setattr(part, name, copy.deepcopy(getattr(model, name)))
+    for k in [k for k in part.layers if f"layers.{k}" not in keep]:
+        del part.layers[k]
+    return part
+
+
+def _build_stages(pm: ParallelModel, cfg: JobConfig) -> None:
+    import titan_pipeline
+
+    num_stages = pm.schedule.num_stages
+    dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
+    stages = []
+    local = pm.schedule.stages_of_rank(pm.mesh["pp"].get_local_rank())
+    for s, part in zip(local, pm.parts, strict=True):
+        last = s == num_stages - 1
+        width = part.config.vocab_size if last else part.config.dim
+
+        def spec(shape: tuple[int, ...], _dtype: torch.dtype, width: int = width):
+            return (*shape[:2], width), dtype
+
+        stages.append(
+            titan_pipeline.PipelineStage(
+                part, s, num_stages, group=pm.group("pp"), output_spec=spec
+            )
+        )
+    pm.stages = stages
