@@ -43,3 +43,13 @@ def tiny_model() -> torch.nn.Module:
 def model_factory():
     """``make_model`` for tests that need several models."""
     return make_model
+
+
+@pytest.fixture
+def single_thread():
+    """One intra-op thread: these tiny models gain nothing from two, and a shared machine
+    makes two-thread OpenMP barriers slow by 10x; restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -15,6 +15,8 @@ from titan_rl import (
 )
 from titan_rl.generator import _sample
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 PROMPTS = [[256, 49, 43, 50, 61], [256, 55, 61], [256, 57, 57, 45, 51, 52, 61]]
 
 

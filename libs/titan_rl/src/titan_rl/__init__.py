@@ -1,10 +1,11 @@
 """RL post-training with the same model code in trainer and generator."""
 
-from .arithmetic import ArithmeticTask, Problem, Prompt, arithmetic_problem
+from .arithmetic import ArithmeticTask, Problem, arithmetic_problem
 from .batch_invariant import batch_invariant, invariant_attention, invariant_linear
 from .diagnostics import logprob_diagnostics, reward_diagnostics
 from .generator import Generation, Generator, SamplingParams, TorchGenerator
 from .logprobs import pack_sequences, sequence_logprobs, token_logprobs
+from .loop import GRPOConfig, GRPOTrainer
 from .losses import (
     LossConfig,
     LossOutput,
@@ -23,12 +24,22 @@ from .rewards import (
     last_boxed,
     run_sandboxed,
 )
+from .rollout import (
+    Prompt,
+    RolloutBatch,
+    Task,
+    collect_rollouts,
+    evaluate_accuracy,
+    rollout_seed,
+)
 from .tokenizer import Tokenizer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ArithmeticTask",
+    "GRPOConfig",
+    "GRPOTrainer",
     "Generation",
     "Generator",
     "LossConfig",
@@ -36,9 +47,11 @@ __all__ = [
     "Problem",
     "Prompt",
     "RewardResult",
+    "RolloutBatch",
     "SamplingParams",
     "SandboxLimits",
     "SandboxResult",
+    "Task",
     "Tokenizer",
     "TorchGenerator",
     "__version__",
@@ -47,7 +60,9 @@ __all__ = [
     "batch_invariant",
     "boxed_math_reward",
     "code_reward",
+    "collect_rollouts",
     "correction_weights",
+    "evaluate_accuracy",
     "exact_match_reward",
     "group_advantages",
     "grpo_loss",
@@ -57,6 +72,7 @@ __all__ = [
     "logprob_diagnostics",
     "pack_sequences",
     "reward_diagnostics",
+    "rollout_seed",
     "run_sandboxed",
     "sequence_logprobs",
     "token_logprobs",

@@ -11,6 +11,7 @@ import random
 from dataclasses import dataclass
 
 from .rewards import RewardResult, exact_match_reward
+from .rollout import Prompt
 from .tokenizer import Tokenizer
 
 
@@ -39,14 +40,6 @@ def arithmetic_problem(seed: int, index: int, *, max_operand: int = 99) -> Probl
         a, b = max(a, b), min(a, b)
         return Problem(f"{a}-{b}=", str(a - b))
     return Problem(f"{a}+{b}=", str(a + b))
-
-
-@dataclass(frozen=True, slots=True)
-class Prompt:
-    """A prompt as token ids plus what its reward needs (here the expected answer)."""
-
-    ids: list[int]
-    answer: str
 
 
 class ArithmeticTask:

@@ -1,0 +1,255 @@
+"""The GRPO loop, synchronous or asynchronous, with one model class for trainer and generator.
+
+Sync: generate step ``s``'s rollouts with the current weights, train on them, push the weights.
+
+Async: a background thread generates rollouts while the trainer trains. Each batch carries the
+weight version that produced it; the thread may start batch ``s`` once the weights of version
+``s - max_offpolicy_steps`` are out, and the trainer refuses a batch older than that (it never
+trains on data more than ``max_offpolicy_steps`` updates stale). After each step the trainer
+pushes its weights to the generator in memory (a detached copy handed over between batches, no
+disk). With ``max_offpolicy_steps=0`` the thread waits for every push, which reproduces sync
+mode bit for bit (same seeds, same weights, same ops).
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from .batch_invariant import batch_invariant
+from .diagnostics import logprob_diagnostics, reward_diagnostics
+from .generator import Generator, SamplingParams, TorchGenerator
+from .logprobs import sequence_logprobs
+from .losses import LossConfig, group_advantages, grpo_loss
+from .rollout import RolloutBatch, Task, collect_rollouts
+
+
+@dataclass(kw_only=True, slots=True)
+class GRPOConfig:
+    """One GRPO run: batch shape, sampling, loss, and the rollout mode."""
+
+    num_prompts: int = 8
+    """Prompts per step."""
+    group_size: int = 8
+    """Responses sampled per prompt (the group of group-relative advantages; >= 2)."""
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=16))
+    """How rollouts are sampled (the trainer recomputes log-probs at the same temperature)."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Clipping, aggregation, KL and off-policy correction."""
+    normalize_std: bool = True
+    """Divide advantages by their group's reward std (GRPO); False gives Dr. GRPO's advantages."""
+    mode: Literal["sync", "async"] = "sync"
+    """sync: generate, then train; async: a background thread generates ahead."""
+    max_offpolicy_steps: int = 1
+    """Async: the most optimizer steps a trained batch may lag the trainer's weights."""
+    batch_invariant: bool = False
+    """Generate and recompute log-probs in batch-invariant mode (bitwise equal log-probs)."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+    seed: int = 0
+    """Seeds every rollout's sampling."""
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1:
+            raise ValueError(f"GRPOConfig.num_prompts={self.num_prompts} must be >= 1")
+        if self.group_size < 2:
+            raise ValueError(f"GRPOConfig.group_size={self.group_size} must be >= 2")
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"GRPOConfig.mode={self.mode!r} must be 'sync' or 'async'")
+        if self.max_offpolicy_steps < 0:
+            raise ValueError(
+                f"GRPOConfig.max_offpolicy_steps={self.max_offpolicy_steps} must be >= 0"
+            )
+        if self.sampling.temperature == 0:
+            raise ValueError("GRPOConfig.sampling.temperature=0 (greedy) gives no exploration")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"GRPOConfig.max_grad_norm={self.max_grad_norm} must be >= 0")
+
+
+class GRPOTrainer:
+    """Trains ``model`` with GRPO on ``task``'s rewards."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        task: Task,
+        config: GRPOConfig,
+        *,
+        generator: Generator | None = None,
+        ref_model: nn.Module | None = None,
+    ) -> None:
+        """``generator``: by default a ``TorchGenerator`` over ``model`` itself (sync) or over
+        a copy of it (async, since the trainer changes the weights while it generates).
+        ``ref_model``: frozen reference policy, needed when ``config.loss.kl_coef > 0``."""
+        if config.loss.kl_coef > 0 and ref_model is None:
+            raise ValueError(f"LossConfig.kl_coef={config.loss.kl_coef} needs a ref_model")
+        self.model, self.optimizer, self.task, self.config = model, optimizer, task, config
+        self.ref_model = ref_model
+        if generator is None:
+            gen_model = model if config.mode == "sync" else copy.deepcopy(model)
+            generator = TorchGenerator(gen_model, batch_invariant=config.batch_invariant)
+        self.generator = generator
+        self.version = 0
+        """Optimizer steps taken = version of the weights the trainer holds."""
+        self.generator.update_weights(self._weights(), self.version)
+
+    def train(
+        self, num_steps: int, *, on_step: Callable[[dict[str, Any]], None] | None = None
+    ) -> list[dict[str, Any]]:
+        """Run ``num_steps`` steps; returns (and passes to ``on_step``) each step's metrics."""
+        if num_steps < 1:
+            raise ValueError(f"num_steps={num_steps} must be >= 1")
+        first = self.version
+        steps = range(first, first + num_steps)
+        if self.config.mode == "sync":
+            batches = (self._collect(s) for s in steps)
+            return self._consume(batches, on_step, push=self._push_now)
+        worker = _AsyncRollouts(self, steps)
+        try:
+            return self._consume(worker.batches(), on_step, push=worker.push)
+        finally:
+            worker.stop()
+
+    def _consume(self, batches, on_step, push) -> list[dict[str, Any]]:
+        history = []
+        for batch in batches:
+            metrics = self.step(batch)
+            push(self._weights(), self.version)
+            if on_step is not None:
+                on_step(metrics)
+            history.append(metrics)
+        return history
+
+    def step(self, batch: RolloutBatch) -> dict[str, Any]:
+        """One optimizer step on ``batch``; refuses a batch too stale for the bound."""
+        c = self.config
+        staleness = self.version - batch.weight_version
+        if staleness < 0 or (c.mode == "async" and staleness > c.max_offpolicy_steps):
+            raise RuntimeError(
+                f"batch of weight version {batch.weight_version} at trainer version "
+                f"{self.version}: lag {staleness} outside [0, {c.max_offpolicy_steps}]"
+            )
+        gen = batch.generation
+        gen.validate(len(batch.prompts))
+        advantages = group_advantages(batch.rewards, c.group_size, normalize_std=c.normalize_std)
+        mode = batch_invariant() if c.batch_invariant else nullcontext()
+        self.model.train()
+        with mode:
+            logprobs = sequence_logprobs(
+                self.model, batch.prompts, gen.tokens, gen.mask, temperature=c.sampling.temperature
+            )
+            ref = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref = sequence_logprobs(
+                        self.ref_model, batch.prompts, gen.tokens, gen.mask,
+                        temperature=c.sampling.temperature,
+                    )  # fmt: skip
+        out = grpo_loss(
+            logprobs,
+            logprobs.detach(),
+            advantages,
+            gen.mask,
+            c.loss,
+            rollout_logprobs=gen.logprobs,
+            ref_logprobs=ref,
+        )
+        out.loss.backward()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if c.max_grad_norm > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        return {
+            "step": batch.step,
+            "batch_weight_version": batch.weight_version,
+            "trainer_version": self.version - 1,
+            "staleness": staleness,
+            "loss": float(out.loss.detach()),
+            "grad_norm": float(grad_norm),
+            "clip_fraction": out.clip_fraction,
+            "kl_ref": out.kl,
+            **logprob_diagnostics(logprobs, gen.logprobs, gen.mask),
+            **reward_diagnostics(batch.rewards, gen.lengths),
+            "reward_statuses": batch.status_counts(),
+        }
+
+    def _collect(self, step: int) -> RolloutBatch:
+        c = self.config
+        return collect_rollouts(
+            self.generator,
+            self.task,
+            step=step,
+            num_prompts=c.num_prompts,
+            group_size=c.group_size,
+            sampling=c.sampling,
+            seed=c.seed,
+        )
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def _push_now(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        self.generator.update_weights(weights, version)
+
+
+class _AsyncRollouts:
+    """The background rollout thread of async mode and its hand-over of weights and batches."""
+
+    def __init__(self, trainer: GRPOTrainer, steps: range) -> None:
+        self.trainer, self.steps = trainer, steps
+        self._cond = threading.Condition()
+        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
+        self._latest = trainer.version  # newest version pushed (applied or pending)
+        self._stopped = False
+        self._out: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="titan_rl-rollouts", daemon=True)
+        self._thread.start()
+
+    def push(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Hand the trainer's new weights over (copied now: the trainer keeps changing them)."""
+        staged = {k: v.clone() for k, v in weights.items()}
+        with self._cond:
+            self._pending, self._latest = (staged, version), version
+            self._cond.notify_all()
+
+    def batches(self):
+        """The rollout batches in step order, as the thread produces them."""
+        for _ in self.steps:
+            item = self._out.get()
+            if isinstance(item, BaseException):
+                raise RuntimeError("the rollout thread failed") from item
+            yield item
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        bound = self.trainer.config.max_offpolicy_steps
+        try:
+            for step in self.steps:
+                with self._cond:
+                    self._cond.wait_for(lambda s=step: self._stopped or self._latest >= s - bound)
+                    if self._stopped:
+                        return
+                    pending, self._pending = self._pending, None
+                if pending is not None:
+                    self.trainer.generator.update_weights(*pending)
+                self._out.put(self.trainer._collect(step))
+        except BaseException as e:  # surfaced to the trainer by batches()
+            self._out.put(e)

@@ -1,0 +1,132 @@
+"""The GRPO loop: sync vs async bitwise, the staleness bound, and bad rollouts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from titan_rl import (
+    ArithmeticTask,
+    Generation,
+    GRPOConfig,
+    GRPOTrainer,
+    LossConfig,
+    SamplingParams,
+    TorchGenerator,
+    collect_rollouts,
+)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _config(tokenizer, **overrides) -> GRPOConfig:
+    base = dict(
+        num_prompts=2,
+        group_size=4,
+        sampling=SamplingParams(max_new_tokens=4, stop_token_ids=(tokenizer.eos_id,)),
+        loss=LossConfig(correction="tis"),
+        seed=3,
+    )
+    return GRPOConfig(**{**base, **overrides})
+
+
+def _run(model_factory, tokenizer, steps: int, **overrides):
+    model = model_factory(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # Reward: the response starts with an id below 128 (about half of a random model's).
+    task = _LowIdTask(tokenizer)
+    trainer = GRPOTrainer(model, optimizer, task, _config(tokenizer, **overrides))
+    history = trainer.train(steps)
+    return model, history
+
+
+class _LowIdTask(ArithmeticTask):
+    def score(self, prompt, response_ids):
+        from titan_rl import RewardResult
+
+        ok = bool(response_ids) and response_ids[0] < 128
+        return RewardResult(float(ok), "correct" if ok else "wrong")
+
+
+def test_async_with_zero_staleness_equals_sync_bitwise(model_factory, tokenizer):
+    sync_model, sync_hist = _run(model_factory, tokenizer, 3, mode="sync")
+    async_model, async_hist = _run(model_factory, tokenizer, 3, mode="async", max_offpolicy_steps=0)
+    for (name, a), (_, b) in zip(
+        sync_model.state_dict().items(), async_model.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    assert [h["loss"] for h in sync_hist] == [h["loss"] for h in async_hist]
+    assert [h["batch_weight_version"] for h in async_hist] == [0, 1, 2]
+    assert all(h["grad_norm"] > 0 for h in sync_hist)  # the run actually trained
+    assert [h["grad_norm"] for h in sync_hist] == [h["grad_norm"] for h in async_hist]
+
+
+def test_async_never_trains_on_a_batch_older_than_the_bound(model_factory, tokenizer):
+    for bound in (1, 2):
+        _, hist = _run(model_factory, tokenizer, 5, mode="async", max_offpolicy_steps=bound)
+        lags = [h["trainer_version"] - h["batch_weight_version"] for h in hist]
+        assert all(0 <= lag <= bound for lag in lags), (bound, lags)
+        assert [h["staleness"] for h in hist] == lags
+        print(f"max_offpolicy_steps={bound}: observed lags {lags}")
+
+
+def test_trainer_refuses_a_batch_outside_the_bound(model_factory, tokenizer):
+    model = model_factory()
+    task = ArithmeticTask(tokenizer)
+    cfg = _config(tokenizer, mode="async", max_offpolicy_steps=1)
+    trainer = GRPOTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0), task, cfg)
+    batch = collect_rollouts(
+        trainer.generator, task, step=0, num_prompts=2, group_size=4, sampling=cfg.sampling
+    )
+    trainer.version = 2  # the batch (version 0) is now two updates stale
+    with pytest.raises(RuntimeError, match="lag 2 outside"):
+        trainer.step(batch)
+
+
+def test_a_raising_reward_is_a_logged_failed_reward(model_factory, tokenizer, caplog):
+    class Broken(ArithmeticTask):
+        def score(self, prompt, response_ids):
+            raise KeyError("verifier bug")
+
+    gen = TorchGenerator(model_factory())
+    batch = collect_rollouts(
+        gen, Broken(tokenizer), step=0, num_prompts=2, group_size=2,
+        sampling=SamplingParams(max_new_tokens=2),
+    )  # fmt: skip
+    assert batch.statuses == ["error"] * 4 and torch.equal(batch.rewards, torch.zeros(4))
+    assert "reward function raised KeyError" in caplog.text
+
+
+def test_a_generator_with_mismatched_lengths_is_refused(model_factory, tokenizer):
+    class Broken(TorchGenerator):
+        def generate(self, prompts, params, seeds):
+            out = super().generate(prompts, params, seeds)
+            return dataclasses.replace(out, logprobs=out.logprobs[:, :-1])
+
+    gen = Broken(model_factory())
+    with pytest.raises(ValueError, match="logprobs has shape"):
+        collect_rollouts(
+            gen, ArithmeticTask(tokenizer), step=0, num_prompts=2, group_size=2,
+            sampling=SamplingParams(max_new_tokens=3),
+        )  # fmt: skip
+    assert isinstance(gen.generate([[1]], SamplingParams(max_new_tokens=1), [0]), Generation)
+
+
+def test_bad_loop_config_is_refused(tokenizer, tiny_model):
+    for kwargs, field in [
+        ({"group_size": 1}, "group_size"),
+        ({"num_prompts": 0}, "num_prompts"),
+        ({"mode": "eager"}, "mode"),
+        ({"max_offpolicy_steps": -1}, "max_offpolicy_steps"),
+    ]:
+        with pytest.raises(ValueError, match=f"GRPOConfig.{field}"):
+            _config(tokenizer, **kwargs)
+    with pytest.raises(ValueError, match="needs a ref_model"):
+        GRPOTrainer(
+            tiny_model,
+            torch.optim.SGD(tiny_model.parameters(), lr=0.1),
+            ArithmeticTask(tokenizer),
+            _config(tokenizer, loss=LossConfig(kl_coef=0.1)),
+        )
