@@ -41,6 +41,42 @@ def _hf_config(family: str, **overrides):
         )
         kw.update(overrides)
         return transformers.LlamaConfig(**kw)
+    if family == "qwen3_moe":
+        kw = dict(
+            common,
+            head_dim=16,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+        )
+        kw.update(overrides)
+        return transformers.Qwen3MoeConfig(**kw)
+    if family == "deepseek_v3":
+        kw = dict(
+            common,
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=512,
+        )
+        kw.update(overrides)
+        return transformers.DeepseekV3Config(**kw)
     kw = dict(common, head_dim=32, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
     kw.update(overrides)
     return transformers.Qwen3Config(**kw)
@@ -57,11 +93,15 @@ def hf_checkpoint(tmp_path):
         torch.manual_seed(seed)
         config = _hf_config(family, **kw)
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
-        # Random norm weights, so a mix-up of norms cannot hide behind weights of one.
+        # Random norm weights, so a mix-up of norms cannot hide behind weights of one; a
+        # random selection bias, so a lost e_score_correction_bias changes the routing.
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.uniform_(0.5, 1.5)
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.uniform_(-0.05, 0.05)
         folder = tmp_path / f"hf-{family}-{len(list(tmp_path.iterdir()))}"
         extra = {"max_shard_size": shard} if shard else {}
         model.save_pretrained(folder, **extra)

@@ -8,10 +8,12 @@ import torch
 import titan_models
 
 
-def test_list_models_names_both_families_and_all_flavors():
+def test_list_models_names_every_family_and_all_flavors():
     assert titan_models.list_models() == {
         "llama3": ["debug", "1B", "3B", "8B", "70B", "405B"],
         "qwen3": ["debug", "0.6B", "1.7B", "4B", "8B", "14B", "32B"],
+        "qwen3_moe": ["debug", "30B-A3B", "235B-A22B"],
+        "deepseek_v3": ["debug", "16B", "671B"],
     }
 
 
@@ -25,7 +27,8 @@ def test_get_model_returns_class_and_config_with_overrides():
 
 def test_unknown_family_lists_the_known_ones():
     with pytest.raises(
-        ValueError, match=r"unknown model family 'gpt2'; known: \['llama3', 'qwen3'\]"
+        ValueError,
+        match=r"unknown model family 'gpt2'; known: \['llama3', 'qwen3', 'qwen3_moe', 'deepseek_v3'\]",
     ):
         titan_models.get_model("gpt2", "debug")
 

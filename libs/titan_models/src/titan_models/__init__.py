@@ -1,17 +1,23 @@
-"""Model zoo (Llama 3, Qwen3), Hugging Face interop, KV-cache decoding, declarative plans."""
+"""Model zoo (Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3), Hugging Face interop, KV-cache decoding,
+declarative plans."""
 
 from .components import KVCache, RopeConfig, Transformer, TransformerConfig
 from .decoding import greedy_generate
+from .deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from .flops import flops_per_token, matmul_params
 from .hf_io import from_hf, to_hf
 from .llama3 import Llama3, Llama3Config
+from .mtp import mtp_loss
 from .plan import ModelPlan, PipelineUnit, TensorParallelPlan, fqn_matches
 from .qwen3 import Qwen3, Qwen3Config
+from .qwen3_moe import Qwen3Moe, Qwen3MoeConfig
 from .registry import get_model, get_plan, list_models
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DeepSeekV3",
+    "DeepSeekV3Config",
     "KVCache",
     "Llama3",
     "Llama3Config",
@@ -19,6 +25,8 @@ __all__ = [
     "PipelineUnit",
     "Qwen3",
     "Qwen3Config",
+    "Qwen3Moe",
+    "Qwen3MoeConfig",
     "RopeConfig",
     "TensorParallelPlan",
     "Transformer",
@@ -32,5 +40,6 @@ __all__ = [
     "greedy_generate",
     "list_models",
     "matmul_params",
+    "mtp_loss",
     "to_hf",
 ]

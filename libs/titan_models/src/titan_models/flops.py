@@ -9,12 +9,11 @@ def matmul_params(config: TransformerConfig) -> int:
     """Weights that take part in a matmul per token: every projection plus the output head.
 
     The embedding lookup is a gather, not a matmul; the head counts even when tied to it.
-    Norm weights are negligible and left out.
+    Norm weights are negligible and left out. For a mixture of experts only the *active*
+    weights count: the router, the shared experts and ``top_k`` routed experts per MoE layer
+    (plus DeepSeek-V3's MTP modules when it has them: they run in every training step).
     """
-    c = config
-    attention = c.dim * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    attention += c.num_heads * c.head_dim * c.dim
-    return c.num_layers * (attention + 3 * c.dim * c.ffn_hidden_dim) + c.dim * c.vocab_size
+    return config.matmul_params()
 
 
 def flops_per_token(config: TransformerConfig, seq_len: int) -> int:
@@ -24,9 +23,9 @@ def flops_per_token(config: TransformerConfig, seq_len: int) -> int:
     ``matmul_params`` (2 FLOPs per weight forward, 4 backward), and the attention term counts
     ``q·kᵀ`` and ``p·v`` (2·T·H·E each, forward, per layer) times 3 for the backward: ``L``
     layers, ``H`` query heads, ``E`` head dim, ``T = seq_len``. As in PaLM and torchtitan the
-    attention term ignores causal masking (a causal kernel does about half of it).
+    attention term ignores causal masking (a causal kernel does about half of it). With MLA
+    the two products use their own widths: ``6·L·H·(E_qk + E_v)·T``.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    c = config
-    return 6 * matmul_params(c) + 12 * c.num_layers * c.num_heads * c.head_dim * seq_len
+    return 6 * matmul_params(config) + config.attention_flops(seq_len)

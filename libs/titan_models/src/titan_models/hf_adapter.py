@@ -4,14 +4,16 @@ An adapter describes, for each of our parameters, the HF tensors it is made of a
 the parameter* (``HFTensor``). That one description drives loading (copy each HF tensor into
 its view), saving (write each view) and validation (evaluated on the meta device it yields
 every expected key and shape without allocating). A one-to-one rename is one view, the whole
-parameter; per-expert tensors of a fused MoE weight would be ``param[e]``; a permuted layout
-supplies ``to_hf`` / ``from_hf`` transforms.
+parameter; the per-expert tensors of a stacked ``(E, ...)`` expert weight are ``param[e]`` (an
+HF template with ``{e}``); a permuted layout supplies ``to_hf`` / ``from_hf`` transforms. Our
+persistent buffers (a router's selection bias) are described the same way; one that HF does not
+store maps to no tensor and is zero after loading.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -46,7 +48,9 @@ class HFAdapter:
     architecture: ClassVar[str]
     """HF ``architectures[0]`` written by ``to_hf``."""
     key_map: ClassVar[tuple[tuple[str, str], ...]]
-    """(our FQN template, HF key template); ``{}`` stands for the layer index."""
+    """(our FQN template, HF key template); ``{}`` stands for the layer index, ``{e}`` (HF side)
+    for the expert index of a stacked expert weight, and an empty HF template for a tensor HF
+    does not store."""
     ignored_hf_keys: ClassVar[tuple[str, ...]] = (r"(.*\.)?rotary_emb\.inv_freq",)
     """Regexes of checkpoint keys that carry nothing we load (old RoPE buffers)."""
 
@@ -59,13 +63,28 @@ class HFAdapter:
     def config_to_hf(self, config: TransformerConfig) -> dict[str, Any]:
         raise NotImplementedError
 
-    def hf_tensors(self, fqn: str, param: torch.Tensor) -> list[HFTensor]:
-        """The HF tensors that make up our parameter ``fqn``."""
+    def hf_tensors(
+        self, fqn: str, param: torch.Tensor, hf_config: Mapping[str, Any]
+    ) -> list[HFTensor]:
+        """The HF tensors that make up our parameter (or persistent buffer) ``fqn`` in a
+        checkpoint whose ``config.json`` is ``hf_config``."""
         for pattern, hf in self._to_hf:
             match = pattern.fullmatch(fqn)
             if match:
+                if not hf:
+                    return []
+                if "{e}" in hf:
+                    return [
+                        HFTensor(hf.format(*match.groups(), e=e), param[e])
+                        for e in range(param.shape[0])
+                    ]
                 return [HFTensor(hf.format(*match.groups()), param)]
         raise ValueError(f"{type(self).__name__} has no HF name for parameter {fqn!r}")
+
+    def adapt_to_checkpoint(self, hf: Mapping[str, Any], keys: Collection[str]) -> dict[str, Any]:
+        """The HF config as it applies to the tensors the checkpoint holds (``keys``); used for
+        both the config and the key mapping. Unchanged here."""
+        return dict(hf)
 
     def is_ignored(self, key: str, config: TransformerConfig) -> bool:
         """Checkpoint keys we skip: old RoPE buffers, and ``lm_head`` when the head is tied
@@ -79,22 +98,59 @@ def _template_regex(template: str) -> re.Pattern[str]:
     return re.compile(re.escape(template).replace(r"\{\}", r"(\d+)"))
 
 
-DENSE_KEY_MAP: tuple[tuple[str, str], ...] = (
+STACK_KEY_MAP: tuple[tuple[str, str], ...] = (
     ("tok_embeddings.weight", "model.embed_tokens.weight"),
     ("layers.{}.attention_norm.weight", "model.layers.{}.input_layernorm.weight"),
+    ("layers.{}.ffn_norm.weight", "model.layers.{}.post_attention_layernorm.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+)
+"""Embedding, block norms, final norm and head: the same names in every family."""
+
+GQA_KEY_MAP: tuple[tuple[str, str], ...] = (
     ("layers.{}.attention.wq.weight", "model.layers.{}.self_attn.q_proj.weight"),
     ("layers.{}.attention.wk.weight", "model.layers.{}.self_attn.k_proj.weight"),
     ("layers.{}.attention.wv.weight", "model.layers.{}.self_attn.v_proj.weight"),
     ("layers.{}.attention.wo.weight", "model.layers.{}.self_attn.o_proj.weight"),
     ("layers.{}.attention.q_norm.weight", "model.layers.{}.self_attn.q_norm.weight"),
     ("layers.{}.attention.k_norm.weight", "model.layers.{}.self_attn.k_norm.weight"),
-    ("layers.{}.ffn_norm.weight", "model.layers.{}.post_attention_layernorm.weight"),
+)
+"""``components.Attention`` ↔ HF's ``self_attn``."""
+
+MLP_KEY_MAP: tuple[tuple[str, str], ...] = (
     ("layers.{}.feed_forward.w1.weight", "model.layers.{}.mlp.gate_proj.weight"),
     ("layers.{}.feed_forward.w2.weight", "model.layers.{}.mlp.down_proj.weight"),
     ("layers.{}.feed_forward.w3.weight", "model.layers.{}.mlp.up_proj.weight"),
-    ("norm.weight", "model.norm.weight"),
-    ("output.weight", "lm_head.weight"),
 )
+"""``components.FeedForward`` ↔ HF's dense ``mlp``."""
+
+MOE_KEY_MAP: tuple[tuple[str, str], ...] = (
+    ("layers.{}.feed_forward.router.gate.weight", "model.layers.{}.mlp.gate.weight"),
+    (
+        "layers.{}.feed_forward.router.expert_bias",
+        "model.layers.{}.mlp.gate.e_score_correction_bias",
+    ),
+    ("layers.{}.feed_forward.experts.w_gate", "model.layers.{}.mlp.experts.{e}.gate_proj.weight"),
+    ("layers.{}.feed_forward.experts.w_up", "model.layers.{}.mlp.experts.{e}.up_proj.weight"),
+    ("layers.{}.feed_forward.experts.w_down", "model.layers.{}.mlp.experts.{e}.down_proj.weight"),
+    (
+        "layers.{}.feed_forward.shared_experts.w_gate.weight",
+        "model.layers.{}.mlp.shared_experts.gate_proj.weight",
+    ),
+    (
+        "layers.{}.feed_forward.shared_experts.w_up.weight",
+        "model.layers.{}.mlp.shared_experts.up_proj.weight",
+    ),
+    (
+        "layers.{}.feed_forward.shared_experts.w_down.weight",
+        "model.layers.{}.mlp.shared_experts.down_proj.weight",
+    ),
+)
+"""``dist_moe.MoE`` ↔ HF's sparse ``mlp``: per-expert keys on disk (transformers fuses them into
+``experts.gate_up_proj`` (E, 2I, D) / ``experts.down_proj`` in memory and splits them again when
+saving) ↔ our stacked ``(E, I, D)`` / ``(E, D, I)`` weights."""
+
+DENSE_KEY_MAP: tuple[tuple[str, str], ...] = STACK_KEY_MAP + GQA_KEY_MAP + MLP_KEY_MAP
 """Our names ↔ the ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` names."""
 
 
@@ -123,17 +179,21 @@ class DenseHFAdapter(HFAdapter):
     def config_from_hf(self, hf: Mapping[str, Any]) -> TransformerConfig:
         """Our config for an HF ``config.json``; ``ValueError`` naming any field we do not model."""
         check_supported(hf)
-        heads = _required(hf, "num_attention_heads")
-        hidden = _required(hf, "hidden_size")
+        return self.config_cls(**self.config_fields_from_hf(hf))
+
+    def config_fields_from_hf(self, hf: Mapping[str, Any]) -> dict[str, Any]:
+        """The ``TransformerConfig`` fields of an HF config (a family adds its own)."""
+        heads = required(hf, "num_attention_heads")
+        hidden = required(hf, "hidden_size")
         max_pos = hf.get("max_position_embeddings") or self.default_max_position_embeddings
-        return self.config_cls(
-            vocab_size=_required(hf, "vocab_size"),
+        return dict(
+            vocab_size=required(hf, "vocab_size"),
             dim=hidden,
-            num_layers=_required(hf, "num_hidden_layers"),
+            num_layers=required(hf, "num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=hf.get("head_dim") or hidden // heads,
-            ffn_hidden_dim=_required(hf, "intermediate_size"),
+            ffn_hidden_dim=required(hf, "intermediate_size"),
             rope=rope_from_hf(hf, max_position_embeddings=max_pos),
             max_seq_len=max_pos,
             norm_eps=hf.get("rms_norm_eps", self.default_rms_norm_eps),
@@ -191,7 +251,7 @@ def check_supported(hf: Mapping[str, Any]) -> None:
         )
 
 
-def _required(hf: Mapping[str, Any], name: str) -> Any:
+def required(hf: Mapping[str, Any], name: str) -> Any:
     if hf.get(name) is None:
         raise ValueError(f"HF config field {name} is missing")
     return hf[name]

@@ -15,11 +15,13 @@ import re
 import shutil
 import uuid
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from .components import Transformer
 from .hf_adapter import HFAdapter, HFTensor
@@ -71,19 +73,23 @@ def from_hf(
     hf_config = json.loads(config_file.read_text())
     family = family_for_hf(hf_config.get("model_type"))
     adapter = family.hf_adapter
-    config = adapter.config_from_hf(hf_config)
     files = checkpoint_files(root)
+    hf_config = adapter.adapt_to_checkpoint(hf_config, files.keys())
+    config = adapter.config_from_hf(hf_config)
 
     with torch.device("meta"):
         model = family.model_cls(config)
     declared = _declared_dtype(hf_config)
     target = dtype or declared or _first_tensor_dtype(files)
     model.to(dtype=target)  # on meta: free
-    _validate(model, adapter, files, target, convert=dtype is not None)
+    _validate(model, adapter, files, hf_config, target, convert=dtype is not None)
 
     model.to_empty(device=device)
     model._tie()
-    _load(model, adapter, files)
+    with torch.no_grad():
+        for buffer in model.buffers():
+            buffer.zero_()  # those the checkpoint holds are overwritten next; the rest start at 0
+    _load(model, adapter, files, hf_config)
     return model
 
 
@@ -108,7 +114,8 @@ def to_hf(
     root = Path(path)
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise ValueError(f"{root} exists and is not an empty folder; to_hf writes a new one")
-    tensors = _hf_tensors_for_saving(model, adapter)
+    hf_config = adapter.config_to_hf(model.config)
+    tensors, buffers = _hf_tensors_for_saving(model, adapter, hf_config)
     out_dtype = dtype or tensors[0].ours.dtype
 
     shards: list[list[HFTensor]] = [[]]
@@ -131,7 +138,8 @@ def to_hf(
     try:
         weight_map, total = {}, 0
         for name, shard in zip(names, shards, strict=True):
-            state = {ht.key: _standalone(ht, dtype) for ht in shard}
+            # Buffers (a router's fp32 selection bias) keep their dtype, as transformers does.
+            state = {ht.key: _standalone(ht, None if ht.key in buffers else dtype) for ht in shard}
             save_file(state, partial / name, metadata={"format": "pt"})
             total += sum(t.numel() * t.element_size() for t in state.values())
             weight_map.update(dict.fromkeys(state, name))
@@ -142,7 +150,6 @@ def to_hf(
                 "weight_map": dict(sorted(weight_map.items())),
             }
             (partial / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        hf_config = adapter.config_to_hf(model.config)
         hf_config["torch_dtype"] = str(out_dtype).removeprefix("torch.")
         (partial / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         if root.exists():
@@ -212,20 +219,32 @@ def _first_tensor_dtype(files: dict[str, Path]) -> torch.dtype:
     return _DTYPES[found]
 
 
+def named_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """What a checkpoint holds of ``model``: its parameters (a tied one once) and its
+    persistent buffers (a router's selection bias), in registration order."""
+    yield from model.named_parameters()
+    for prefix, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                yield (f"{prefix}.{name}" if prefix else name), buffer
+
+
 def _validate(
     model: Transformer,
     adapter: HFAdapter,
     files: dict[str, Path],
+    hf_config: dict,
     target: torch.dtype,
     *,
     convert: bool,
 ) -> None:
     """Every key, shape and dtype, checked on the meta model; one error listing all problems."""
-    expected = {
-        ht.key: ht.hf_shape()
-        for fqn, param in model.named_parameters()
-        for ht in adapter.hf_tensors(fqn, param)
-    }
+    params = {id(p) for p in model.parameters()}
+    expected, is_param = {}, {}
+    for fqn, tensor in named_state(model):
+        for ht in adapter.hf_tensors(fqn, tensor, hf_config):
+            expected[ht.key] = ht.hf_shape()
+            is_param[ht.key] = id(tensor) in params
     missing = sorted(set(expected) - set(files))
     unexpected = sorted(
         k for k in files if k not in expected and not adapter.is_ignored(k, model.config)
@@ -244,7 +263,8 @@ def _validate(
                     wrong.append(f"{key}: checkpoint shape {shape}, model shape {expected[key]}")
                 if found not in _DTYPES:
                     wrong.append(f"{key}: dtype {found} is not a floating dtype we can load")
-                elif not convert and _DTYPES[found] != target:
+                elif not convert and is_param[key] and _DTYPES[found] != target:
+                    # Buffers (a router's fp32 bias in a bf16 checkpoint) convert on copy.
                     wrong.append(
                         f"{key}: dtype {_DTYPES[found]}, checkpoint dtype {target} "
                         "(pass dtype= to convert)"
@@ -267,11 +287,11 @@ def _listing(what: str, items: list[str]) -> str:
 
 
 @torch.no_grad()
-def _load(model: Transformer, adapter: HFAdapter, files: dict[str, Path]) -> None:
+def _load(model: Transformer, adapter: HFAdapter, files: dict[str, Path], hf_config: dict) -> None:
     targets = {
         ht.key: ht
-        for fqn, param in model.named_parameters()
-        for ht in adapter.hf_tensors(fqn, param)
+        for fqn, tensor in named_state(model)
+        for ht in adapter.hf_tensors(fqn, tensor, hf_config)
     }
     by_file: dict[Path, list[str]] = defaultdict(list)
     for key in targets:
@@ -285,17 +305,21 @@ def _load(model: Transformer, adapter: HFAdapter, files: dict[str, Path]) -> Non
                 del tensor
 
 
-def _hf_tensors_for_saving(model: Transformer, adapter: HFAdapter) -> list[HFTensor]:
+def _hf_tensors_for_saving(
+    model: Transformer, adapter: HFAdapter, hf_config: dict
+) -> tuple[list[HFTensor], set[str]]:
+    """Every HF tensor to write, and the keys of those that are buffers."""
     with torch.device("meta"):
         reference = type(model)(model.config)
-    wanted = [name for name, _ in reference.named_parameters()]
-    params = dict(model.named_parameters())
+    wanted = [name for name, _ in named_state(reference)]
+    params = dict(named_state(model))
     missing = [name for name in wanted if name not in params]
     if missing:
         raise ValueError(
             f"to_hf needs the whole model; {_listing('parameters are absent', missing)}"
         )
-    tensors = []
+    buffer_names = {name for name, _ in reference.named_buffers()}
+    tensors, buffers = [], set()
     for name in wanted:
         param = params[name]
         if param.is_meta or type(param.data) is not torch.Tensor:
@@ -303,8 +327,11 @@ def _hf_tensors_for_saving(model: Transformer, adapter: HFAdapter) -> list[HFTen
                 f"parameter {name} is a {type(param.data).__name__} on {param.device}: "
                 "to_hf writes a materialised, unsharded model (gather it first)"
             )
-        tensors += adapter.hf_tensors(name, param)
-    return tensors
+        described = adapter.hf_tensors(name, param, hf_config)
+        tensors += described
+        if name in buffer_names:
+            buffers.update(ht.key for ht in described)
+    return tensors, buffers
 
 
 def _standalone(ht: HFTensor, dtype: torch.dtype | None) -> torch.Tensor:

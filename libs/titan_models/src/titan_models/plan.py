@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+from torch import nn
+
 from .components import TransformerConfig
 
 
@@ -26,8 +29,10 @@ class TensorParallelPlan:
     sequence_parallel: tuple[str, ...]
     """Norms on the residual stream, run on sequence-sharded activations (weights replicated)."""
     replicated: tuple[str, ...]
-    """Modules that run on each rank's local heads with replicated weights, gradients summed
-    over the tensor-parallel group (the per-head QK-norms)."""
+    """Modules with replicated weights whose gradients are partial per rank and summed over the
+    tensor-parallel group: the per-head QK-norms (run on the local heads), and MLA's latent
+    down-projections and their norms (``wq_a``, ``q_norm``, ``wkv_a``, ``kv_norm``: computed in
+    full on every rank, read by the local heads only)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,6 +60,11 @@ class ModelPlan:
     """Module patterns whose activations are rematerialised as a unit (the blocks)."""
     tied_parameters: tuple[tuple[str, str], ...] = ()
     """Parameter FQN pairs that are one tensor; stages holding both ends must keep them equal."""
+    experts: tuple[str, ...] = ()
+    """FQN patterns of the ``dist_moe.MoE`` modules: the app hands each to
+    ``dist_moe.expert_parallel(module, ep_group)``. They are in no tensor-parallel list (router,
+    routed and shared experts run unsharded over TP; under sequence parallelism each TP rank
+    routes its own sequence shard)."""
 
 
 def fqn_matches(pattern: str, fqn: str) -> bool:
@@ -62,6 +72,58 @@ def fqn_matches(pattern: str, fqn: str) -> bool:
     parts, wanted = fqn.split("."), pattern.split(".")
     return len(parts) == len(wanted) and all(
         w in ("*", p) for w, p in zip(wanted, parts, strict=True)
+    )
+
+
+def moe_decoder_plan(
+    model_cls: type[nn.Module],
+    config: TransformerConfig,
+    *,
+    colwise: tuple[str, ...],
+    rowwise: tuple[str, ...],
+    replicated: tuple[str, ...],
+    experts: tuple[str, ...],
+    sequence_parallel: tuple[str, ...] = (),
+    head_modules: tuple[str, ...] = (),
+) -> ModelPlan:
+    """The plan of a ``Transformer`` whose blocks hold MoE layers (Qwen3-MoE, DeepSeek-V3).
+
+    The patterns given are the blocks' own; embedding, head and the residual-stream norms are
+    added here. Unit sizes are counted on a meta-device build (nothing is allocated).
+    ``head_modules``: modules beside ``norm`` and ``output`` that the last stage keeps.
+    """
+    with torch.device("meta"):
+        model = model_cls(config)
+
+    def unit(name: str, modules: tuple[str, ...]) -> PipelineUnit:
+        params = {
+            id(p): p.numel() for top in modules for p in model.get_submodule(top).parameters()
+        }
+        return PipelineUnit(name=name, modules=modules, num_params=sum(params.values()))
+
+    units = (
+        unit("tok_embeddings", ("tok_embeddings",)),
+        *(unit(f"layers.{i}", (f"layers.{i}",)) for i in range(config.num_layers)),
+        unit("head", ("norm", "output", *head_modules)),
+    )
+    return ModelPlan(
+        tensor_parallel=TensorParallelPlan(
+            colwise=(*colwise, "output"),
+            rowwise=("tok_embeddings", *rowwise),
+            sequence_parallel=(
+                "layers.*.attention_norm",
+                "layers.*.ffn_norm",
+                *sequence_parallel,
+                "norm",
+            ),
+            replicated=replicated,
+        ),
+        pipeline_units=units,
+        remat_units=("layers.*", *(f"{m}.*" for m in head_modules)),
+        tied_parameters=(("tok_embeddings.weight", "output.weight"),)
+        if config.tie_embeddings
+        else (),
+        experts=experts,
     )
 
 

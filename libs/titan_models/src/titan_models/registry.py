@@ -7,13 +7,15 @@ from typing import Any
 
 import torch.nn as nn
 
-from . import llama3, qwen3
+from . import deepseek_v3, llama3, qwen3, qwen3_moe
 from .components import Transformer, TransformerConfig
 from .family import ModelFamily
 from .plan import ModelPlan
 
 # A new family is a folder with a FAMILY and one entry here.
-FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (llama3.FAMILY, qwen3.FAMILY)}
+FAMILIES: dict[str, ModelFamily] = {
+    f.name: f for f in (llama3.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, deepseek_v3.FAMILY)
+}
 
 
 def list_models() -> dict[str, list[str]]:

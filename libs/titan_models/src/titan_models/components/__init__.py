@@ -3,6 +3,7 @@
 from .attention import Attention, attention_inputs, positions_from_document_ids
 from .feedforward import FeedForward
 from .kv_cache import KVCache, LayerKVCache
+from .moe import MoEFeedForward
 from .norm import RMSNorm
 from .rope import (
     Llama3RopeScaling,
@@ -12,7 +13,13 @@ from .rope import (
     apply_rotary,
     rope_frequencies,
 )
-from .transformer import Transformer, TransformerBlock, TransformerConfig, dense_blocks
+from .transformer import (
+    Transformer,
+    TransformerBlock,
+    TransformerConfig,
+    dense_blocks,
+    gqa_attention,
+)
 
 __all__ = [
     "Attention",
@@ -20,6 +27,7 @@ __all__ = [
     "KVCache",
     "LayerKVCache",
     "Llama3RopeScaling",
+    "MoEFeedForward",
     "RMSNorm",
     "RopeConfig",
     "RotaryEmbedding",
@@ -30,6 +38,7 @@ __all__ = [
     "apply_rotary",
     "attention_inputs",
     "dense_blocks",
+    "gqa_attention",
     "positions_from_document_ids",
     "rope_frequencies",
 ]

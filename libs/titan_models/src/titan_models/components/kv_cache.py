@@ -6,7 +6,11 @@ positions). Ragged prompts are right-padded to a common ``S`` and prefilled with
 ``input_lengths``; the padding is written past each row's length, stays invisible to every query
 (a query sees slots up to its own) and is overwritten by the next step.
 
-Shapes: B batch, S new tokens, K kv heads, L cache capacity, D head dim.
+The two buffers of a layer are keys and values for grouped-query attention, and the
+compressed latent and the shared rope key for multi-head latent attention (one "head" each, of
+widths ``kv_lora_rank`` and ``qk_rope_head_dim``): ``value_dim`` sets the second one's width.
+
+Shapes: B batch, S new tokens, K kv heads, L cache capacity, D head dim (value dim for v).
 """
 
 from __future__ import annotations
@@ -49,23 +53,27 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        value_dim: int | None = None,
     ) -> None:
+        """``value_dim``: width of the second buffer (``head_dim`` by default)."""
+        value_dim = head_dim if value_dim is None else value_dim
         for name, value in (
             ("batch_size", batch_size),
             ("max_seq_len", max_seq_len),
             ("num_kv_heads", num_kv_heads),
             ("head_dim", head_dim),
+            ("value_dim", value_dim),
         ):
             if value < 1:
                 raise ValueError(f"KVCache {name} must be >= 1, got {value}")
-        shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
+        shape = (batch_size, num_kv_heads, max_seq_len)
         self.max_seq_len = max_seq_len
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.layers = {
             i: LayerKVCache(
                 self,
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros((*shape, head_dim), dtype=dtype, device=device),
+                torch.zeros((*shape, value_dim), dtype=dtype, device=device),
             )
             for i in layers
         }
@@ -74,6 +82,17 @@ class KVCache:
     @property
     def batch_size(self) -> int:
         return self.lengths.shape[0]
+
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token occupies, summed over layers (both buffers)."""
+        return (
+            sum(
+                (layer.k_BKLD[:, :, 0].numel() + layer.v_BKLD[:, :, 0].numel())
+                * layer.k_BKLD.element_size()
+                for layer in self.layers.values()
+            )
+            // self.batch_size
+        )
 
     def begin(self, seq_len: int) -> torch.Tensor:
         """Start a forward of ``seq_len`` new tokens per row; return their slots ``(B, S)``."""

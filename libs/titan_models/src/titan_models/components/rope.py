@@ -102,7 +102,8 @@ def _llama3_scaled(inv_freq: torch.Tensor, s: Llama3RopeScaling) -> torch.Tensor
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 · mscale · ln(scale) + 1`` (1 when not extending)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -112,11 +113,9 @@ def _yarn_scaled(
     if s.attention_factor is not None:
         attention_factor = s.attention_factor
     elif s.mscale and s.mscale_all_dim:
-        attention_factor = _yarn_mscale(s.factor, s.mscale) / _yarn_mscale(
-            s.factor, s.mscale_all_dim
-        )
+        attention_factor = yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)
     else:
-        attention_factor = _yarn_mscale(s.factor)
+        attention_factor = yarn_mscale(s.factor)
 
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(s.original_max_seq_len / (rotations * 2 * math.pi))) / (

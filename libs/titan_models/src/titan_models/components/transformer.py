@@ -79,6 +79,23 @@ class TransformerConfig:
         """The names ``dataclasses.replace`` accepts."""
         return [f.name for f in fields(cls)]
 
+    @property
+    def rotary_dim(self) -> int:
+        """Width of the rotated part of a query/key head (all of it here)."""
+        return self.head_dim
+
+    def matmul_params(self) -> int:
+        """Weights that take part in a matmul per token (see ``titan_models.matmul_params``)."""
+        attention = self.dim * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        attention += self.num_heads * self.head_dim * self.dim
+        return self.num_layers * (attention + 3 * self.dim * self.ffn_hidden_dim) + (
+            self.dim * self.vocab_size
+        )
+
+    def attention_flops(self, seq_len: int) -> int:
+        """Forward + backward FLOPs of ``q·kᵀ`` and ``p·v`` per token (no causal discount)."""
+        return 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
+
 
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
@@ -109,19 +126,24 @@ class TransformerBlock(nn.Module):
         self.feed_forward.init_weights(std=std, out_std=out_std, generator=generator)
 
 
+def gqa_attention(config: TransformerConfig, *, qk_norm: bool) -> Attention:
+    """The GQA attention of the Llama 3 / Qwen3 blocks (with per-head QK-norm for Qwen3)."""
+    return Attention(
+        dim=config.dim,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        qk_norm_eps=config.norm_eps if qk_norm else None,
+    )
+
+
 def dense_blocks(config: TransformerConfig, *, qk_norm: bool) -> list[TransformerBlock]:
     """``num_layers`` blocks of GQA attention + SwiGLU (Llama 3; with ``qk_norm``, Qwen3)."""
     return [
         TransformerBlock(
             dim=config.dim,
             norm_eps=config.norm_eps,
-            attention=Attention(
-                dim=config.dim,
-                num_heads=config.num_heads,
-                num_kv_heads=config.num_kv_heads,
-                head_dim=config.head_dim,
-                qk_norm_eps=config.norm_eps if qk_norm else None,
-            ),
+            attention=gqa_attention(config, qk_norm=qk_norm),
             feed_forward=FeedForward(dim=config.dim, hidden_dim=config.ffn_hidden_dim),
         )
         for _ in range(config.num_layers)
@@ -136,7 +158,14 @@ class Transformer(nn.Module):
     blocks (or the embedding / head, set to ``None``) keeps every FQN unchanged.
     """
 
-    def __init__(self, config: TransformerConfig, blocks: list[nn.Module]) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        blocks: list[nn.Module],
+        extra_modules: dict[str, nn.Module] | None = None,
+    ) -> None:
+        """``extra_modules``: a family's modules beside the stack (DeepSeek-V3's ``mtp``),
+        registered after ``output`` and initialised by the family's ``_init_extra_weights``."""
         super().__init__()
         if len(blocks) != config.num_layers:
             raise ValueError(f"got {len(blocks)} blocks for num_layers={config.num_layers}")
@@ -145,7 +174,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(blocks)})
         self.norm: RMSNorm | None = RMSNorm(config.dim, eps=config.norm_eps)
         self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(config.rope, config.head_dim)
+        for name, module in (extra_modules or {}).items():
+            self.add_module(name, module)
+        self.rope = RotaryEmbedding(config.rope, config.rotary_dim)
         self._tie()
         if not self.tok_embeddings.weight.is_meta:
             self.init_weights()
@@ -171,6 +202,26 @@ class Transformer(nn.Module):
             input_lengths: with ``kv_cache``, how many of the ``S`` tokens of each row are real
                 (right-padded ragged prompts); the rest is written but never attended to.
         """
+        h_BSD, _ = self.run_blocks(
+            tokens,
+            positions=positions,
+            document_ids=document_ids,
+            kv_cache=kv_cache,
+            input_lengths=input_lengths,
+        )
+        return self.head(h_BSD)
+
+    def run_blocks(
+        self,
+        tokens: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        input_lengths: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]]:
+        """Embedding and blocks: the residual stream ``(B, S, D)`` before the final norm, and
+        the ``(rope, mask)`` the blocks used (a family's extra heads reuse them)."""
         B, S = tokens.shape[:2]
         _check_shape("positions", positions, (B, S))
         if input_lengths is not None:
@@ -186,6 +237,10 @@ class Transformer(nn.Module):
             h_BSD = layer(h_BSD, rope, mask, layer_cache)
         if kv_cache is not None:
             kv_cache.end(input_lengths)
+        return h_BSD, (rope, mask)
+
+    def head(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        """Final norm and output head (each skipped on a pipeline stage that lacks it)."""
         h_BSD = self.norm(h_BSD) if self.norm is not None else h_BSD
         return self.output(h_BSD) if self.output is not None else h_BSD
 
@@ -222,7 +277,13 @@ class Transformer(nn.Module):
             self.norm.init_weights()
         if self.output is not None and not self.config.tie_embeddings:
             nn.init.normal_(self.output.weight, std=std, generator=generator)
+        self._init_extra_weights(std=std, out_std=out_std, generator=generator)
         return self
+
+    def _init_extra_weights(
+        self, *, std: float, out_std: float, generator: torch.Generator
+    ) -> None:
+        """Hook for modules a family adds beside the blocks (DeepSeek-V3's MTP modules)."""
 
     def new_kv_cache(
         self,

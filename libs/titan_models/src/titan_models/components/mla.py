@@ -1,0 +1,109 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, DeepSeek-AI 2024) through SDPA.
+
+Keys and values are compressed into one latent per token (``kv_lora_rank`` wide) plus one
+rope key shared by every head (``qk_rope_head_dim`` wide); those two are all the KV cache holds.
+Queries are optionally compressed too (``q_lora_rank`` > 0). A head's query/key is its
+``qk_nope_head_dim`` content part followed by the rotated ``qk_rope_head_dim`` part.
+
+Shapes: B batch, S queries, L keys, D model dim, H heads (local ones under tensor parallelism,
+read off the projections at run time), C kv latent, R rope dim, N nope dim, V value dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kv_cache import LayerKVCache
+from .norm import RMSNorm
+from .rope import apply_rotary
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """``x → q (direct or via the q latent) ; x → (kv latent, rope key) → per-head k, v``."""
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        num_heads: int,
+        q_lora_rank: int,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        latent_norm_eps: float,
+        softmax_scale: float,
+    ) -> None:
+        """``q_lora_rank=0``: queries straight from ``x`` (``wq``), as DeepSeek-V2-Lite."""
+        super().__init__()
+        self.kv_lora_rank = kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.softmax_scale = softmax_scale
+        qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        if q_lora_rank:
+            self.wq = None
+            self.wq_a = nn.Linear(dim, q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(q_lora_rank, eps=latent_norm_eps)
+            self.wq_b = nn.Linear(q_lora_rank, num_heads * qk_head_dim, bias=False)
+        else:
+            self.wq = nn.Linear(dim, num_heads * qk_head_dim, bias=False)
+            self.wq_a = self.q_norm = self.wq_b = None
+        self.wkv_a = nn.Linear(dim, kv_lora_rank + qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(kv_lora_rank, eps=latent_norm_eps)
+        self.wkv_b = nn.Linear(
+            kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False
+        )
+        self.wo = nn.Linear(num_heads * v_head_dim, dim, bias=False)
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        kv_cache: LayerKVCache | None = None,
+    ) -> torch.Tensor:
+        """``mask``: ``None`` for plain causal attention, else a boolean ``(B, 1, S, L)``."""
+        B, S, _ = x_BSD.shape
+        q_in_BSX = x_BSD if self.wq_a is None else self.q_norm(self.wq_a(x_BSD))
+        q_BSX = (self.wq if self.wq is not None else self.wq_b)(q_in_BSX)
+        q_BSHE = q_BSX.view(B, S, -1, self.nope_dim + self.rope_dim)
+        q_nope_BSHN, q_rope_BSHR = q_BSHE.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_rope_BSHR = apply_rotary(q_rope_BSHR, rope)
+
+        latent_BSC, k_rope_BSR = self.wkv_a(x_BSD).split([self.kv_lora_rank, self.rope_dim], -1)
+        latent_BSC = self.kv_norm(latent_BSC)
+        k_rope_BS1R = apply_rotary(k_rope_BSR.unsqueeze(2), rope)
+        if kv_cache is not None:
+            # The cache holds the latent and the rope key only; k and v are re-expanded.
+            latent_B1LC, k_rope_B1LR = kv_cache.update(latent_BSC.unsqueeze(2), k_rope_BS1R)
+            latent_BLC, k_rope_BL1R = latent_B1LC[:, 0], k_rope_B1LR.transpose(1, 2)
+        else:
+            latent_BLC, k_rope_BL1R = latent_BSC, k_rope_BS1R
+        L = latent_BLC.shape[1]
+
+        kv_BLHX = self.wkv_b(latent_BLC).view(B, L, -1, self.nope_dim + self.v_dim)
+        k_nope_BLHN, v_BLHV = kv_BLHX.split([self.nope_dim, self.v_dim], dim=-1)
+        H = k_nope_BLHN.shape[2]
+        k_BLHE = torch.cat([k_nope_BLHN, k_rope_BL1R.expand(B, L, H, self.rope_dim)], dim=-1)
+        q_BSHE = torch.cat([q_nope_BSHN, q_rope_BSHR], dim=-1)
+        o_BHSV = F.scaled_dot_product_attention(
+            q_BSHE.transpose(1, 2),
+            k_BLHE.transpose(1, 2),
+            v_BLHV.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.softmax_scale,
+        )
+        return self.wo(o_BHSV.transpose(1, 2).reshape(B, S, -1))
+
+    def init_weights(self, *, std: float, out_std: float, generator: torch.Generator) -> None:
+        """Normal ``std`` for the projections into the heads/latents, ``out_std`` for ``wo``."""
+        for linear in (self.wq, self.wq_a, self.wq_b, self.wkv_a, self.wkv_b):
+            if linear is not None:
+                nn.init.normal_(linear.weight, std=std, generator=generator)
+        nn.init.normal_(self.wo.weight, std=out_std, generator=generator)
+        for norm in (self.q_norm, self.kv_norm):
+            if norm is not None:
+                norm.init_weights()

@@ -1,0 +1,69 @@
+"""The mixture-of-experts feed-forward of the MoE families: ``dist_moe.MoE`` plus our init.
+
+Routing, permutation, grouped experts, shared experts, the balance loss and aux-loss-free bias
+balancing are dist_moe's; this module only adds the deterministic ``init_weights`` every block
+of a ``Transformer`` has, and the config validation the MoE families share. Expert parallelism
+is applied from outside (``dist_moe.expert_parallel`` on each module the plan lists in
+``ModelPlan.experts``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from dist_moe import MoE, MoEConfig, RouterConfig
+
+__all__ = ["MoEFeedForward", "check_moe_fields"]
+
+
+class MoEFeedForward(MoE):
+    """``dist_moe.MoE`` (router → routed SwiGLU experts [+ shared experts]) with our init."""
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        hidden_dim: int,
+        router: RouterConfig,
+        shared_hidden_dim: int = 0,
+    ) -> None:
+        super().__init__(
+            MoEConfig(
+                dim=dim, hidden_dim=hidden_dim, router=router, shared_hidden_dim=shared_hidden_dim
+            )
+        )
+
+    def init_weights(self, *, std: float, out_std: float, generator: torch.Generator) -> None:
+        """N(0, std²) for the router gate and every input projection, N(0, out_std²) for the
+        down projections into the residual stream (as ``FeedForward``); balancing state zero."""
+        experts, shared = self.experts, self.shared_experts
+        inputs = [self.router.gate.weight, experts.w_gate, experts.w_up]
+        outputs = [experts.w_down]
+        if shared is not None:
+            inputs += [shared.w_gate.weight, shared.w_up.weight]
+            outputs.append(shared.w_down.weight)
+        for weight in inputs:
+            nn.init.normal_(weight, std=std, generator=generator)
+        for weight in outputs:
+            nn.init.normal_(weight, std=out_std, generator=generator)
+        self.router.expert_bias.zero_()
+        self.router.tokens_per_expert.zero_()
+
+
+def check_moe_fields(config: Any) -> None:
+    """``ValueError`` naming the first MoE field of a family config that is out of range."""
+    name = type(config).__name__
+    for field in ("num_experts", "num_experts_per_tok", "moe_hidden_dim"):
+        value = getattr(config, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}.{field} must be an int >= 1, got {value!r}")
+    if config.num_experts_per_tok > config.num_experts:
+        raise ValueError(
+            f"{name}.num_experts_per_tok={config.num_experts_per_tok} must be <= "
+            f"num_experts={config.num_experts}"
+        )
+    if not config.aux_loss_coef >= 0:
+        raise ValueError(f"{name}.aux_loss_coef must be >= 0, got {config.aux_loss_coef!r}")
