@@ -34,6 +34,7 @@ WORLD2 = {
     "tp2": ["--parallel.tp", "2", "--parallel.dp-shard", "1"],
     "pp2": ["--parallel.pp", "2", "--parallel.dp-shard", "1", "--parallel.pp-microbatches", "2"],
     "muon_dp2": ["--parallel.dp-shard", "2", "--optimizer.name", "muon"],
+    "remat_dp2": ["--parallel.dp-shard", "2", "--remat.policy", "selective"],
 }
 WORLD4 = {
     "dp2_tp2": ["--parallel.dp-shard", "2", "--parallel.tp", "2"],
@@ -110,6 +111,8 @@ def test_data_parallel_layouts_match_the_global_batch_and_each_other(runs):
     # The same global batches and updates, split differently: equal to 2e-3 at every step.
     torch.testing.assert_close(runs["dp2_tp2"], runs["dp2"], rtol=0, atol=2e-3)
     torch.testing.assert_close(runs["pp2_dp2"], runs["dp2"], rtol=0, atol=2e-3)
+    # Selective remat recomputes the same ops in backward: bitwise the same run.
+    assert runs["remat_dp2"] == runs["dp2"]
     # Muon (blocks' matrices Owned and orthogonalised on their owner) takes another path.
     assert runs["muon_dp2"][1:] != runs["dp2"][1:]
 

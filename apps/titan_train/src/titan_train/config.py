@@ -17,6 +17,9 @@ class ModelConfig:
     vocab_size: int | None = None
     """Override of the flavour's vocabulary size; None keeps the flavour's (the app sets it
     from the tokenizer for debug models)."""
+    overrides: tuple[str, ...] = ()
+    """Component overrides, ``"module-glob=replacement"`` (see titan_train.components), e.g.
+    ``output=chunked_cross_entropy`` or ``layers.*.ffn_norm=torch_rms_norm``."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import titan_models
+from titan_train.components import apply_overrides, loss_head, parse_overrides
 from titan_train.config import JobConfig, validate
 from titan_train.data.packing import IGNORE_INDEX, Batch, PackedLoader
 from titan_train.data.sources import DocumentSource
@@ -69,6 +70,12 @@ def check_supported(cfg: JobConfig, dims: ParallelDims) -> None:
         raise ValueError("checkpoint.export_hf with parallel.pp > 1 is not supported yet")
     if dims.pp > 1 and cfg.compile.enabled:
         raise ValueError("compile.enabled with parallel.pp > 1 is not supported yet")
+    chunked = any(n == "chunked_cross_entropy" for _, n in parse_overrides(cfg.model.overrides))
+    if chunked and (dims.pp > 1 or dims.tp > 1):
+        raise ValueError(
+            "model.overrides output=chunked_cross_entropy needs parallel.pp=1 and parallel.tp=1 "
+            "(the head must see whole rows of the vocabulary and the labels)"
+        )
 
 
 def build_model(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device) -> nn.Module:
@@ -81,11 +88,13 @@ def build_model(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device) -> n
                 f"checkpoint.init_from_hf model has vocab_size={vocab}, smaller than the "
                 f"tokenizer's {tokenizer.vocab_size} (data.tokenizer={cfg.data.tokenizer!r})"
             )
-        return model
-    model_cls, model_cfg = _model_config(cfg, tokenizer)
-    with torch.device("meta"):
-        model = model_cls(model_cfg)
-    return model.init_weights(device=device, seed=cfg.training.seed)
+    else:
+        model_cls, model_cfg = _model_config(cfg, tokenizer)
+        with torch.device("meta"):
+            model = model_cls(model_cfg)
+        model.init_weights(device=device, seed=cfg.training.seed)
+    apply_overrides(model, cfg.model.overrides)
+    return model
 
 
 def _model_config(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[type, Any]:
@@ -139,6 +148,12 @@ def build_optimizer(pm: ParallelModel, cfg: JobConfig) -> torch.optim.Optimizer:
 
 
 def _loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
+    head = loss_head(model)
+    if head is not None:  # the head computes the loss itself (chunked cross-entropy)
+        with head.targets(batch.labels):
+            return model(
+                batch.input_ids, positions=batch.positions, document_ids=batch.document_ids
+            )
     logits = model(batch.input_ids, positions=batch.positions, document_ids=batch.document_ids)
     return _cross_entropy_sum(logits, batch.labels)
 
