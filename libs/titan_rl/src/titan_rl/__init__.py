@@ -3,6 +3,14 @@
 from .arithmetic import ArithmeticTask, Problem, arithmetic_problem
 from .batch_invariant import batch_invariant, invariant_attention, invariant_linear
 from .diagnostics import logprob_diagnostics, reward_diagnostics
+from .environment import (
+    CodeToolEnv,
+    Environment,
+    Episode,
+    StepResult,
+    episode_tensors,
+    run_episode,
+)
 from .generator import Generation, Generator, SamplingParams, TorchGenerator
 from .logprobs import pack_sequences, sequence_logprobs, token_logprobs
 from .loop import GRPOConfig, GRPOTrainer
@@ -38,6 +46,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArithmeticTask",
+    "CodeToolEnv",
+    "Environment",
+    "Episode",
     "GRPOConfig",
     "GRPOTrainer",
     "Generation",
@@ -51,6 +62,7 @@ __all__ = [
     "SamplingParams",
     "SandboxLimits",
     "SandboxResult",
+    "StepResult",
     "Task",
     "Tokenizer",
     "TorchGenerator",
@@ -62,6 +74,7 @@ __all__ = [
     "code_reward",
     "collect_rollouts",
     "correction_weights",
+    "episode_tensors",
     "evaluate_accuracy",
     "exact_match_reward",
     "group_advantages",
@@ -73,6 +86,7 @@ __all__ = [
     "pack_sequences",
     "reward_diagnostics",
     "rollout_seed",
+    "run_episode",
     "run_sandboxed",
     "sequence_logprobs",
     "token_logprobs",

@@ -24,7 +24,10 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 def pack_sequences(
     prompts: list[list[int]], responses: torch.Tensor, response_mask: torch.Tensor, pad_id: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ``prompt + response`` rows ``(B, P + T)`` and each response's start index."""
+    """Right-padded ``prompt + response`` rows ``(B, P + T)`` and each response's start index.
+
+    A row's response is cut after its last masked-in token (0 on the mask: left as context).
+    """
     B, T = responses.shape
     if len(prompts) != B or tuple(response_mask.shape) != (B, T):
         raise ValueError(
@@ -32,7 +35,10 @@ def pack_sequences(
             f"{tuple(response_mask.shape)} must agree on the batch size and length"
         )
     starts = torch.tensor([len(p) for p in prompts])
-    lengths = starts + response_mask.sum(1)
+    # A response runs to its last masked-in token: multi-turn episodes have masked-out
+    # environment tokens in between, which stay in the sequence as context.
+    position_T = torch.arange(1, T + 1)
+    lengths = starts + (response_mask.bool().cpu() * position_T).amax(1)
     seq_BS = torch.full((B, int(lengths.max())), pad_id, dtype=torch.long)
     for row, prompt in enumerate(prompts):
         n = int(lengths[row]) - len(prompt)
@@ -49,7 +55,7 @@ def sequence_logprobs(
     *,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """The trainer's log-prob ``(B, T)`` of every response token (0 where the mask is off).
+    """The trainer's log-prob ``(B, T)`` of every masked-in response token (0 elsewhere).
 
     One forward over the packed ``prompt + response`` rows; response token ``t`` of row ``b`` is
     predicted by the logits at ``starts[b] + t - 1``. Differentiable.

@@ -103,9 +103,12 @@ class GRPOTrainer:
         self.generator.update_weights(self._weights(), self.version)
 
     def train(
-        self, num_steps: int, *, on_step: Callable[[dict[str, Any]], None] | None = None
+        self, num_steps: int, *, on_step: Callable[[dict[str, Any]], bool | None] | None = None
     ) -> list[dict[str, Any]]:
-        """Run ``num_steps`` steps; returns (and passes to ``on_step``) each step's metrics."""
+        """Run ``num_steps`` steps; returns (and passes to ``on_step``) each step's metrics.
+
+        ``on_step`` returning True stops the run after that step (a time budget, say).
+        """
         if num_steps < 1:
             raise ValueError(f"num_steps={num_steps} must be >= 1")
         first = self.version
@@ -124,9 +127,9 @@ class GRPOTrainer:
         for batch in batches:
             metrics = self.step(batch)
             push(self._weights(), self.version)
-            if on_step is not None:
-                on_step(metrics)
             history.append(metrics)
+            if on_step is not None and on_step(metrics):
+                break
         return history
 
     def step(self, batch: RolloutBatch) -> dict[str, Any]:
