@@ -139,7 +139,13 @@ def to_hf(
         weight_map, total = {}, 0
         for name, shard in zip(names, shards, strict=True):
             # Buffers (a router's fp32 selection bias) keep their dtype, as transformers does.
-            state = {ht.key: _standalone(ht, None if ht.key in buffers else dtype) for ht in shard}
+            state, storages = {}, set()
+            for ht in shard:
+                tensor = _standalone(ht, None if ht.key in buffers else dtype)
+                if tensor.untyped_storage().data_ptr() in storages:
+                    tensor = tensor.clone()  # one parameter under two keys (MTP's head copy)
+                storages.add(tensor.untyped_storage().data_ptr())
+                state[ht.key] = tensor
             save_file(state, partial / name, metadata={"format": "pt"})
             total += sum(t.numel() * t.element_size() for t in state.values())
             weight_map.update(dict.fromkeys(state, name))
