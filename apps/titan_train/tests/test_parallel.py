@@ -35,7 +35,13 @@ WORLD2 = {
     "pp2": ["--parallel.pp", "2", "--parallel.dp-shard", "1", "--parallel.pp-microbatches", "2"],
     "muon_dp2": ["--parallel.dp-shard", "2", "--optimizer.name", "muon"],
     "remat_dp2": ["--parallel.dp-shard", "2", "--remat.policy", "selective"],
-}
+    "qwen3_moe_dp2": ["--model.family", "qwen3_moe", "--parallel.dp-shard", "2"],
+    "qwen3_moe_ep2": ["--model.family", "qwen3_moe", "--parallel.dp-shard", "2", "--parallel.ep", "2"],
+    "deepseek_v3_dp2": ["--model.family", "deepseek_v3", "--parallel.dp-shard", "2"],
+    "deepseek_v3_ep2": [
+        "--model.family", "deepseek_v3", "--parallel.dp-shard", "2", "--parallel.ep", "2",
+    ],
+}  # fmt: skip
 WORLD4 = {
     "dp2_tp2": ["--parallel.dp-shard", "2", "--parallel.tp", "2"],
     "pp2_dp2": [
@@ -59,9 +65,9 @@ def _train_cases(out: str, cases: dict[str, list[str]], resume: bool) -> dict[st
     return losses
 
 
-def _first_step_loss_of_global_batch(out: str, dp: int) -> float:
+def _first_step_loss_of_global_batch(out: str, dp: int, *argv: str) -> float:
     """One process, the dp ranks' first batches concatenated: the loss a DP run must log."""
-    cfg = _cfg(out, "reference")
+    cfg = _cfg(out, "reference", *argv)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     model = build_model(cfg, tokenizer, torch.device("cpu"))
     total, tokens = 0.0, 0
@@ -83,6 +89,7 @@ def runs(tmp_path_factory):
     got |= run_distributed(_train_cases, 4, out + "/w4", WORLD4, False, timeout=600)[0]
     got["single"] = train(_cfg(out, "single"))["losses"]
     got["dp_reference_step1"] = _first_step_loss_of_global_batch(out, 2)
+    got["moe_reference_step1"] = _first_step_loss_of_global_batch(out, 2, *WORLD2["qwen3_moe_dp2"])
     return got
 
 
@@ -123,3 +130,14 @@ def test_dp_shard_resume_after_a_stop_continues_bitwise(runs):
     assert len(resumed) == 12 + 10
     assert resumed[:12] == full[:12]
     assert resumed[12:] == full[10:]  # bitwise
+
+
+def test_expert_parallel_moe_models_match_data_parallel_and_one_process(runs):
+    # Qwen3-MoE: step 1 against one process on the global batch; the balance loss is attached
+    # through autograd and does not change the logged cross-entropy.
+    assert abs(runs["qwen3_moe_ep2"][0] - runs["moe_reference_step1"]) <= 1e-5
+    for family in ("qwen3_moe", "deepseek_v3"):  # DeepSeek-V3's loss includes its MTP term
+        ep2, dp2 = runs[f"{family}_ep2"], runs[f"{family}_dp2"]
+        _falls(ep2)
+        # All-to-all dispatch moves the same tokens to the same experts: equal to 1e-5.
+        torch.testing.assert_close(ep2, dp2, rtol=0, atol=1e-5)

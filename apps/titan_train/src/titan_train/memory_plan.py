@@ -4,6 +4,8 @@ declarative plan, without allocating a byte or starting a process group.
 For every parameter the plan decides its tensor-parallel split (column-/row-wise ⇒ /tp;
 norms and QK-norms replicated), its pipeline stage (units balanced by parameter count with
 titan_pipeline's ``balance``) and its data-parallel shard (/dp_shard, flexshard ``Shard(0)``).
+Routed experts of MoE layers are split over ``ep`` instead (whole experts per rank, never
+gathered).
 Bytes per parameter element: parameters and gradients in fp32 (master weights), AdamW two
 fp32 states (Muon one), plus the transiently gathered compute copy of the largest block.
 Activations are not included: they depend on the remat policy and the micro-batch.
@@ -74,20 +76,30 @@ def plan_memory(cfg: JobConfig, world_size: int) -> tuple[list[StageMemory], int
                 return i
         raise AssertionError(f"parameter {fqn} belongs to no pipeline unit of the plan")
 
+    routed = tuple(f"{pattern}.experts" for pattern in plan.experts)
+
+    def is_routed(fqn: str) -> bool:
+        module = fqn.rsplit(".", 1)[0]
+        return any(fqn_matches(pat, module) for pat in routed)
+
     per_unit = [0] * len(units)
+    per_unit_experts = [0] * len(units)
     stage_of_unit = {i: s for s, r in enumerate(stages) for i in r}
     seen: set[tuple[int, int]] = set()  # a tied weight counts once per stage that holds it
     for fqn, param in model.named_parameters(remove_duplicate=False):
         unit = unit_of(fqn)
         if (stage_of_unit[unit], id(param)) not in seen:
             seen.add((stage_of_unit[unit], id(param)))
-            per_unit[unit] += tp_numel(fqn, param.numel())
+            if is_routed(fqn):
+                per_unit_experts[unit] += param.numel() // p.ep
+            else:
+                per_unit[unit] += tp_numel(fqn, param.numel())
     compute_bytes = 2 if cfg.training.mixed_precision == "bf16" else 4
     states = 2 if cfg.optimizer.name == "adamw" else 1
     out = []
     for s, r in enumerate(stages):
         local = sum(per_unit[i] for i in r)
-        shard = -(-local // dp_shard)
+        shard = -(-local // dp_shard) + sum(per_unit_experts[i] for i in r)
         gathered = max(per_unit[i] for i in r) * compute_bytes  # one unit gathered at a time
         out.append(StageMemory(s, 4 * shard, 4 * shard, 4 * states * shard, gathered))
     total = sum(p.numel() for p in model.parameters())
@@ -110,7 +122,7 @@ def dry_run(cfg: JobConfig, *, world_size: int | None = None) -> list[StageMemor
         title=(
             f"{cfg.model.family} {cfg.model.flavor}: {total / 1e9:.2f} B parameters on "
             f"{world_size} ranks (dp_replicate={p.dp_replicate} dp_shard={dp_shard} tp={p.tp} "
-            f"pp={p.pp}), per rank"
+            f"pp={p.pp} ep={p.ep}), per rank"
         )
     )
     for col in ("stage", "params GiB", "grads GiB", "optimizer GiB", "gathered GiB", "total GiB"):

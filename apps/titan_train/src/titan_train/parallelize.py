@@ -104,6 +104,9 @@ class ParallelModel:
     """Whether ``parts`` are flexshard-sharded (gradients reduced by hooks)."""
     tp_summed: list[torch.nn.Parameter] = field(default_factory=list)
     """Replicated parameters applied to tensor-parallel-local heads: gradients summed over tp."""
+    expert_params: list[torch.nn.Parameter] = field(default_factory=list)
+    """This rank's experts under expert parallelism: whole experts, left out of flexshard;
+    their gradients already hold every data-parallel rank's tokens."""
 
     @property
     def has_head(self) -> bool:
@@ -174,7 +177,13 @@ def check_plan(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:
             f"{cfg.model.family} {cfg.model.flavor} ties its embedding and output head; "
             "tied weights under parallel.tp > 1 or parallel.pp > 1 are not supported yet"
         )
-    experts = getattr(plan, "experts", ())
+    if dims.pp > 1 and getattr(model_config, "num_mtp_modules", 0):
+        raise ValueError(
+            f"parallel.pp={dims.pp}: multi-token prediction (num_mtp_modules="
+            f"{model_config.num_mtp_modules}) needs the embedding and the head on one stage; "
+            "not supported under pipelining yet"
+        )
+    experts = plan.experts
     if dims.ep > 1 and not experts:
         raise ValueError(
             f"parallel.ep={dims.ep} but {cfg.model.family} {cfg.model.flavor} has no MoE layers"
@@ -208,12 +217,12 @@ def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> Paralle
         if dims.tp > 1:
             pm.tp_summed += _apply_tensor_parallel(part, plan.tensor_parallel, mesh["tp"])
         if dims.ep > 1:
-            _apply_expert_parallel(part, plan, pm.group("dp_shard"))
+            pm.expert_params += _apply_expert_parallel(part, plan, pm.group("dp_shard"))
         _apply_remat(part, plan, cfg)
         if cfg.compile.enabled:
             _apply_compile(part, plan)
         if dims.dp_shard > 1:
-            _apply_data_parallel(part, cfg, mesh["dp_shard"], plan)
+            _apply_data_parallel(part, cfg, mesh["dp_shard"], pm.expert_params)
             pm.sharded = True
     if dims.pp > 1:
         _build_stages(pm, cfg)
@@ -265,12 +274,18 @@ def _apply_tensor_parallel(module: nn.Module, tp_plan: Any, tp_mesh: Any) -> lis
 # --- expert parallelism -------------------------------------------------------------------
 
 
-def _apply_expert_parallel(module: nn.Module, plan: Any, group: dist.ProcessGroup) -> None:
+def _apply_expert_parallel(
+    module: nn.Module, plan: Any, group: dist.ProcessGroup
+) -> list[nn.Parameter]:
+    """Shard each MoE's routed experts over ``group`` (all-to-all dispatch); returns them."""
     import dist_moe
 
-    for n, sub in module.named_modules():
+    local = []
+    for n, sub in list(module.named_modules()):
         if any(titan_models.fqn_matches(p, n) for p in plan.experts):
             dist_moe.expert_parallel(sub, group)
+            local += list(sub.experts.parameters())
+    return local
 
 
 # --- rematerialisation and compile --------------------------------------------------------
@@ -308,25 +323,21 @@ def _units(module: nn.Module, patterns: tuple[str, ...]) -> list[tuple[str, nn.M
 # --- data parallelism (flexshard) ---------------------------------------------------------
 
 
-def _apply_data_parallel(module: nn.Module, cfg: JobConfig, dp_mesh: Any, plan: Any) -> None:
+def _apply_data_parallel(
+    module: nn.Module, cfg: JobConfig, dp_mesh: Any, experts: list[nn.Parameter]
+) -> None:
     """flexshard over ``dp_shard``: one bucket per block plus the root; with Muon the blocks'
     matrices are ``Owned`` (whole on one rank, orthogonalised there with no gather). Experts
     already sharded by expert parallelism are left out (each rank holds whole experts)."""
     import flexshard as fs
 
-    experts = {
-        id(p)
-        for n, sub in module.named_modules()
-        if any(titan_models.fqn_matches(e, n) for e in getattr(plan, "experts", ()))
-        for p in getattr(sub, "experts", nn.Module()).parameters()
-    }
-    if experts and cfg.parallel.ep > 1:
-        raise ValueError("flexshard cannot leave expert-parallel parameters out yet")
+    mine = {id(p) for p in module.parameters()}
+    ignored = [p for p in experts if id(p) in mine]
     mp = None
     if cfg.training.mixed_precision == "bf16":
         mp = fs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     buckets = []
-    for bucket in fs.default_buckets(module):
+    for bucket in _merge_into_root(fs.default_buckets(module, ignored_params=ignored), "mtp."):
         params = list(bucket.match)
         if cfg.optimizer.name == "muon" and bucket.name != "<root>":
             mats = [p for p in params if _local(p).ndim == 2]
@@ -337,7 +348,23 @@ def _apply_data_parallel(module: nn.Module, cfg: JobConfig, dp_mesh: Any, plan: 
                 buckets.append(fs.Bucket(rest, fs.Shard(0), name=f"{bucket.name}.vectors"))
         else:
             buckets.append(bucket)
-    fs.shard(module, dp_mesh, buckets=buckets, mp=mp)
+    fs.shard(module, dp_mesh, buckets=buckets, mp=mp, ignored_params=ignored)
+
+
+def _merge_into_root(buckets: list[Any], prefix: str) -> list[Any]:
+    """Move the blocks under ``prefix`` into the root bucket: the model calls parts of them
+    (an MTP module's norm) outside their own forward, so they must stay gathered with the
+    root from forward to backward."""
+    import flexshard as fs
+
+    moved = [p for b in buckets if (b.name or "").startswith(prefix) for p in b.match]
+    if not moved:
+        return buckets
+    kept = [b for b in buckets if not (b.name or "").startswith(prefix)]
+    root = next((b for b in kept if b.name == "<root>"), None)
+    rest = [b for b in kept if b is not root]
+    params = [*(root.match if root is not None else []), *moved]
+    return [*rest, fs.Bucket(params, fs.Shard(0), name="<root>")]
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

@@ -94,3 +94,36 @@ def llama3_70b() -> JobConfig:
 def qwen3_32b() -> JobConfig:
     """Qwen3 32B on 128 GPUs: TP 8, FSDP 16."""
     return _full_size("qwen3_32b", "qwen3", "32B", ParallelConfig(dp_shard=16, tp=8))
+
+
+@recipe
+def qwen3_moe_debug() -> JobConfig:
+    """Tiny Qwen3-MoE (8 experts, top-2, softmax routing with balance loss) on arithmetic."""
+    cfg = llama3_debug()
+    cfg.name = "qwen3_moe_debug"
+    cfg.model = ModelConfig(family="qwen3_moe", flavor="debug")
+    return cfg
+
+
+@recipe
+def deepseek_v3_debug() -> JobConfig:
+    """Tiny DeepSeek-V3 (MLA, dense first layer, shared + routed experts, aux-loss-free
+    bias balancing, one MTP module) on arithmetic."""
+    cfg = llama3_debug()
+    cfg.name = "deepseek_v3_debug"
+    cfg.model = ModelConfig(family="deepseek_v3", flavor="debug")
+    return cfg
+
+
+@recipe
+def deepseek_v3_671b() -> JobConfig:
+    """DeepSeek-V3 671B on 256 GPUs: EP 256 = DP-shard 256 (one routed expert per GPU), MTP on.
+
+    No pipeline: multi-token prediction needs the embedding and head on one stage here."""
+    cfg = _full_size(
+        "deepseek_v3_671b", "deepseek_v3", "671B", ParallelConfig(dp_shard=256, ep=256)
+    )
+    cfg.training.seq_len = 4096
+    cfg.training.batch_size = 2
+    cfg.remat = RematConfig(policy="full")
+    return cfg

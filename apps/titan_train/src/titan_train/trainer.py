@@ -154,7 +154,19 @@ def _loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
             return model(
                 batch.input_ids, positions=batch.positions, document_ids=batch.document_ids
             )
-    logits = model(batch.input_ids, positions=batch.positions, document_ids=batch.document_ids)
+    inputs = dict(positions=batch.positions, document_ids=batch.document_ids)
+    num_mtp = getattr(model.config, "num_mtp_modules", 0)
+    if num_mtp and model.training:  # multi-token prediction: its weighted mean, per token
+        logits, mtp_logits = model(batch.input_ids, **inputs, return_mtp=True)
+        mtp = titan_models.mtp_loss(
+            mtp_logits,
+            batch.labels,
+            document_ids=batch.document_ids,
+            weight=model.config.mtp_loss_weight,
+            ignore_index=IGNORE_INDEX,
+        )
+        return _cross_entropy_sum(logits, batch.labels) + mtp * batch.num_target_tokens
+    logits = model(batch.input_ids, **inputs)
     return _cross_entropy_sum(logits, batch.labels)
 
 
@@ -191,9 +203,13 @@ def train_step(
     for p in pm.tp_summed:  # replicated weights applied to local heads: sum their gradients
         if p.grad is not None:
             dist.all_reduce(p.grad, group=pm.group("tp"))
+    for p in pm.expert_params:  # every rank's tokens, each scaled by dp: average like DP does
+        if p.grad is not None:
+            p.grad.div_(dims.dp)
     norm = _clip_grad_norm(pm, cfg.training.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    _update_expert_biases(pm)
     if dims.world_size > 1:  # each data-parallel rank's share; tp ranks hold copies of it
         dist.all_reduce(total)
         total /= dims.tp * dims.dp
@@ -225,6 +241,15 @@ def _pipeline_micro_step(pm: ParallelModel, mb: Batch, scale: float, cfg: JobCon
     return float(sum(float(x) for x in losses))
 
 
+def _update_expert_biases(pm: ParallelModel) -> None:
+    """Aux-loss-free balancing: one bias update per step from the loads of every DP rank."""
+    import dist_moe
+
+    group = pm.group("dp_shard") if pm.mesh is not None else None  # same calls on each rank
+    for part in pm.parts:
+        dist_moe.update_expert_biases(part, group)
+
+
 def _set_gradient_sync(pm: ParallelModel, sync: bool) -> None:
     """Accumulate locally on all but the last micro-batch (flexshard ``no_sync``)."""
     if pm.sharded:
@@ -242,7 +267,12 @@ def _clip_grad_norm(pm: ParallelModel, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.get_total_norm([p.grad for p in params])
     import flexshard
 
-    norm = flexshard.global_grad_norm(params)
+    experts = {id(p) for p in pm.expert_params}
+    norm = flexshard.global_grad_norm([p for p in params if id(p) not in experts])
+    if experts:  # each rank holds other experts: add their squares over the ep ranks
+        sq = sum((p.grad.double().square().sum() for p in pm.expert_params), torch.zeros(()))
+        dist.all_reduce(sq, group=pm.group("dp_shard"))
+        norm = (norm.double().square() + sq).sqrt().to(norm.dtype)
     if pm.dims.pp > 1:  # each stage's norm covers its parameters: add the squares over stages
         sq = norm.double() ** 2
         dist.all_reduce(sq, group=pm.group("pp"))
@@ -435,7 +465,8 @@ def _checkpoint_state(
         }
     from torch_checkpointing import PerRank
 
-    model = _ModelState(pm) if pm.dims.pp == 1 else PerRank(_ModelState(pm))
+    per_rank = pm.dims.pp > 1 or pm.expert_params  # stages / experts differ per rank
+    model = PerRank(_ModelState(pm)) if per_rank else _ModelState(pm)
     return {
         "model": model,
         "optim": PerRank(optimizer),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -32,10 +32,16 @@ def _has_forward(m: nn.Module) -> bool:
     return type(m).forward is not nn.Module.forward
 
 
-def default_buckets(module: nn.Module, placement: Placement | None = None) -> list[Bucket]:
+def default_buckets(
+    module: nn.Module,
+    placement: Placement | None = None,
+    *,
+    ignored_params: Iterable[nn.Parameter] | set[int] = (),
+) -> list[Bucket]:
     """One bucket per child block plus one for the rest (the root), like FSDP per-block
     wrapping. Blocks are the children of every ``nn.ModuleList`` / ``nn.ModuleDict`` in the
-    tree (outermost ones); a module without any gets one bucket per direct child."""
+    tree (outermost ones); a module without any gets one bucket per direct child.
+    ``ignored_params`` (parameters or their ``id``s) are left out of every bucket."""
     placement = placement if placement is not None else Shard(0)
     blocks: list[tuple[str, nn.Module]] = []
 
@@ -50,7 +56,7 @@ def default_buckets(module: nn.Module, placement: Placement | None = None) -> li
     visit(module, "")
     if not blocks:
         blocks = list(module.named_children())
-    seen: set[int] = set()
+    seen: set[int] = {p if isinstance(p, int) else id(p) for p in ignored_params}
     buckets = []
     for fq, blk in blocks:
         ps = [p for p in blk.parameters() if id(p) not in seen]
@@ -123,6 +129,7 @@ def shard(
     mp: MixedPrecision | None = None,
     reshard_after_forward: bool = True,
     prefetch: int = 1,
+    ignored_params: Iterable[nn.Parameter] = (),
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh`` (a 1-D DeviceMesh, a ProcessGroup or None
     for the default group), in place; returns ``module``.
@@ -131,7 +138,9 @@ def shard(
     :func:`default_buckets`). Afterwards ``module.parameters()`` are the local shards (hand
     them to any ``torch.optim`` optimizer), forward/backward gather and reduce per bucket,
     and the module gains ``set_requires_gradient_sync``, ``no_sync``, ``unshard``,
-    ``reshard`` and ``flexshard_state``. Every check happens before any communication.
+    ``reshard`` and ``flexshard_state``. ``ignored_params`` stay as they are: never gathered,
+    never reduced, in no bucket (e.g. experts already sharded by expert parallelism, whose
+    gradients are complete on their rank). Every check happens before any communication.
     """
     if isinstance(module, FlexShardModule):
         raise ValueError("flexshard.shard: module is already sharded")
@@ -148,8 +157,9 @@ def shard(
     if not isinstance(mp, MixedPrecision):
         raise ValueError(f"flexshard.shard: mp must be a MixedPrecision, got {mp!r}")
     g = group_info(mesh)
+    ignored = {id(p) for p in ignored_params}
     if buckets is None:
-        buckets = default_buckets(module)
+        buckets = default_buckets(module, ignored_params=ignored)
     buckets = list(buckets)
     for i, b in enumerate(buckets):
         if not isinstance(b, Bucket):
@@ -161,6 +171,8 @@ def shard(
     fqns: dict[int, list[str]] = {}
     locs: dict[int, list[tuple[str, str]]] = {}
     for fqn, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in ignored:
+            continue
         params.setdefault(id(p), p)
         fqns.setdefault(id(p), []).append(fqn)
         mod_path, _, attr = fqn.rpartition(".")

@@ -1,0 +1,241 @@
+"""``titan-train rl``: GRPO post-training (titan_rl) of the built-in arithmetic model.
+
+The starting weights are those of a pre-training recipe's run (``<output_dir>/<init_recipe>/hf``,
+the HF export of ``titan-train --recipe llama3_debug --checkpoint.export-hf``); when that folder
+does not exist the pre-training run is made first, in process, by the app's ``train``. Then
+``titan_rl.GRPOTrainer`` trains the same model class with the arithmetic task's exact-match
+reward, and held-out exact-match accuracy (greedy) is measured before, during and after.
+
+Outputs in ``<output_dir>/<name>/``: ``config.json``, ``metrics.jsonl`` (one line per step,
+``split: eval`` lines for accuracy), ``summary.json`` and the HF export of the final model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+import titan_models
+import titan_rl
+from titan_train.data.tokenizers import ByteTokenizer
+
+
+@dataclass(kw_only=True, slots=True)
+class RLConfig:
+    """A GRPO post-training job on the built-in arithmetic task."""
+
+    name: str = "arith_grpo"
+    """Run name: outputs go to <output_dir>/<name>/."""
+    output_dir: str = "runs"
+    """Folder that holds run folders (the pre-training run's too)."""
+    init_recipe: str = "llama3_debug"
+    """Pre-training recipe whose run gives the starting weights (trained first if absent)."""
+    init_steps: int = 0
+    """Pre-training steps; 0 keeps the recipe's (another value names the run <recipe>_<steps>)."""
+    steps: int = 400
+    """Most GRPO steps."""
+    time_budget_s: float = 840.0
+    """Stop after this many seconds of RL (0: no limit); the final evaluation runs anyway."""
+    num_prompts: int = 16
+    """Prompts per step."""
+    group_size: int = 8
+    """Responses per prompt."""
+    lr: float = 1e-4
+    """AdamW learning rate (no weight decay, constant)."""
+    temperature: float = 1.0
+    """Rollout sampling temperature."""
+    max_new_tokens: int = 6
+    """Most answer tokens (an answer has at most 4 digits plus EOS for max_operand 999)."""
+    mode: Literal["sync", "async"] = "sync"
+    """titan_rl rollout mode."""
+    max_offpolicy_steps: int = 1
+    """Async mode's staleness bound."""
+    batch_invariant: bool = False
+    """Generator and trainer log-probs bitwise equal (slower; see titan_rl's README)."""
+    correction: Literal["none", "tis", "mis"] = "tis"
+    """Off-policy correction of the generator/trainer ratio."""
+    train_seed: int = 1
+    """Seed of the RL prompts (pre-training used seed 0's problems)."""
+    heldout_seed: int = 1000
+    """Seed of the held-out evaluation problems (disjoint from training by seed)."""
+    heldout_count: int = 512
+    """Held-out problems per evaluation."""
+    max_operand: int = 99
+    """Largest operand of + and - problems, training and held-out alike."""
+    eval_every: int = 50
+    """Evaluate held-out accuracy every N steps (0: only before and after)."""
+    threads: int = 0
+    """torch intra-op threads (0: leave torch's default)."""
+
+
+def arith_grpo() -> RLConfig:
+    """GRPO on arithmetic from the llama3_debug pre-training run; about 14 minutes on 2 cores."""
+    return RLConfig()
+
+
+RL_RECIPES: dict[str, Callable[[], RLConfig]] = {"arith_grpo": arith_grpo}
+
+
+def validate_rl(cfg: RLConfig) -> None:
+    """Reject values no run can use, naming the field."""
+    for name in ("steps", "num_prompts", "heldout_count", "max_new_tokens", "max_operand"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name}={getattr(cfg, name)} must be >= 1")
+    if cfg.group_size < 2:
+        raise ValueError(f"group_size={cfg.group_size} must be >= 2")
+    if not cfg.lr > 0:
+        raise ValueError(f"lr={cfg.lr} must be > 0")
+    if not cfg.temperature > 0:
+        raise ValueError(f"temperature={cfg.temperature} must be > 0 (sampling)")
+    for name in ("init_steps", "time_budget_s", "eval_every", "threads"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name}={getattr(cfg, name)} must be >= 0")
+    if cfg.heldout_seed == cfg.train_seed:
+        raise ValueError(f"heldout_seed={cfg.heldout_seed} must differ from train_seed")
+    if not cfg.name or "/" in cfg.name:
+        raise ValueError(f"name={cfg.name!r} must be a non-empty folder name without '/'")
+
+
+def initial_model(cfg: RLConfig) -> tuple[torch.nn.Module, Path]:
+    """The pre-trained arithmetic model (trained and exported first if its run is missing)."""
+    from titan_train.recipes import get_recipe
+
+    job = get_recipe(cfg.init_recipe)
+    if cfg.init_steps:
+        job.training.steps = cfg.init_steps
+        job.name = f"{job.name}_{cfg.init_steps}"
+    hf_dir = Path(cfg.output_dir) / job.name / "hf"
+    if not (hf_dir / "config.json").is_file():
+        from titan_train.trainer import train
+
+        job.output_dir = cfg.output_dir
+        job.checkpoint.export_hf = True
+        job.metrics.tensorboard = False
+        train(job)
+    return titan_models.from_hf(hf_dir), hf_dir
+
+
+def run_rl(cfg: RLConfig) -> dict[str, Any]:
+    """Post-train with GRPO; returns the summary (accuracy before/after, steps, seconds)."""
+    validate_rl(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    tokenizer = ByteTokenizer()
+    model, init_dir = initial_model(cfg)
+    run_dir = Path(cfg.output_dir) / cfg.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+
+    task = titan_rl.ArithmeticTask(tokenizer, seed=cfg.train_seed, max_operand=cfg.max_operand)
+    heldout = titan_rl.ArithmeticTask(tokenizer, seed=cfg.heldout_seed, max_operand=cfg.max_operand)
+    stop = (tokenizer.eos_id,)
+    grpo = titan_rl.GRPOConfig(
+        num_prompts=cfg.num_prompts,
+        group_size=cfg.group_size,
+        sampling=titan_rl.SamplingParams(
+            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, stop_token_ids=stop
+        ),
+        loss=titan_rl.LossConfig(correction=cfg.correction),
+        mode=cfg.mode,
+        max_offpolicy_steps=cfg.max_offpolicy_steps,
+        batch_invariant=cfg.batch_invariant,
+        seed=cfg.train_seed,
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    trainer = titan_rl.GRPOTrainer(model, optimizer, task, grpo)
+    eval_params = titan_rl.SamplingParams(
+        max_new_tokens=cfg.max_new_tokens, temperature=0.0, stop_token_ids=stop
+    )
+
+    def accuracy() -> float:
+        # The trainer's own model, greedy, outside the rollout generator (which may lag).
+        gen = titan_rl.TorchGenerator(model, batch_invariant=cfg.batch_invariant)
+        return titan_rl.evaluate_accuracy(
+            gen, heldout, start=0, count=cfg.heldout_count, params=eval_params
+        )
+
+    metrics_file = (run_dir / "metrics.jsonl").open("w")
+    before = accuracy()
+    metrics_file.write(json.dumps({"step": 0, "split": "eval", "accuracy": before}) + "\n")
+    print(f"held-out accuracy before RL: {before:.3f} (from {init_dir})", flush=True)
+    start = time.perf_counter()
+
+    def on_step(m: dict[str, Any]) -> bool:
+        elapsed = time.perf_counter() - start
+        metrics_file.write(json.dumps({**m, "split": "train", "elapsed_s": elapsed}) + "\n")
+        done = m["step"] + 1
+        line = (
+            f"step {done:4d}  reward {m['reward_mean']:.3f}  len {m['length_mean']:.2f}  "
+            f"loss {m['loss']:+.4f}  kl(gen|train) {m['kl_generator_trainer']:.1e}  "
+            f"lag {m['staleness']}  {elapsed:6.1f}s"
+        )
+        if cfg.eval_every and done % cfg.eval_every == 0:
+            acc = accuracy()
+            metrics_file.write(json.dumps({"step": done, "split": "eval", "accuracy": acc}) + "\n")
+            line += f"  held-out accuracy {acc:.3f}"
+        metrics_file.flush()
+        print(line, flush=True)
+        return bool(cfg.time_budget_s) and elapsed >= cfg.time_budget_s
+
+    history = trainer.train(cfg.steps, on_step=on_step)
+    wall = time.perf_counter() - start
+    after = accuracy()
+    metrics_file.write(
+        json.dumps({"step": len(history), "split": "eval", "accuracy": after}) + "\n"
+    )
+    metrics_file.close()
+    titan_models.to_hf(model, run_dir / "hf")
+    summary = {
+        "accuracy_before": before,
+        "accuracy_after": after,
+        "gain_points": 100 * (after - before),
+        "steps": len(history),
+        "rl_seconds": wall,
+        "heldout": f"seed {cfg.heldout_seed}, {cfg.heldout_count} problems, "
+        f"max_operand {cfg.max_operand}",
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(
+        f"held-out accuracy {before:.3f} -> {after:.3f} ({summary['gain_points']:+.1f} points) "
+        f"in {len(history)} steps, {wall:.0f} s",
+        flush=True,
+    )
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``titan-train rl [--recipe arith_grpo] [--<field> value ...]``."""
+    import tyro
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    launcher = argparse.ArgumentParser(prog="titan-train rl", add_help=False)
+    launcher.add_argument("--recipe", default="arith_grpo")
+    known, rest = launcher.parse_known_args(argv)
+    if known.recipe not in RL_RECIPES:
+        print(
+            f"titan-train rl: error: --recipe {known.recipe!r} is unknown; "
+            f"RL recipes: {', '.join(sorted(RL_RECIPES))}",
+            file=sys.stderr,
+        )
+        return 2
+    cfg = tyro.cli(RLConfig, default=RL_RECIPES[known.recipe](), args=rest, prog="titan-train rl")
+    try:
+        validate_rl(cfg)
+    except ValueError as e:
+        print(f"titan-train rl: error: {e}", file=sys.stderr)
+        return 2
+    run_rl(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
