@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import flexshard as fs
@@ -737,8 +738,39 @@ def check_overlap() -> dict[str, Any]:
     return seen
 
 
+def check_ignored_params() -> dict[str, Any]:
+    """Ignored parameters (each rank's own values, as experts under expert parallelism) stay
+    whole and untouched; their gradient is this rank's own, never reduced."""
+    rank = dist.get_rank()
+    model = make_model()
+    ref = make_model()
+    ignored = [model.layers[1].w1.weight, model.layers[1].w1.bias]
+    with torch.no_grad():
+        for p, q in zip(ignored, (ref.layers[1].w1.weight, ref.layers[1].w1.bias), strict=True):
+            p.add_(0.01 * (rank + 1))
+            q.copy_(p)
+    fs.shard(
+        model, buckets=fs.default_buckets(model, ignored_params=ignored), ignored_params=ignored
+    )
+    x, y = lm_batch(VOCAB, 2, SEQ, seed=rank)
+    loss_fn(model, x, y).backward()
+    loss_fn(ref, x, y).backward()
+    params = list(model.parameters())
+    return {
+        "same_objects": all(any(p is q for q in params) for p in ignored),
+        "whole": [tuple(p.shape) for p in ignored],
+        "grad_err": max(
+            float((p.grad - q.grad).abs().max())
+            for p, q in zip(ignored, (ref.layers[1].w1.weight, ref.layers[1].w1.bias), strict=True)
+        ),
+        "others_sharded": tuple(model.layers[1].w2.weight.shape)
+        != tuple(ref.layers[1].w2.weight.shape),
+    }
+
+
 def feature_checks() -> dict[str, Any]:
     return {
+        "ignored": check_ignored_params(),
         "overlap": check_overlap(),
         "readme": readme_example(),
         "owned_balance": check_owned_balance(),

@@ -97,3 +97,12 @@ def test_communication_overlaps_compute(res):
         # first step records the order (no prefetch yet); the second prefetches
         assert o["overlap"]["fwd"] == [False, True]
         assert all(n >= 1 for n in o["overlap"]["bwd"]), o["overlap"]["bwd"]
+
+
+def test_ignored_params_stay_whole_and_keep_their_local_gradient(res):
+    world, out = res
+    for r in range(world):
+        got = out[r]["ignored"]
+        assert got["same_objects"] and got["others_sharded"]
+        assert got["whole"] == [(C.HIDDEN, C.DIM), (C.HIDDEN,)]
+        assert got["grad_err"] <= 1e-6  # this rank's own gradient, not averaged
