@@ -367,3 +367,20 @@ def test_unsupported_hf_moe_config_names_the_field(hf_checkpoint, family, change
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=match):
         titan_models.from_hf(folder)
+
+
+def test_bf16_export_keeps_the_selection_bias_in_fp32(tmp_path):
+    from safetensors import safe_open
+
+    model = _model("deepseek_v3", vocab_size=256)
+    with torch.no_grad():
+        model.layers["1"].feed_forward.router.expert_bias.uniform_(-0.01, 0.01)
+    out = titan_models.to_hf(model, tmp_path / "hf", dtype=torch.bfloat16)
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        assert f.get_slice("model.layers.1.mlp.gate.weight").get_dtype() == "BF16"
+        assert f.get_slice("model.layers.1.mlp.gate.e_score_correction_bias").get_dtype() == "F32"
+    again = titan_models.from_hf(out)
+    assert {p.dtype for p in again.parameters()} == {torch.bfloat16}
+    bias = again.layers["1"].feed_forward.router.expert_bias
+    assert bias.dtype == torch.float32
+    assert torch.equal(bias, model.layers["1"].feed_forward.router.expert_bias)

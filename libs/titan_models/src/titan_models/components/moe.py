@@ -36,6 +36,15 @@ class MoEFeedForward(MoE):
             )
         )
 
+    def _apply(self, fn, recurse=True):
+        # Casting the model (``model.to(torch.bfloat16)``) keeps the selection bias in fp32, as
+        # transformers does: bias updates of 1e-3 would round away in bf16.
+        super()._apply(fn, recurse)
+        bias = self.router.expert_bias
+        if bias.is_floating_point() and bias.dtype != torch.float32:
+            self.router.expert_bias = bias.float()
+        return self
+
     def init_weights(self, *, std: float, out_std: float, generator: torch.Generator) -> None:
         """N(0, std²) for the router gate and every input projection, N(0, out_std²) for the
         down projections into the residual stream (as ``FeedForward``); balancing state zero."""
