@@ -108,3 +108,41 @@ def hf_checkpoint(tmp_path):
         return model, folder
 
     return make
+
+
+@pytest.fixture
+def assert_logits_match():
+    """``check(ours, theirs)``: same shape, max |Δ| <= 1e-4 and per-token KL <= 1e-6."""
+    import torch.nn.functional as F
+
+    def check(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+        assert ours.shape == theirs.shape
+        assert (ours - theirs).abs().max().item() <= 1e-4
+        kl = F.kl_div(
+            F.log_softmax(ours, -1), F.log_softmax(theirs, -1), log_target=True, reduction="none"
+        ).sum(-1)
+        assert kl.max().item() <= 1e-6
+
+    return check
+
+
+@pytest.fixture
+def tp_styles():
+    """``styles(plan, model) -> {module name: [TensorParallelPlan fields naming it]}``, after
+    checking that every pattern of the plan names at least one module."""
+    import dataclasses
+
+    from titan_models import fqn_matches
+
+    def styles(plan, model) -> dict[str, list[str]]:
+        tp = plan.tensor_parallel
+        names = [n for n, _ in model.named_modules()]
+        fields = [f.name for f in dataclasses.fields(tp)]
+        for field in fields:
+            for pattern in getattr(tp, field):
+                assert any(fqn_matches(pattern, n) for n in names), (field, pattern)
+        return {
+            n: [f for f in fields if any(fqn_matches(p, n) for p in getattr(tp, f))] for n in names
+        }
+
+    return styles

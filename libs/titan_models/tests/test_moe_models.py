@@ -3,7 +3,6 @@ cache, multi-token prediction, packed documents and bad input."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
@@ -90,7 +89,7 @@ def test_init_is_deterministic_and_depth_scaled(family):
     ("family", "overrides"),
     [("qwen3_moe", {}), ("deepseek_v3", {}), ("deepseek_v3", {"q_lora_rank": 0})],
 )
-def test_plan_lists_the_moe_modules_and_tp_covers_everything_else(family, overrides):
+def test_plan_lists_the_moe_modules_and_tp_covers_everything_else(tp_styles, family, overrides):
     cls, config = titan_models.get_model(family, "debug", **overrides)
     with torch.device("meta"):
         model = cls(config)
@@ -98,24 +97,14 @@ def test_plan_lists_the_moe_modules_and_tp_covers_everything_else(family, overri
     modules = dict(model.named_modules())
     moes = {n for n, m in modules.items() if isinstance(m, MoE)}
     assert {n for n in modules if any(fqn_matches(p, n) for p in plan.experts)} == moes
-    tp = plan.tensor_parallel
-    for field in dataclasses.fields(tp):
-        for pattern in getattr(tp, field.name):
-            assert any(fqn_matches(pattern, n) for n in modules), (field.name, pattern)
-
-    def styles(name):
-        return [
-            f.name
-            for f in dataclasses.fields(tp)
-            if any(fqn_matches(p, name) for p in getattr(tp, f.name))
-        ]
+    styles = tp_styles(plan, model)
 
     for name, module in modules.items():
         inside_moe = any(name == m or name.startswith(m + ".") for m in moes)
         if inside_moe:
-            assert styles(name) == [], name  # experts are placed by EP, not TP
+            assert styles[name] == [], name  # experts are placed by EP, not TP
         elif isinstance(module, nn.Linear | nn.Embedding | RMSNorm):
-            assert len(styles(name)) == 1, (name, styles(name))
+            assert len(styles[name]) == 1, (name, styles[name])
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -25,32 +25,22 @@ def _debug(family: str, **kw):
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_tensor_parallel_plan_covers_every_linear_and_norm(family, tied):
+def test_tensor_parallel_plan_covers_every_linear_and_norm(tp_styles, family, tied):
     model, config = _debug(family, tie_embeddings=tied)
     plan = titan_models.get_plan(config)
-    tp = plan.tensor_parallel
     modules = dict(model.named_modules())
-    for field in dataclasses.fields(tp):
-        for pattern in getattr(tp, field.name):
-            assert any(fqn_matches(pattern, name) for name in modules), (field.name, pattern)
-
-    def styles(name):
-        return [
-            f.name
-            for f in dataclasses.fields(tp)
-            if any(fqn_matches(p, name) for p in getattr(tp, f.name))
-        ]
+    styles = tp_styles(plan, model)
 
     for name, module in modules.items():
         if isinstance(module, nn.Linear):
-            assert styles(name) in (["colwise"], ["rowwise"]), name
+            assert styles[name] in (["colwise"], ["rowwise"]), name
         elif isinstance(module, nn.Embedding):
-            assert styles(name) == ["rowwise"], name
+            assert styles[name] == ["rowwise"], name
         elif isinstance(module, RMSNorm):
             expected = (
                 ["replicated"] if name.endswith(("q_norm", "k_norm")) else ["sequence_parallel"]
             )
-            assert styles(name) == expected, name
+            assert styles[name] == expected, name
     assert plan.tied_parameters == ((("tok_embeddings.weight", "output.weight"),) if tied else ())
 
 
