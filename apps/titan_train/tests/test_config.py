@@ -96,3 +96,20 @@ def test_dry_run_rejects_a_tp_degree_that_does_not_divide_the_heads(capsys):
         == 2
     )
     assert "parallel.tp=3 must divide num_heads=32" in capsys.readouterr().err
+
+
+def test_dry_run_of_deepseek_v3_671b_counts_experts_over_ep_without_allocating(capsys):
+    import resource
+
+    from titan_train.memory_plan import dry_run
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    cfg = parse_config([], "deepseek_v3_671b")
+    (stage,) = dry_run(cfg)
+    out = capsys.readouterr().out
+    assert "682.64 B parameters on 256 ranks" in out and "ep=256" in out  # 671 B + 14 B MTP
+    # fp32 master weights of 1/256 of the dense part plus one routed expert per layer per rank:
+    # far below a replicated model (2.7 TB), far above nothing.
+    assert 5 * 2**30 < stage.params < 15 * 2**30
+    assert stage.gathered < 4 * 2**30  # experts are never gathered under EP
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 512 * 1024

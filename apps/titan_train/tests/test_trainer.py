@@ -59,7 +59,7 @@ def test_resume_after_a_stop_continues_bitwise(tmp_path):
 def test_hf_export_loads_in_transformers_with_the_same_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    out = train(_cfg(tmp_path, "--training.steps", "3", "--checkpoint.export-hf"))
+    out = train(_cfg(tmp_path, "--training.steps", "10", "--checkpoint.export-hf"))
     hf_dir = out["run_dir"] / "hf"
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
     tokens = torch.randint(0, 256, (2, 16))
@@ -106,3 +106,19 @@ def test_bad_parallel_layout_is_rejected_before_joining_a_process_group(
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_checkpoint_of_another_model_is_one_error_line_and_nothing_is_written(tmp_path, capsys):
+    common = ["--output-dir", str(tmp_path), "--name", "run", "--training.steps", "2",
+              "--checkpoint.interval", "2", "--metrics.validate-every", "0",
+              "--metrics.no-tensorboard", "--metrics.peak-flops", "1e11"]  # fmt: skip
+    assert main([*common, "--recipe", "qwen3_debug"]) == 0
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")}
+    config = (tmp_path / "run" / "config.json").read_text()
+    capsys.readouterr()
+    assert main([*common, "--recipe", "llama3_debug"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "checkpoint step 2" in err and "does not fit this job (llama3 debug)" in err, err
+    assert len(err.splitlines()) == 1, err
+    assert (tmp_path / "run" / "config.json").read_text() == config
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")} == before

@@ -387,15 +387,13 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     state = TrainState()
 
     run_dir = Path(cfg.output_dir) / cfg.name
+    stateful = _checkpoint_state(pm, optimizer, scheduler, loader, state)
+    ckpt = _resume(cfg, run_dir, stateful)  # before anything is written to the run folder
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     if dims.world_size > 1:
         dist.barrier()
-    ckpt = _checkpoint_manager(cfg, run_dir)
-    stateful = _checkpoint_state(pm, optimizer, scheduler, loader, state)
-    if ckpt is not None and cfg.checkpoint.resume and ckpt.latest_step() is not None:
-        ckpt.load(stateful)
 
     logger = MetricsLogger(
         run_dir,
@@ -521,13 +519,32 @@ def _export_hf(
         dist.barrier()
 
 
-def _checkpoint_manager(cfg: JobConfig, run_dir: Path) -> Any:
+def _resume(cfg: JobConfig, run_dir: Path, stateful: dict[str, Any]) -> Any:
+    """The checkpoint manager (None without checkpoints), after loading the latest complete
+    checkpoint of the run folder when resuming. A checkpoint that does not fit this job (another
+    model, another layout) is a ``ConfigError`` and nothing is written."""
     if cfg.checkpoint.interval == 0:
         return None
-    from torch_checkpointing import CheckpointManager
+    from torch_checkpointing import CheckpointManager, StateMismatchError
 
-    return CheckpointManager(
+    ckpt = CheckpointManager(
         run_dir / "checkpoints",
         async_mode=cfg.checkpoint.async_mode,
         keep_last=cfg.checkpoint.keep_last,
     )
+    step = ckpt.latest_step() if cfg.checkpoint.resume else None
+    if step is None:
+        return ckpt
+    try:
+        ckpt.load(stateful, step)
+    except StateMismatchError as e:
+        ckpt.close()
+        diff = [*e.missing[:2], *e.unexpected[:2]]
+        diff += [f"{name} ({ours} here, {theirs} saved)" for name, ours, theirs in e.mismatched[:2]]
+        raise ConfigError(
+            f"checkpoint step {step} in {run_dir / 'checkpoints'} does not fit this job "
+            f"({cfg.model.family} {cfg.model.flavor}): {len(e.missing)} missing, "
+            f"{len(e.unexpected)} unexpected, {len(e.mismatched)} mismatched entries, e.g. "
+            f"{', '.join(diff)}; use another --name or --checkpoint.no-resume"
+        ) from None
+    return ckpt

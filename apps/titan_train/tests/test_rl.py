@@ -1,0 +1,90 @@
+"""``titan-train rl``: the task is the pre-training corpus, bad input is refused, and a short
+pre-train + GRPO run goes end to end (the full accuracy run is in titan_rl's README)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import titan_rl
+from titan_train.data.arithmetic import arithmetic_problem as app_problem
+from titan_train.data.tokenizers import ByteTokenizer
+from titan_train.rl import RLConfig, main, run_rl, validate_rl
+
+
+def test_titan_rl_task_is_the_app_corpus():
+    for seed in (0, 1, 1000, 12345):
+        for max_operand in (9, 99, 999):
+            for index in range(300):
+                ours = titan_rl.arithmetic_problem(seed, index, max_operand=max_operand)
+                theirs = app_problem(seed, index, max_operand=max_operand)
+                assert (ours.prompt, ours.answer) == (theirs.prompt, theirs.answer)
+
+
+def test_app_tokenizer_fits_the_titan_rl_protocol():
+    tok = ByteTokenizer()
+    assert isinstance(tok, titan_rl.Tokenizer)
+    task = titan_rl.ArithmeticTask(tok, seed=0)
+    (prompt,) = task.prompts(0, 1)
+    assert prompt.ids == [tok.bos_id, *tok.encode(app_problem(0, 0).prompt)]
+    answer = [*tok.encode(app_problem(0, 0).answer), tok.eos_id]
+    assert task.score(prompt, answer).score == 1.0
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("group_size", 1),
+        ("steps", 0),
+        ("lr", 0.0),
+        ("temperature", 0.0),
+        ("heldout_seed", 1),
+        ("time_budget_s", -1.0),
+        ("name", "a/b"),
+    ],
+)
+def test_bad_rl_config_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        validate_rl(RLConfig(**{field: value}))
+
+
+def test_cli_rejects_an_unknown_recipe_and_a_bad_value(capsys):
+    assert main(["--recipe", "nope"]) == 2
+    assert "arith_grpo" in capsys.readouterr().err
+    assert main(["--group-size", "1"]) == 2
+    assert "group_size=1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_short_pretrain_then_grpo_runs_end_to_end(tmp_path):
+    """A 40-step pre-training run made on the fly, then 6 async GRPO steps: the plumbing (init
+    run, rollouts, version tags, evaluation, outputs), not the accuracy gain."""
+    torch.set_num_threads(1)
+    cfg = RLConfig(
+        output_dir=str(tmp_path),
+        init_steps=40,
+        steps=6,
+        num_prompts=4,
+        group_size=4,
+        heldout_count=32,
+        eval_every=3,
+        mode="async",
+        max_offpolicy_steps=1,
+        time_budget_s=0.0,
+    )
+    summary = run_rl(cfg)
+    assert (tmp_path / "llama3_debug_40" / "hf" / "config.json").is_file()
+    assert summary["steps"] == 6
+    assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
+    run_dir = tmp_path / "arith_grpo"
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [x for x in lines if x["split"] == "train"]
+    assert len(train) == 6 and all(0 <= x["staleness"] <= 1 for x in train)
+    assert [x["step"] for x in lines if x["split"] == "eval"] == [0, 3, 6, 6]
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+    # Starting again reuses the pre-training run instead of training another one.
+    again = run_rl(dataclasses.replace(cfg, steps=1, eval_every=0))
+    assert again["accuracy_before"] == summary["accuracy_before"]
