@@ -88,15 +88,19 @@ class MultiHeadLatentAttention(nn.Module):
         H = k_nope_BLHN.shape[2]
         k_BLHE = torch.cat([k_nope_BLHN, k_rope_BL1R.expand(B, L, H, self.rope_dim)], dim=-1)
         q_BSHE = torch.cat([q_nope_BSHN, q_rope_BSHR], dim=-1)
-        o_BHSV = F.scaled_dot_product_attention(
+        # SDPA's fused kernels want one head width for q, k and v; zero columns appended to v
+        # change no output value and spare the unfused (math) path.
+        pad = q_BSHE.shape[-1] - self.v_dim
+        o_BHSE = F.scaled_dot_product_attention(
             q_BSHE.transpose(1, 2),
             k_BLHE.transpose(1, 2),
-            v_BLHV.transpose(1, 2),
+            (F.pad(v_BLHV, (0, pad)) if pad > 0 else v_BLHV).transpose(1, 2),
             attn_mask=mask,
             is_causal=mask is None,
             scale=self.softmax_scale,
         )
-        return self.wo(o_BHSV.transpose(1, 2).reshape(B, S, -1))
+        o_BSHV = o_BHSE.transpose(1, 2)[..., : self.v_dim]
+        return self.wo(o_BSHV.reshape(B, S, -1))
 
     def init_weights(self, *, std: float, out_std: float, generator: torch.Generator) -> None:
         """Normal ``std`` for the projections into the heads/latents, ``out_std`` for ``wo``."""
