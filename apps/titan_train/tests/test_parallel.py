@@ -47,6 +47,8 @@ WORLD4 = {
     "pp2_dp2": [
         "--parallel.pp", "2", "--parallel.dp-shard", "2", "--parallel.pp-microbatches", "2",
     ],
+    "dp4": ["--parallel.dp-shard", "4"],
+    "hsdp_2x2": ["--parallel.dp-replicate", "2", "--parallel.dp-shard", "2"],
 }  # fmt: skip
 
 
@@ -89,6 +91,7 @@ def runs(tmp_path_factory):
     got |= run_distributed(_train_cases, 4, out + "/w4", WORLD4, False, timeout=600)[0]
     got["single"] = train(_cfg(out, "single"))["losses"]
     got["dp_reference_step1"] = _first_step_loss_of_global_batch(out, 2)
+    got["dp4_reference_step1"] = _first_step_loss_of_global_batch(out, 4)
     got["moe_reference_step1"] = _first_step_loss_of_global_batch(out, 2, *WORLD2["qwen3_moe_dp2"])
     return got
 
@@ -141,3 +144,10 @@ def test_expert_parallel_moe_models_match_data_parallel_and_one_process(runs):
         _falls(ep2)
         # All-to-all dispatch moves the same tokens to the same experts: equal to 1e-5.
         torch.testing.assert_close(ep2, dp2, rtol=0, atol=1e-5)
+
+
+def test_hsdp_replicas_of_shards_train_like_four_shards(runs):
+    for name in ("dp4", "hsdp_2x2"):
+        assert abs(runs[name][0] - runs["dp4_reference_step1"]) <= 1e-5
+        _falls(runs[name])
+    torch.testing.assert_close(runs["hsdp_2x2"], runs["dp4"], rtol=0, atol=2e-3)

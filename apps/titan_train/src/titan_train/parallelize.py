@@ -10,7 +10,8 @@ each stage is parallelised on its own, as in torchtitan; its schedule comes from
 
 Mesh axes, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``. Data-parallel
 ranks (``dp_replicate`` x ``dp_shard``) read different data; ``tp`` and ``pp`` ranks of one
-data-parallel rank read the same.
+data-parallel rank read the same. ``dp_replicate > 1`` is HSDP: flexshard shards over
+``dp_shard`` and the trainer averages the shards' gradients over the replicas.
 """
 
 from __future__ import annotations
@@ -79,11 +80,6 @@ class ParallelDims:
                 f"shards and must equal parallel.dp_shard={dp_shard} (other ratios are not "
                 "supported yet)"
             )
-        if p.dp_replicate > 1:
-            raise ValueError(
-                f"parallel.dp_replicate={p.dp_replicate}: replicated data parallelism is not "
-                "supported yet (use parallel.dp_shard)"
-            )
         return cls(world_size, p.dp_replicate, dp_shard, p.tp, p.pp, p.ep)
 
 
@@ -104,6 +100,7 @@ class ParallelModel:
     """Whether ``parts`` are flexshard-sharded (gradients reduced by hooks)."""
     tp_summed: list[torch.nn.Parameter] = field(default_factory=list)
     """Replicated parameters applied to tensor-parallel-local heads: gradients summed over tp."""
+    _groups: dict[tuple[str, ...], Any] = field(default_factory=dict)
     expert_params: list[torch.nn.Parameter] = field(default_factory=list)
     """This rank's experts under expert parallelism: whole experts, left out of flexshard;
     their gradients already hold every data-parallel rank's tokens."""
@@ -129,13 +126,28 @@ class ParallelModel:
                 out.setdefault(id(p), (name, p))
         return list(out.values())
 
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks (which data it reads)."""
+        if self.mesh is None:
+            return 0
+        replica = self.mesh["dp_replicate"].get_local_rank()
+        return replica * self.dims.dp_shard + self.mesh["dp_shard"].get_local_rank()
+
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """All data-parallel ranks (replicas x shards) of this rank's tp / pp position."""
+        return self.group("dp_replicate", "dp_shard")
+
     def group(self, *axes: str) -> dist.ProcessGroup | None:
         """The process group of one mesh axis, or of several flattened (None: one process)."""
         if self.mesh is None:
             return None
-        if len(axes) == 1:
-            return self.mesh[axes[0]].get_group()
-        return self.mesh[axes]._flatten("_".join(axes)).get_group()
+        if axes not in self._groups:  # flattening creates a group: once per job
+            mesh = (
+                self.mesh[axes[0]] if len(axes) == 1 else self.mesh[axes]._flatten("_".join(axes))
+            )
+            self._groups[axes] = mesh.get_group()
+        return self._groups[axes]
 
 
 def check_plan(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:

@@ -187,7 +187,7 @@ def train_step(
     dims = pm.dims
     num_tokens = torch.tensor(batch.num_target_tokens, dtype=torch.int64)
     if dims.dp > 1:
-        dist.all_reduce(num_tokens, group=pm.group("dp_shard"))
+        dist.all_reduce(num_tokens, group=pm.dp_group())
     scale = dims.dp / max(1, int(num_tokens))
     micro = batch.split(cfg.training.grad_accum)
     total = torch.zeros((), dtype=torch.float64)
@@ -203,9 +203,15 @@ def train_step(
     for p in pm.tp_summed:  # replicated weights applied to local heads: sum their gradients
         if p.grad is not None:
             dist.all_reduce(p.grad, group=pm.group("tp"))
-    for p in pm.expert_params:  # every rank's tokens, each scaled by dp: average like DP does
+    for p in pm.expert_params:  # all shards' tokens, each scaled by dp: average like DP does
         if p.grad is not None:
-            p.grad.div_(dims.dp)
+            p.grad.div_(dims.dp_shard)
+    if dims.dp_replicate > 1:  # HSDP: the replicas hold the same shards; average their grads
+        group = pm.group("dp_replicate")
+        for p in pm.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=group)
+                p.grad.div_(dims.dp_replicate)
     norm = _clip_grad_norm(pm, cfg.training.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -245,7 +251,7 @@ def _update_expert_biases(pm: ParallelModel) -> None:
     """Aux-loss-free balancing: one bias update per step from the loads of every DP rank."""
     import dist_moe
 
-    group = pm.group("dp_shard") if pm.mesh is not None else None  # same calls on each rank
+    group = pm.dp_group() if pm.mesh is not None else None  # same calls on each rank
     for part in pm.parts:
         dist_moe.update_expert_biases(part, group)
 
@@ -378,10 +384,9 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     pm = parallelize(model, cfg, dims)
     del model
     rank = dist.get_rank() if dims.world_size > 1 else 0
-    dp_rank = pm.mesh["dp_shard"].get_local_rank() if pm.mesh is not None else 0
-    torch.manual_seed(cfg.training.seed + dp_rank)
-    random.seed(cfg.training.seed + dp_rank)
-    loader, val_src = _loaders(cfg, tokenizer, dp_rank=dp_rank, dp_size=dims.dp)
+    torch.manual_seed(cfg.training.seed + pm.dp_rank)
+    random.seed(cfg.training.seed + pm.dp_rank)
+    loader, val_src = _loaders(cfg, tokenizer, dp_rank=pm.dp_rank, dp_size=dims.dp)
     optimizer = build_optimizer(pm, cfg)
     scheduler = build_lr_scheduler(optimizer, cfg.training.steps, cfg.lr_schedule)
     state = TrainState()
@@ -463,7 +468,8 @@ def _checkpoint_state(
         }
     from torch_checkpointing import PerRank
 
-    per_rank = pm.dims.pp > 1 or pm.expert_params  # stages / experts differ per rank
+    # Stages and experts differ per rank; HSDP replicas hold duplicate shards.
+    per_rank = pm.dims.pp > 1 or pm.expert_params or pm.dims.dp_replicate > 1
     model = PerRank(_ModelState(pm)) if per_rank else _ModelState(pm)
     return {
         "model": model,
@@ -486,7 +492,7 @@ def _validate(
     total, tokens = evaluate(pm.parts[0], val_loader, cfg.metrics.validation_batches)
     if pm.dims.world_size > 1:
         both = torch.tensor([total, float(tokens)], dtype=torch.float64)
-        dist.all_reduce(both, group=pm.group("dp_shard"))
+        dist.all_reduce(both, group=pm.dp_group())
         total, tokens = float(both[0]), int(both[1])
     return total / max(1, tokens)
 
