@@ -777,5 +777,6 @@ def feature_checks() -> dict[str, Any]:
         "bad_input": check_bad_input(),
         "state_dicts": check_state_dicts(),
         "memory": check_memory(),
+        "memory_deep": check_memory(layers=96),
         "fp8": check_fp8(),
     }
