@@ -122,3 +122,16 @@ def test_checkpoint_of_another_model_is_one_error_line_and_nothing_is_written(tm
     assert len(err.splitlines()) == 1, err
     assert (tmp_path / "run" / "config.json").read_text() == config
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")} == before
+
+
+def test_moe_recipe_logs_expert_load_and_learns(tmp_path):
+    cfg = parse_config(
+        ["--output-dir", str(tmp_path), "--training.steps", "6", "--metrics.log-every", "3",
+         "--metrics.validate-every", "0", "--metrics.no-tensorboard",
+         "--metrics.peak-flops", "1e11"],
+        "qwen3_moe_debug",
+    )  # fmt: skip
+    out = train(cfg)
+    rows = [json.loads(x) for x in (out["run_dir"] / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["moe_load_max"] >= r["moe_load_mean"] >= 1.0 for r in rows)
+    assert out["losses"][-1] < out["losses"][0]

@@ -181,9 +181,10 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     batch: Batch,
     cfg: JobConfig,
-) -> tuple[float, float]:
-    """One optimizer step over ``grad_accum`` micro-batches; returns (loss, grad norm), the
-    loss being the mean over every target token of the global batch (see the module doc)."""
+) -> tuple[float, float, dict[str, float]]:
+    """One optimizer step over ``grad_accum`` micro-batches; returns (loss, grad norm, extra
+    metrics), the loss being the mean over every target token of the global batch (see the
+    module doc)."""
     dims = pm.dims
     num_tokens = torch.tensor(batch.num_target_tokens, dtype=torch.int64)
     if dims.dp > 1:
@@ -215,11 +216,28 @@ def train_step(
     norm = _clip_grad_norm(pm, cfg.training.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    extra = _moe_load(pm)  # read before the bias update resets the counts
     _update_expert_biases(pm)
     if dims.world_size > 1:  # each data-parallel rank's share; tp ranks hold copies of it
         dist.all_reduce(total)
         total /= dims.tp * dims.dp
-    return float(total), float(norm)
+    return float(total), float(norm), extra
+
+
+def _moe_load(pm: ParallelModel) -> dict[str, float]:
+    """This rank's routing balance this step: max and mean over MoE layers of max/mean load."""
+    import dist_moe
+
+    ratios = [
+        m.load().max_over_mean
+        for part in pm.parts
+        for m in part.modules()
+        if isinstance(m, dist_moe.MoE)
+    ]
+    ratios = [r for r in ratios if r == r]  # nan: a layer that saw no token
+    if not ratios:
+        return {}
+    return {"moe_load_max": max(ratios), "moe_load_mean": sum(ratios) / len(ratios)}
 
 
 def _pipeline_micro_step(pm: ParallelModel, mb: Batch, scale: float, cfg: JobConfig) -> float:
@@ -416,7 +434,7 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     end = cfg.training.steps if stop_after is None else min(stop_after, cfg.training.steps)
     while state.step < end:
         batch = next(loader)
-        loss, grad_norm = train_step(pm, optimizer, batch, cfg)
+        loss, grad_norm, extra = train_step(pm, optimizer, batch, cfg)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         state.step += 1
@@ -433,6 +451,7 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict[str, Any]:
                     "lr": lr,
                     "tokens_per_s": tps,
                     "mfu": tps * flops_per_token / (peak * dims.world_size),
+                    **extra,
                     **memory_bytes(),
                 },
             )
