@@ -76,6 +76,21 @@ def test_missing_and_unexpected_keys_are_all_named(hf_checkpoint):
     assert "1 unexpected keys: model.layers.1.mlp.extra.weight" in message
 
 
+def test_a_missing_expert_and_a_ninth_expert_are_named(hf_checkpoint):
+    _, folder = hf_checkpoint("qwen3_moe")  # 8 experts
+
+    def edit(t):
+        del t["model.layers.1.mlp.experts.3.up_proj.weight"]
+        t["model.layers.1.mlp.experts.8.up_proj.weight"] = torch.zeros(32, 64)
+
+    _edit_tensors(folder, edit)
+    with pytest.raises(ValueError) as info:
+        titan_models.from_hf(folder)
+    message = str(info.value)
+    assert "1 missing keys: model.layers.1.mlp.experts.3.up_proj.weight" in message
+    assert "1 unexpected keys: model.layers.1.mlp.experts.8.up_proj.weight" in message
+
+
 def test_wrong_shape_names_the_key_and_both_shapes(hf_checkpoint):
     _, folder = hf_checkpoint("qwen3")
     _edit_tensors(

@@ -3,6 +3,7 @@
 from .attention import Attention, attention_inputs, positions_from_document_ids
 from .feedforward import FeedForward
 from .kv_cache import KVCache, LayerKVCache
+from .mla import MultiHeadLatentAttention
 from .moe import MoEFeedForward
 from .norm import RMSNorm
 from .rope import (
@@ -28,6 +29,7 @@ __all__ = [
     "LayerKVCache",
     "Llama3RopeScaling",
     "MoEFeedForward",
+    "MultiHeadLatentAttention",
     "RMSNorm",
     "RopeConfig",
     "RotaryEmbedding",

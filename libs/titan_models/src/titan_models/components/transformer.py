@@ -256,9 +256,11 @@ class Transformer(nn.Module):
 
         Scheme (GPT-2 / Megatron "scaled init"): with ``std = config.init_std``, the token
         embedding, the output head and every projection into a residual branch (q, k, v, w1,
-        w3) are drawn from N(0, std²); the projections out of a residual branch (``wo``, ``w2``)
-        from N(0, (std / √(2·num_layers))²), so the residual stream's variance stays flat in
-        depth; every RMSNorm weight is 1. Deterministic for a given ``seed`` and device.
+        w3; MLA's latent projections; a router gate and the experts' gate/up) are drawn from
+        N(0, std²); the projections out of a residual branch (``wo``, ``w2``, the experts'
+        down projections) from N(0, (std / √(2·num_layers))²), so the residual stream's
+        variance stays flat in depth; every RMSNorm weight is 1, a router's selection bias 0.
+        Deterministic for a given ``seed`` and device.
         """
         if dtype is not None:
             self.to(dtype=dtype)  # before materialising: a cast on meta allocates nothing
