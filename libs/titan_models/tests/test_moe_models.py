@@ -242,6 +242,17 @@ def test_mla_cached_decoding_matches_full_forward_for_ragged_prompts(q_lora_rank
     assert per_token == latent
 
 
+def test_mla_chunked_prefill_in_latent_space_equals_the_full_forward():
+    model = _model("deepseek_v3", seed=3, vocab_size=512).eval()
+    tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = model.new_kv_cache(2, 32)
+        chunks = [model(part, kv_cache=cache) for part in tokens.split([10, 1, 13], dim=1)]
+    assert (torch.cat(chunks, dim=1) - full).abs().max().item() <= 1e-5
+    assert cache.lengths.tolist() == [24, 24]
+
+
 # ---- multi-token prediction -------------------------------------------------------------
 
 

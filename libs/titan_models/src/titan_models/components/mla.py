@@ -5,8 +5,14 @@ rope key shared by every head (``qk_rope_head_dim`` wide); those two are all the
 Queries are optionally compressed too (``q_lora_rank`` > 0). A head's query/key is its
 ``qk_nope_head_dim`` content part followed by the rotated ``qk_rope_head_dim`` part.
 
+With a KV cache (decoding) attention runs in latent space ("weight absorption"): ``wkv_b``'s key
+half is folded into the queries and its value half applied after attention, so each step reads
+the cached latents once instead of re-expanding every cached token into per-head keys/values.
+
 Shapes: B batch, S queries, L keys, D model dim, H heads (local ones under tensor parallelism,
-read off the projections at run time), C kv latent, R rope dim, N nope dim, V value dim.
+read off the projections at run time), C kv latent, R rope dim, N nope dim, V value dim,
+E = N + R (q/k head), F = N + V (``wkv_b`` rows per head), X = C + R (latent-space q/k),
+G = H·E, I = the input of ``wq``/``wq_b``.
 """
 
 from __future__ import annotations
@@ -66,9 +72,9 @@ class MultiHeadLatentAttention(nn.Module):
     ) -> torch.Tensor:
         """``mask``: ``None`` for plain causal attention, else a boolean ``(B, 1, S, L)``."""
         B, S, _ = x_BSD.shape
-        q_in_BSX = x_BSD if self.wq_a is None else self.q_norm(self.wq_a(x_BSD))
-        q_BSX = (self.wq if self.wq is not None else self.wq_b)(q_in_BSX)
-        q_BSHE = q_BSX.view(B, S, -1, self.nope_dim + self.rope_dim)
+        q_in_BSI = x_BSD if self.wq_a is None else self.q_norm(self.wq_a(x_BSD))
+        q_BSG = (self.wq if self.wq is not None else self.wq_b)(q_in_BSI)
+        q_BSHE = q_BSG.view(B, S, -1, self.nope_dim + self.rope_dim)
         q_nope_BSHN, q_rope_BSHR = q_BSHE.split([self.nope_dim, self.rope_dim], dim=-1)
         q_rope_BSHR = apply_rotary(q_rope_BSHR, rope)
 
@@ -76,31 +82,43 @@ class MultiHeadLatentAttention(nn.Module):
         latent_BSC = self.kv_norm(latent_BSC)
         k_rope_BS1R = apply_rotary(k_rope_BSR.unsqueeze(2), rope)
         if kv_cache is not None:
-            # The cache holds the latent and the rope key only; k and v are re-expanded.
+            # The cache holds the latent and the rope key only.
             latent_B1LC, k_rope_B1LR = kv_cache.update(latent_BSC.unsqueeze(2), k_rope_BS1R)
-            latent_BLC, k_rope_BL1R = latent_B1LC[:, 0], k_rope_B1LR.transpose(1, 2)
-        else:
-            latent_BLC, k_rope_BL1R = latent_BSC, k_rope_BS1R
-        L = latent_BLC.shape[1]
+            o_BSHV = self._absorbed(q_nope_BSHN, q_rope_BSHR, latent_B1LC, k_rope_B1LR, mask)
+            return self.wo(o_BSHV.reshape(B, S, -1))
 
-        kv_BLHX = self.wkv_b(latent_BLC).view(B, L, -1, self.nope_dim + self.v_dim)
-        k_nope_BLHN, v_BLHV = kv_BLHX.split([self.nope_dim, self.v_dim], dim=-1)
-        H = k_nope_BLHN.shape[2]
-        k_BLHE = torch.cat([k_nope_BLHN, k_rope_BL1R.expand(B, L, H, self.rope_dim)], dim=-1)
+        kv_BSHF = self.wkv_b(latent_BSC).view(B, S, -1, self.nope_dim + self.v_dim)
+        k_nope_BSHN, v_BSHV = kv_BSHF.split([self.nope_dim, self.v_dim], dim=-1)
+        H = k_nope_BSHN.shape[2]
+        k_BSHE = torch.cat([k_nope_BSHN, k_rope_BS1R.expand(B, S, H, self.rope_dim)], dim=-1)
         q_BSHE = torch.cat([q_nope_BSHN, q_rope_BSHR], dim=-1)
-        # SDPA's fused kernels want one head width for q, k and v; zero columns appended to v
-        # change no output value and spare the unfused (math) path.
-        pad = q_BSHE.shape[-1] - self.v_dim
-        o_BHSE = F.scaled_dot_product_attention(
+        o_BHSV = _attention(
             q_BSHE.transpose(1, 2),
-            k_BLHE.transpose(1, 2),
-            (F.pad(v_BLHV, (0, pad)) if pad > 0 else v_BLHV).transpose(1, 2),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=self.softmax_scale,
+            k_BSHE.transpose(1, 2),
+            v_BSHV.transpose(1, 2),
+            mask,
+            self.softmax_scale,
         )
-        o_BSHV = o_BHSE.transpose(1, 2)[..., : self.v_dim]
-        return self.wo(o_BSHV.reshape(B, S, -1))
+        return self.wo(o_BHSV.transpose(1, 2).reshape(B, S, -1))
+
+    def _absorbed(
+        self,
+        q_nope_BSHN: torch.Tensor,
+        q_rope_BSHR: torch.Tensor,
+        latent_B1LC: torch.Tensor,
+        k_rope_B1LR: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention in latent space (DeepSeek-V2 §2.1.2's weight absorption): the key
+        up-projection folds into the query, the value up-projection into the output, so the
+        cached latents are attended to directly, one shared "head" for all query heads."""
+        wkv_b_HFC = self.wkv_b.weight.view(-1, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk_HNC, w_uv_HVC = wkv_b_HFC.split([self.nope_dim, self.v_dim], dim=1)
+        q_latent_BSHC = torch.einsum("bshn,hnc->bshc", q_nope_BSHN, w_uk_HNC)
+        q_BHSX = torch.cat([q_latent_BSHC, q_rope_BSHR], dim=-1).transpose(1, 2)
+        k_B1LX = torch.cat([latent_B1LC, k_rope_B1LR], dim=-1)
+        o_BHSC = _attention(q_BHSX, k_B1LX, latent_B1LC, mask, self.softmax_scale)
+        return torch.einsum("bhsc,hvc->bshv", o_BHSC, w_uv_HVC)
 
     def init_weights(self, *, std: float, out_std: float, generator: torch.Generator) -> None:
         """Normal ``std`` for the projections into the heads/latents, ``out_std`` for ``wo``."""
@@ -111,3 +129,28 @@ class MultiHeadLatentAttention(nn.Module):
         for norm in (self.q_norm, self.kv_norm):
             if norm is not None:
                 norm.init_weights()
+
+
+def _attention(
+    q_BHSE: torch.Tensor,
+    k_BKLE: torch.Tensor,
+    v_BKLV: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """SDPA of ``(B, H, S, E)`` queries on ``K`` key/value heads (1 or H), output ``(B, H, S, V)``.
+
+    SDPA's fused kernels want one width for q, k and v: zero columns appended to a narrower v
+    change no output value and spare the unfused (math) path.
+    """
+    pad = q_BHSE.shape[-1] - v_BKLV.shape[-1]
+    o_BHSE = F.scaled_dot_product_attention(
+        q_BHSE,
+        k_BKLE,
+        F.pad(v_BKLV, (0, pad)) if pad > 0 else v_BKLV,
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=k_BKLE.shape[1] != q_BHSE.shape[1],
+    )
+    return o_BHSE[..., : v_BKLV.shape[-1]]
