@@ -7,7 +7,7 @@ Commit protocol, per rank and per save, with no collective:
 
 1. each data file is written under a temporary name, then renamed to its final name;
 2. the rank's done-marker (``done-<rank>.json``: every file it wrote, with sizes and per-block
-   CRC32s) is written the same way, after its data files;
+   XXH3-64 digests) is written the same way, after its data files;
 3. rank 0 then writes ``manifest.json`` (the global layout) the same way.
 
 A checkpoint folder is complete exactly when ``manifest.json`` and the done-marker of every
@@ -74,7 +74,7 @@ def execute_job(storage: Any, job: dict[str, Any], buffer: Callable[[int], memor
                 "size": size,
                 "data_start": len(f["header"]),
                 "block_size": block,
-                "crc32": crcs,
+                "block_xxh3_64": crcs,
                 "chunks": f["chunks"],
                 "tree": f["tree"],
             }

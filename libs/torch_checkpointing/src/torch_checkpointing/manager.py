@@ -975,7 +975,7 @@ class CheckpointManager:
         difference before anything is touched; ``strict=False`` skips missing/unexpected
         entries instead (mismatched shapes still fail). Any sharding of the same global
         tensors loads (other world size, DTensor placements, sharded-protocol chunks).
-        ``verify=False`` skips the per-block CRC32 checks of tensor data (file sizes and the
+        ``verify=False`` skips the per-block XXH3-64 checks of tensor data (file sizes and the
         JSON files' checksums are still checked). Returns the step loaded.
         """
         self._check_open()
@@ -1035,7 +1035,9 @@ class CheckpointManager:
         for r, m in enumerate(markers):
             for name, info in m["files"].items():
                 path = f"{folder}/{name}"
-                files[path] = rs.FileInfo(path, info["size"], info["block_size"], info["crc32"])
+                files[path] = rs.FileInfo(
+                    path, info["size"], info["block_size"], info["block_xxh3_64"]
+                )
                 item = info["item"]
                 if info["tree"] and (
                     (items_m.get(item, {}).get("per_rank") and r == self.rank)
