@@ -297,15 +297,22 @@ class Transformer(nn.Module):
     ) -> KVCache:
         """An empty cache for this model's layers (dtype and device of the weights by default)."""
         weight = next(self.parameters())
+        heads, key_dim, value_dim = self.kv_cache_widths()
         return KVCache(
             layers=[int(i) for i in self.layers],
             batch_size=batch_size,
             max_seq_len=max_seq_len,
-            num_kv_heads=self.config.num_kv_heads,
-            head_dim=self.config.head_dim,
+            num_kv_heads=heads,
+            head_dim=key_dim,
+            value_dim=value_dim,
             dtype=dtype or weight.dtype,
             device=device or weight.device,
         )
+
+    def kv_cache_widths(self) -> tuple[int, int, int]:
+        """What one layer caches per token: (heads, width of the first buffer, of the second);
+        keys and values of every kv head here."""
+        return self.config.num_kv_heads, self.config.head_dim, self.config.head_dim
 
     def _tie(self) -> None:
         # to_empty() replaces each module's parameters separately, which unties them.

@@ -168,27 +168,10 @@ class DeepSeekV3(Transformer):
             mtp_logits.append(self.output(module.norm(h_BSD)))
         return logits_BSV, tuple(mtp_logits)
 
-    def new_kv_cache(
-        self,
-        batch_size: int,
-        max_seq_len: int,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> KVCache:
-        """A latent cache: per layer and token the ``kv_lora_rank`` latent and the
+    def kv_cache_widths(self) -> tuple[int, int, int]:
+        """A latent cache: per layer and token one ``kv_lora_rank`` latent and one
         ``qk_rope_head_dim`` rope key, not per-head keys and values."""
-        weight = next(self.parameters())
-        return KVCache(
-            layers=[int(i) for i in self.layers],
-            batch_size=batch_size,
-            max_seq_len=max_seq_len,
-            num_kv_heads=1,
-            head_dim=self.config.kv_lora_rank,
-            value_dim=self.config.qk_rope_head_dim,
-            dtype=dtype or weight.dtype,
-            device=device or weight.device,
-        )
+        return 1, self.config.kv_lora_rank, self.config.qk_rope_head_dim
 
     def _init_extra_weights(
         self, *, std: float, out_std: float, generator: torch.Generator
