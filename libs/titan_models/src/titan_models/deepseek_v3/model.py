@@ -122,9 +122,12 @@ class DeepSeekV3(Transformer):
         blocks = [_block(config, i, TransformerBlock) for i in range(config.num_layers)]
         mtp = None
         if config.num_mtp_modules:
-            depth = max(config.num_layers, config.first_k_dense)  # MTP blocks are MoE blocks
+            # Built as block number num_layers (>= first_k_dense): an MLA + MoE block.
             mtp = nn.ModuleDict(
-                {str(k): _block(config, depth, MTPModule) for k in range(config.num_mtp_modules)}
+                {
+                    str(k): _block(config, config.num_layers, MTPModule)
+                    for k in range(config.num_mtp_modules)
+                }
             )
         self.mtp: nn.ModuleDict | None
         super().__init__(config, blocks, extra_modules={"mtp": mtp})
@@ -142,6 +145,15 @@ class DeepSeekV3(Transformer):
         """Logits ``(B, S, V)``; with ``return_mtp`` also one ``(B, S, V)`` per MTP module, the
         k-th (k = 1..num_mtp_modules) predicting at position i the token i + 1 + k (train
         them with ``titan_models.mtp_loss``). Other arguments: ``Transformer.forward``."""
+        if return_mtp and kv_cache is not None:
+            raise ValueError("return_mtp=True cannot be combined with kv_cache (training only)")
+        if return_mtp and (
+            self.tok_embeddings is None or self.output is None or tokens.is_floating_point()
+        ):
+            raise ValueError(
+                "return_mtp=True needs token ids and a model holding tok_embeddings and output "
+                "(MTP is not supported on a pipeline stage)"
+            )
         h_BSD, (rope, mask) = self.run_blocks(
             tokens,
             positions=positions,
@@ -152,13 +164,6 @@ class DeepSeekV3(Transformer):
         logits_BSV = self.head(h_BSD)
         if not return_mtp:
             return logits_BSV
-        if kv_cache is not None:
-            raise ValueError("return_mtp=True cannot be combined with kv_cache (training only)")
-        if self.tok_embeddings is None or self.output is None or tokens.is_floating_point():
-            raise ValueError(
-                "return_mtp=True needs token ids and a model holding tok_embeddings and output "
-                "(MTP is not supported on a pipeline stage)"
-            )
         mtp_logits = []
         for k, module in enumerate((self.mtp or {}).values(), start=1):
             # Token i + k at position i; the k positions past the end get id 0 (their targets
