@@ -94,6 +94,11 @@ def _all_schedules_on_ranks(num_units: int) -> dict:
             torch.equal(grads[k], grads2[k]) for k in grads
         )
         results[name] = {"grads": grads, "losses": losses, "bitwise": bitwise and losses == losses2}
+        units = _units(num_units)  # evaluation: the same losses, no gradient anywhere
+        stages = build_stages(units, schedule, rank)
+        evaluated = run(schedule, stages, mbs, tgts, _loss, forward_only=True)
+        no_grads = all(p.grad is None for u in units for p in u.parameters())
+        results[name]["eval"] = ([loss.item() for loss in evaluated], no_grads)
 
     # stage modules that do not fit: every rank raises the same ValueError, nothing is sent
     units = _units(num_units)
@@ -146,6 +151,8 @@ def _check(world: int, num_units: int, results: list[dict]) -> None:
         for k, g in ref_grads.items():
             torch.testing.assert_close(merged[k], g, rtol=0, atol=1e-6, msg=f"{name} {k}")
         assert len(losses) == NUM_MICROBATCHES, name  # only the last stage's rank reports
+        evaluated = [x for r in results for x in r[name]["eval"][0]]
+        assert evaluated == losses and all(r[name]["eval"][1] for r in results), name
         assert sum(losses) / NUM_MICROBATCHES == pytest.approx(ref_loss, abs=1e-6)
     # same stage layout and a full backward: the same sums in the same order, bitwise
     for k in ref_grads:

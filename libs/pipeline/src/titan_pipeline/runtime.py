@@ -28,6 +28,7 @@ stage) does all its work in W.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -266,12 +267,16 @@ def run(
     loss_scale: float | None = None,
     recorder: TimelineRecorder | None = None,
     stage_kwargs: Sequence[dict[str, object]] | None = None,
+    forward_only: bool = False,
 ) -> list[torch.Tensor]:
     """Run one step of ``schedule`` on this rank's ``stages``; return the losses.
 
     ``microbatches`` is needed on the rank of stage 0 and ``targets`` on the rank of the last
     stage (others may pass None). ``stage_kwargs[i]``, if given, is passed as keyword
-    arguments to every stage's module for microbatch ``i`` (on every rank). Returns the detached, unscaled per-microbatch losses on the
+    arguments to every stage's module for microbatch ``i`` (on every rank). With
+    ``forward_only`` (evaluation) each rank runs only the schedule's forward actions and their
+    sends / receives, under ``torch.no_grad``, in the schedule's order, and keeps nothing for a
+    backward. Returns the detached, unscaled per-microbatch losses on the
     rank of the last stage and ``[]`` elsewhere. Bad input raises ``ValueError`` on every
     rank before any activation is sent.
     """
@@ -335,7 +340,12 @@ def run(
             return buf
         return handoff.pop(key)
 
-    for seg in _segments(schedule.actions[rank]):
+    actions = schedule.actions[rank]
+    if forward_only:
+        keep = (F, ActionKind.SEND_F, ActionKind.RECV_F)
+        actions = tuple(a for a in actions if a.kind in keep)
+    grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
+    for seg in _segments(actions):
         if isinstance(seg, tuple):
             ops = []
             posted: list[tuple[tuple[str, int, int] | None, torch.Tensor]] = []
@@ -376,13 +386,17 @@ def run(
         if a.kind == F:
             x = microbatches[mb] if s == 0 else value("F", s, mb)
             start = time.perf_counter()
-            y = st._forward(mb, x, stage_kwargs[mb] if stage_kwargs is not None else {})
-            if st.is_last:
-                loss = loss_fn(st._outputs[mb], targets[mb])
-                st._set_loss(mb, loss * scale)
-                losses.append(loss.detach())
-            else:
-                handoff[("F", s + 1, mb)] = y
+            with grad_mode:
+                y = st._forward(mb, x, stage_kwargs[mb] if stage_kwargs is not None else {})
+                if st.is_last:
+                    loss = loss_fn(st._outputs[mb], targets[mb])
+                    st._set_loss(mb, loss * scale)
+                    losses.append(loss.detach())
+                else:
+                    handoff[("F", s + 1, mb)] = y
+            if forward_only:  # nothing to keep for a backward
+                st._inputs.pop(mb)
+                st._outputs.pop(mb)
         elif a.kind in (B, I):
             gy = None if st.is_last else value("B", s, mb)
             start = time.perf_counter()
