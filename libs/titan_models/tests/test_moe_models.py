@@ -221,7 +221,7 @@ def test_flops_formula_matches_the_counted_matmuls(family):
 # ---- MLA latent KV cache ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("q_lora_rank", [0, 64])
+@pytest.mark.parametrize("q_lora_rank", [pytest.param(0, marks=pytest.mark.slow), 64])
 def test_mla_cached_decoding_matches_full_forward_for_ragged_prompts(q_lora_rank):
     model = _model("deepseek_v3", seed=3, vocab_size=512, q_lora_rank=q_lora_rank).eval()
     c = model.config
