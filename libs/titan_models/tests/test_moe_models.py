@@ -3,6 +3,7 @@ cache, multi-token prediction, packed documents and bad input."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -105,6 +106,40 @@ def test_plan_lists_the_moe_modules_and_tp_covers_everything_else(tp_styles, fam
             assert styles[name] == [], name  # experts are placed by EP, not TP
         elif isinstance(module, nn.Linear | nn.Embedding | RMSNorm):
             assert len(styles[name]) == 1, (name, styles[name])
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 64])
+def test_mla_on_the_tp_plans_head_shards_sums_to_the_whole(q_lora_rank):
+    # Emulates TP=2 on one process: each "rank" keeps the weights the plan gives it (colwise:
+    # its rows, rowwise: its columns, replicated: all) and the rowwise outputs are summed.
+    model = _model("deepseek_v3", q_lora_rank=q_lora_rank).eval()
+    tp = titan_models.get_plan(model.config).tensor_parallel
+    full = model.layers["0"].attention
+    x = torch.randn(2, 12, model.config.dim, generator=torch.Generator().manual_seed(0))
+    rope = model.rope(torch.arange(12).expand(2, 12), x.dtype)
+    shards = []
+    for rank in range(2):
+        shard = copy.deepcopy(full)
+        for name, linear in shard.named_children():
+            fqn = f"layers.0.attention.{name}"
+            if any(fqn_matches(p, fqn) for p in tp.colwise):
+                linear.weight = nn.Parameter(linear.weight.chunk(2, dim=0)[rank].clone())
+            elif any(fqn_matches(p, fqn) for p in tp.rowwise):
+                linear.weight = nn.Parameter(linear.weight.chunk(2, dim=1)[rank].clone())
+            else:
+                assert any(fqn_matches(p, fqn) for p in tp.replicated), fqn
+        shards.append(shard)
+    with torch.no_grad():
+        whole = full(x, rope, None)
+        summed = sum(shard(x, rope, None) for shard in shards)
+        assert (summed - whole).abs().max().item() <= 1e-5
+        # The latent-space (cached) path reads the local heads off the sharded wkv_b as well.
+        caches = [model.new_kv_cache(2, 16) for _ in range(3)]
+        for cache in caches:
+            cache.begin(12)
+        whole = full(x, rope, None, caches[0].layers[0])
+        summed = sum(s(x, rope, None, c.layers[0]) for s, c in zip(shards, caches[1:], strict=True))
+        assert (summed - whole).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("family", FAMILIES)
