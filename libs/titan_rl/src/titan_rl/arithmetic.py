@@ -46,13 +46,27 @@ class ArithmeticTask:
     """Prompts ``BOS + "a+b="`` (the pre-training document layout) scored by exact match."""
 
     def __init__(
-        self, tokenizer: Tokenizer, *, seed: int = 0, max_operand: int = 99, offset: int = 0
+        self,
+        tokenizer: Tokenizer,
+        *,
+        seed: int = 0,
+        max_operand: int = 99,
+        offset: int = 0,
+        digit_credit: float = 0.0,
     ) -> None:
-        """Problem ``offset + i`` of ``seed`` is the ``i``-th prompt handed out."""
+        """Problem ``offset + i`` of ``seed`` is the ``i``-th prompt handed out.
+
+        ``digit_credit``: a wrong integer answer of the right length scores this times the
+        fraction of its digits that are right (0: plain exact match; the reward stays < 1
+        unless the answer is exact, so exact-match accuracy is still what is maximised).
+        """
         if max_operand < 1:
             raise ValueError(f"max_operand={max_operand} must be >= 1")
+        if not 0.0 <= digit_credit < 1.0:
+            raise ValueError(f"digit_credit={digit_credit} must be in [0, 1)")
         self.tokenizer = tokenizer
         self.seed, self.max_operand, self.offset = seed, max_operand, offset
+        self.digit_credit = digit_credit
 
     def problem(self, index: int) -> Problem:
         """The ``index``-th problem of this task."""
@@ -70,7 +84,12 @@ class ArithmeticTask:
         """1 for the exact answer followed by EOS, else 0 (``unparseable``: not an integer)."""
         if self.tokenizer.eos_id not in response_ids:
             return RewardResult(0.0, "truncated", "no EOS within the token budget")
-        return exact_match_reward(self.completion_text(response_ids), prompt.answer)
+        text = self.completion_text(response_ids).strip()
+        result = exact_match_reward(text, prompt.answer)
+        if result.status == "wrong" and self.digit_credit and len(text) == len(prompt.answer):
+            right = sum(a == b for a, b in zip(text, prompt.answer, strict=True))
+            return RewardResult(self.digit_credit * right / len(text), "wrong", result.detail)
+        return result
 
     def completion_text(self, response_ids: list[int]) -> str:
         """The decoded response up to (not including) the first EOS."""
