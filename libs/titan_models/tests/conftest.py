@@ -84,12 +84,21 @@ def _hf_config(family: str, **overrides):
 
 @pytest.fixture
 def hf_checkpoint(tmp_path):
-    """``make(family, attn="sdpa", shard=None, **config) -> (hf_model, folder)``: a random tiny
-    HF model in fp32, saved with ``save_pretrained`` (sharded when ``shard`` is a size)."""
+    """``make(family, attn="sdpa", shard=None, fused=False, **config) -> (hf_model, folder)``: a
+    random tiny HF model in fp32, saved with ``save_pretrained`` (sharded when ``shard`` is a
+    size; MoE experts fused as transformers holds them in memory when ``fused``)."""
     pytest.importorskip("transformers")
     import transformers
 
-    def make(family: str, *, attn: str = "sdpa", shard: str | None = None, seed: int = 0, **kw):
+    def make(
+        family: str,
+        *,
+        attn: str = "sdpa",
+        shard: str | None = None,
+        seed: int = 0,
+        fused: bool = False,
+        **kw,
+    ):
         torch.manual_seed(seed)
         config = _hf_config(family, **kw)
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
@@ -104,6 +113,8 @@ def hf_checkpoint(tmp_path):
                     b.uniform_(-0.05, 0.05)
         folder = tmp_path / f"hf-{family}-{len(list(tmp_path.iterdir()))}"
         extra = {"max_shard_size": shard} if shard else {}
+        if fused:  # transformers' in-memory layout on disk (experts.gate_up_proj, ...)
+            extra["save_original_format"] = False
         model.save_pretrained(folder, **extra)
         return model, folder
 

@@ -116,3 +116,18 @@ def test_to_hf_then_from_pretrained_gives_the_same_logits(
     again = titan_models.from_hf(out)
     for (name, a), (_, b) in zip(named_state(ours), named_state(again), strict=True):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_checkpoint_with_fused_experts_loads_like_the_per_expert_one(hf_checkpoint, family):
+    hf, per_expert = hf_checkpoint(family)
+    _, fused = hf_checkpoint(family, fused=True)
+    keys = checkpoint_files(fused)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in keys
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight" not in keys
+    a, b = titan_models.from_hf(per_expert), titan_models.from_hf(fused)
+    for (name, x), (_, y) in zip(named_state(a), named_state(b), strict=True):
+        assert torch.equal(x, y), name
+    tokens, _ = _inputs(hf.config.vocab_size)
+    with torch.no_grad():
+        assert (b(tokens) - hf(input_ids=tokens).logits).abs().max().item() <= 1e-4

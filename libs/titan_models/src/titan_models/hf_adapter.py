@@ -34,9 +34,14 @@ class HFTensor:
     """Our layout → HF's (``None``: identical)."""
     from_hf: Callable[[torch.Tensor], torch.Tensor] | None = None
     """HF's layout → ours (``None``: identical)."""
+    shape: tuple[int, ...] | None = None
+    """The checkpoint tensor's shape when it holds more than this view: a fused tensor split
+    over several of our parameters (read-only: such a tensor is never written)."""
 
     def hf_shape(self) -> tuple[int, ...]:
         """Shape of the tensor in the checkpoint (free on the meta device)."""
+        if self.shape is not None:
+            return self.shape
         return tuple((self.to_hf(self.ours) if self.to_hf else self.ours).shape)
 
 
@@ -73,6 +78,8 @@ class HFAdapter:
             if match:
                 if not hf:
                     return []
+                if "{e}" in hf and hf_config.get(FUSED_EXPERTS):
+                    return [_fused_experts(hf.format(*match.groups(), e="{e}"), param)]
                 if "{e}" in hf:
                     return [
                         HFTensor(hf.format(*match.groups(), e=e), param[e])
@@ -83,8 +90,12 @@ class HFAdapter:
 
     def adapt_to_checkpoint(self, hf: Mapping[str, Any], keys: Collection[str]) -> dict[str, Any]:
         """The HF config as it applies to the tensors the checkpoint holds (``keys``); used for
-        both the config and the key mapping. Unchanged here."""
-        return dict(hf)
+        both the config and the key mapping. Marks a checkpoint whose experts are stored fused
+        (``save_pretrained(save_original_format=False)``: transformers' in-memory layout)."""
+        hf = dict(hf)
+        if any(k.endswith(".experts.gate_up_proj") for k in keys):
+            hf[FUSED_EXPERTS] = True
+        return hf
 
     def is_ignored(self, key: str, config: TransformerConfig) -> bool:
         """Checkpoint keys we skip: old RoPE buffers, and ``lm_head`` when the head is tied
@@ -92,6 +103,27 @@ class HFAdapter:
         if config.tie_embeddings and key == "lm_head.weight":
             return True
         return any(re.fullmatch(p, key) for p in self.ignored_hf_keys)
+
+
+FUSED_EXPERTS = "_titan_fused_experts"
+"""Key ``adapt_to_checkpoint`` sets in the HF config of a checkpoint with fused experts."""
+
+
+def _fused_experts(per_expert_key: str, param: torch.Tensor) -> HFTensor:
+    """Our stacked expert weight inside transformers' fused tensors: ``experts.gate_up_proj``
+    (E, 2I, D) holds the gate rows then the up rows of each expert, ``experts.down_proj``
+    (E, D, I) is our ``w_down`` as is. ``per_expert_key`` is the on-disk per-expert template."""
+    stem, projection = per_expert_key.split(".{e}.")
+    if projection == "down_proj.weight":
+        return HFTensor(f"{stem}.down_proj", param)
+    experts, hidden, dim = param.shape
+    half = slice(0, hidden) if projection == "gate_proj.weight" else slice(hidden, 2 * hidden)
+    return HFTensor(
+        f"{stem}.gate_up_proj",
+        param,
+        from_hf=lambda t: t[:, half],
+        shape=(experts, 2 * hidden, dim),
+    )
 
 
 def _template_regex(template: str) -> re.Pattern[str]:

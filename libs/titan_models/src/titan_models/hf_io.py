@@ -294,20 +294,20 @@ def _listing(what: str, items: list[str]) -> str:
 
 @torch.no_grad()
 def _load(model: Transformer, adapter: HFAdapter, files: dict[str, Path], hf_config: dict) -> None:
-    targets = {
-        ht.key: ht
-        for fqn, tensor in named_state(model)
-        for ht in adapter.hf_tensors(fqn, tensor, hf_config)
-    }
+    # A fused checkpoint tensor (transformers' gate_up_proj) fills several of our parameters.
+    targets: dict[str, list[HFTensor]] = defaultdict(list)
+    for fqn, tensor in named_state(model):
+        for ht in adapter.hf_tensors(fqn, tensor, hf_config):
+            targets[ht.key].append(ht)
     by_file: dict[Path, list[str]] = defaultdict(list)
     for key in targets:
         by_file[files[key]].append(key)
     for file, keys in by_file.items():
         with safe_open(file, framework="pt") as f:
             for key in keys:
-                ht = targets[key]
                 tensor = f.get_tensor(key)
-                ht.ours.copy_(ht.from_hf(tensor) if ht.from_hf else tensor)
+                for ht in targets[key]:
+                    ht.ours.copy_(ht.from_hf(tensor) if ht.from_hf else tensor)
                 del tensor
 
 

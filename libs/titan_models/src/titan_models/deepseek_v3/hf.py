@@ -84,8 +84,8 @@ class DeepSeekV3HFAdapter(HFAdapter):
     key_map = STACK_KEY_MAP + MLA_KEY_MAP + MLP_KEY_MAP + MOE_KEY_MAP
 
     def adapt_to_checkpoint(self, hf: Mapping[str, Any], keys: Collection[str]) -> dict[str, Any]:
-        """Count only the MTP layers whose weights the checkpoint holds."""
-        hf = dict(hf)
+        """As the base; and count only the MTP layers whose weights the checkpoint holds."""
+        hf = super().adapt_to_checkpoint(hf, keys)
         layers = hf.get("num_hidden_layers")
         declared = _mtp_count(hf)
         if isinstance(layers, int) and declared:
