@@ -130,3 +130,19 @@ def test_bad_loop_config_is_refused(tokenizer, tiny_model):
             ArithmeticTask(tokenizer),
             _config(tokenizer, loss=LossConfig(kl_coef=0.1)),
         )
+
+
+def test_minibatches_reuse_a_batch_and_the_clip_range_acts(model_factory, tokenizer):
+    """Two optimizer steps per batch against the step's fixed proximal policy: with a large
+    learning rate the second update's ratios leave the clip range; one version per batch."""
+    model = model_factory()
+    cfg = _config(tokenizer, num_minibatches=2)
+    trainer = GRPOTrainer(
+        model, torch.optim.SGD(model.parameters(), lr=20.0), _LowIdTask(tokenizer), cfg
+    )
+    hist = trainer.train(3)
+    assert trainer.version == 3 and [h["batch_weight_version"] for h in hist] == [0, 1, 2]
+    assert max(h["clip_fraction"] for h in hist) > 0
+    with pytest.raises(ValueError, match="num_minibatches=3 must divide the 8 rows"):
+        trainer.config.num_minibatches = 3
+        trainer.train(1)

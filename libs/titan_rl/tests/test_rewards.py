@@ -130,3 +130,14 @@ def test_bad_sandbox_limits_are_refused():
         SandboxLimits(wall_time_s=0)
     with pytest.raises(ValueError, match="memory_bytes"):
         SandboxLimits(memory_bytes=1024)
+
+
+def test_digit_credit_rewards_right_digits_below_an_exact_answer(tokenizer):
+    task = ArithmeticTask(tokenizer, seed=0, digit_credit=0.5)
+    (prompt,) = task.prompts(1, 1)  # 72+97= -> 169
+    eos = tokenizer.eos_id
+    assert task.score(prompt, [*b"169", eos]).score == 1.0
+    assert task.score(prompt, [*b"168", eos]).score == pytest.approx(0.5 * 2 / 3)
+    assert task.score(prompt, [*b"69", eos]).score == 0.0  # wrong length: no credit
+    with pytest.raises(ValueError, match="digit_credit"):
+        ArithmeticTask(tokenizer, digit_credit=1.0)

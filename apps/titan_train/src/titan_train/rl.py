@@ -61,6 +61,9 @@ class RLConfig:
     """Async mode's staleness bound."""
     batch_invariant: bool = False
     """Generator and trainer log-probs bitwise equal (slower; see titan_rl's README)."""
+    digit_credit: float = 0.0
+    """Training reward for a wrong answer of the right length: this times its fraction of right
+    digits (0: exact match only). The held-out metric is always exact match."""
     correction: Literal["none", "tis", "mis"] = "tis"
     """Off-policy correction of the generator/trainer ratio."""
     train_seed: int = 1
@@ -99,6 +102,8 @@ def validate_rl(cfg: RLConfig) -> None:
     for name in ("init_steps", "time_budget_s", "eval_every", "threads"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name}={getattr(cfg, name)} must be >= 0")
+    if not 0.0 <= cfg.digit_credit < 1.0:
+        raise ValueError(f"digit_credit={cfg.digit_credit} must be in [0, 1)")
     if cfg.heldout_seed == cfg.train_seed:
         raise ValueError(f"heldout_seed={cfg.heldout_seed} must differ from train_seed")
     if not cfg.name or "/" in cfg.name:
@@ -135,7 +140,9 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
 
-    task = titan_rl.ArithmeticTask(tokenizer, seed=cfg.train_seed, max_operand=cfg.max_operand)
+    task = titan_rl.ArithmeticTask(
+        tokenizer, seed=cfg.train_seed, max_operand=cfg.max_operand, digit_credit=cfg.digit_credit
+    )
     heldout = titan_rl.ArithmeticTask(tokenizer, seed=cfg.heldout_seed, max_operand=cfg.max_operand)
     stop = (tokenizer.eos_id,)
     grpo = titan_rl.GRPOConfig(

@@ -52,6 +52,8 @@ class GRPOConfig:
     """Async: the most optimizer steps a trained batch may lag the trainer's weights."""
     batch_invariant: bool = False
     """Generate and recompute log-probs in batch-invariant mode (bitwise equal log-probs)."""
+    num_minibatches: int = 1
+    """Optimizer steps per rollout batch (PPO-style reuse; > 1 makes the clip range act)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping)."""
     seed: int = 0
@@ -70,6 +72,8 @@ class GRPOConfig:
             )
         if self.sampling.temperature == 0:
             raise ValueError("GRPOConfig.sampling.temperature=0 (greedy) gives no exploration")
+        if self.num_minibatches < 1:
+            raise ValueError(f"GRPOConfig.num_minibatches={self.num_minibatches} must be >= 1")
         if self.max_grad_norm < 0:
             raise ValueError(f"GRPOConfig.max_grad_norm={self.max_grad_norm} must be >= 0")
 
@@ -133,7 +137,12 @@ class GRPOTrainer:
         return history
 
     def step(self, batch: RolloutBatch) -> dict[str, Any]:
-        """One optimizer step on ``batch``; refuses a batch too stale for the bound."""
+        """One GRPO step on ``batch`` (``num_minibatches`` optimizer steps, one weight version).
+
+        Refuses a batch too stale for the bound. The PPO ratio is taken against the trainer's
+        log-probs at the start of the step (the proximal policy); the generator's log-probs
+        enter through the off-policy correction (``LossConfig.correction``).
+        """
         c = self.config
         staleness = self.version - batch.weight_version
         if staleness < 0 or (c.mode == "async" and staleness > c.max_offpolicy_steps):
@@ -142,52 +151,79 @@ class GRPOTrainer:
                 f"{self.version}: lag {staleness} outside [0, {c.max_offpolicy_steps}]"
             )
         gen = batch.generation
-        gen.validate(len(batch.prompts))
-        advantages = group_advantages(batch.rewards, c.group_size, normalize_std=c.normalize_std)
-        mode = batch_invariant() if c.batch_invariant else nullcontext()
-        self.model.train()
-        with mode:
-            logprobs = sequence_logprobs(
-                self.model, batch.prompts, gen.tokens, gen.mask, temperature=c.sampling.temperature
+        rows = len(batch.prompts)
+        gen.validate(rows)
+        if rows % c.num_minibatches:
+            raise ValueError(
+                f"GRPOConfig.num_minibatches={c.num_minibatches} must divide the {rows} rows"
             )
-            ref = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref = sequence_logprobs(
-                        self.ref_model, batch.prompts, gen.tokens, gen.mask,
-                        temperature=c.sampling.temperature,
-                    )  # fmt: skip
-        out = grpo_loss(
-            logprobs,
-            logprobs.detach(),
-            advantages,
-            gen.mask,
-            c.loss,
-            rollout_logprobs=gen.logprobs,
-            ref_logprobs=ref,
-        )
-        out.loss.backward()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if c.max_grad_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        advantages = group_advantages(batch.rewards, c.group_size, normalize_std=c.normalize_std)
+        self.model.train()
+        old = ref = None
+        if c.num_minibatches > 1:  # the proximal policy must be fixed before the first update
+            old = self._logprobs(self.model, batch.prompts, gen, slice(None), grad=False)
+        if self.ref_model is not None:
+            ref = self._logprobs(self.ref_model, batch.prompts, gen, slice(None), grad=False)
+
+        size = rows // c.num_minibatches
+        losses, norms, clipped, kls, first_logprobs = [], [], [], [], None
+        for start in range(0, rows, size):
+            mb = slice(start, start + size)
+            logprobs = self._logprobs(self.model, batch.prompts, gen, mb, grad=True)
+            if first_logprobs is None:
+                first_logprobs = logprobs.detach()
+            out = grpo_loss(
+                logprobs,
+                logprobs.detach() if old is None else old[mb],
+                advantages[mb],
+                gen.mask[mb],
+                c.loss,
+                rollout_logprobs=gen.logprobs[mb],
+                ref_logprobs=None if ref is None else ref[mb],
+            )
+            out.loss.backward()
+            norms.append(self._optimizer_step())
+            losses.append(float(out.loss.detach()))
+            clipped.append(out.clip_fraction)
+            kls.append(out.kl)
         self.version += 1
+        # Trainer vs generator on the sampled tokens, before this step's updates.
+        trainer_lp = old if old is not None else first_logprobs
+        diag_rows = slice(None) if old is not None else slice(0, size)
         return {
             "step": batch.step,
             "batch_weight_version": batch.weight_version,
             "trainer_version": self.version - 1,
             "staleness": staleness,
-            "loss": float(out.loss.detach()),
-            "grad_norm": float(grad_norm),
-            "clip_fraction": out.clip_fraction,
-            "kl_ref": out.kl,
-            **logprob_diagnostics(logprobs, gen.logprobs, gen.mask),
+            "loss": sum(losses) / len(losses),
+            "grad_norm": max(norms),
+            "clip_fraction": sum(clipped) / len(clipped),
+            "kl_ref": sum(kls) / len(kls),
+            **logprob_diagnostics(trainer_lp, gen.logprobs[diag_rows], gen.mask[diag_rows]),
             **reward_diagnostics(batch.rewards, gen.lengths),
             "reward_statuses": batch.status_counts(),
         }
+
+    def _logprobs(self, model, prompts, gen, rows: slice, *, grad: bool) -> torch.Tensor:
+        mode = batch_invariant() if self.config.batch_invariant else nullcontext()
+        with mode, torch.set_grad_enabled(grad):
+            return sequence_logprobs(
+                model,
+                prompts[rows],
+                gen.tokens[rows],
+                gen.mask[rows],
+                temperature=self.config.sampling.temperature,
+            )
+
+    def _optimizer_step(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.config.max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
 
     def _collect(self, step: int) -> RolloutBatch:
         c = self.config
