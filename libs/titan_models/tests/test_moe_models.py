@@ -463,3 +463,12 @@ def test_bf16_export_keeps_the_selection_bias_in_fp32(tmp_path):
     bias = again.layers["1"].feed_forward.router.expert_bias
     assert bias.dtype == torch.float32
     assert torch.equal(bias, model.layers["1"].feed_forward.router.expert_bias)
+
+
+def test_to_hf_refuses_expert_parallel_shards_before_writing(tmp_path):
+    model = _model("qwen3_moe")
+    experts = model.layers["0"].feed_forward.experts
+    experts.w_up = nn.Parameter(experts.w_up[:4].clone())  # what expert_parallel leaves a rank
+    with pytest.raises(ValueError, match=r"feed_forward.experts.w_up has shape \(4, 64, 128\)"):
+        titan_models.to_hf(model, tmp_path / "hf")
+    assert not any(tmp_path.iterdir())

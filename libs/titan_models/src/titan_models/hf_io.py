@@ -317,7 +317,8 @@ def _hf_tensors_for_saving(
     """Every HF tensor to write, and the keys of those that are buffers."""
     with torch.device("meta"):
         reference = type(model)(model.config)
-    wanted = [name for name, _ in named_state(reference)]
+    shapes = {name: tuple(t.shape) for name, t in named_state(reference)}
+    wanted = list(shapes)
     params = dict(named_state(model))
     missing = [name for name in wanted if name not in params]
     if missing:
@@ -332,6 +333,12 @@ def _hf_tensors_for_saving(
             raise ValueError(
                 f"parameter {name} is a {type(param.data).__name__} on {param.device}: "
                 "to_hf writes a materialised, unsharded model (gather it first)"
+            )
+        if tuple(param.shape) != shapes[name]:
+            raise ValueError(
+                f"parameter {name} has shape {tuple(param.shape)}, the config gives "
+                f"{shapes[name]}: to_hf writes an unsharded model (gather expert-parallel or "
+                "other shards first)"
             )
         described = adapter.hf_tensors(name, param, hf_config)
         tensors += described
