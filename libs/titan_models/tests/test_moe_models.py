@@ -420,6 +420,7 @@ def test_packed_batch_equals_documents_run_separately(family):
         ("deepseek_v3", {"first_k_dense": 9}, r"first_k_dense must be in \[0, num_layers=3\]"),
         ("deepseek_v3", {"num_expert_groups": 3}, "num_expert_groups=3 must be >= 1 and divide"),
         ("deepseek_v3", {"qk_rope_head_dim": 15}, "qk_rope_head_dim must be even"),
+        ("deepseek_v3", {"topk_groups": 1, "num_experts_per_tok": 3}, r"must be <= topk_groups"),
         ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok=9 must be <= num_experts=8"),
         ("qwen3_moe", {"num_experts": 0}, r"Qwen3MoeConfig.num_experts must be an int >= 1"),
     ],

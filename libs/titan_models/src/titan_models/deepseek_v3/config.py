@@ -98,6 +98,12 @@ class DeepSeekV3Config(TransformerConfig):
                 f"{name}.topk_groups must be in [1, num_expert_groups={self.num_expert_groups}], "
                 f"got {self.topk_groups!r}"
             )
+        reachable = self.topk_groups * (self.num_experts // self.num_expert_groups)
+        if self.num_experts_per_tok > reachable:
+            raise ValueError(
+                f"{name}.num_experts_per_tok={self.num_experts_per_tok} must be <= topk_groups "
+                f"* experts per group = {reachable}"
+            )
         for field in ("route_scale", "latent_norm_eps"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"{name}.{field} must be > 0, got {getattr(self, field)!r}")
