@@ -234,6 +234,7 @@ def test_stage_kwargs_reach_every_stage_and_hooks_see_every_gradient(name):
     x, y = torch.randn(8, DIM), torch.randn(8, DIM)
     scales = [torch.full((2, 1), float(i + 1)) for i in range(4)]
     hooked: list[str] = []
+    order: list[tuple[int, int, int]] = []  # (stage, microbatch, hooks fired before it)
     for i, u in enumerate(units):  # post-accumulate-grad hooks are how DP wrappers reduce
         for n, p in u.named_parameters():
             p.register_post_accumulate_grad_hook(lambda _p, n=f"{i}.{n}": hooked.append(n))
@@ -246,6 +247,7 @@ def test_stage_kwargs_reach_every_stage_and_hooks_see_every_gradient(name):
         split_microbatches(y, 4),
         _loss,
         stage_kwargs=[{"scale": s} for s in scales],
+        before_backward=lambda st, mb: order.append((st.stage_index, mb, len(hooked))),
     )
     ref_units = [_Scaled() for _ in units]
     for r, u in zip(ref_units, units, strict=True):
@@ -263,3 +265,7 @@ def test_stage_kwargs_reach_every_stage_and_hooks_see_every_gradient(name):
         for (n, p), q in zip(u.named_parameters(), r.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6, msg=n)
     assert len(hooked) == 4 * sum(len(list(u.parameters())) for u in units)
+    # Called before every gradient-producing action, in increasing microbatch order per stage.
+    for s in range(per_rank):
+        assert [mb for st, mb, _ in order if st == s] == [0, 1, 2, 3]
+    assert all(n <= len(hooked) for _, _, n in order)

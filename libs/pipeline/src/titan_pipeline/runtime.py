@@ -268,6 +268,7 @@ def run(
     recorder: TimelineRecorder | None = None,
     stage_kwargs: Sequence[dict[str, object]] | None = None,
     forward_only: bool = False,
+    before_backward: Callable[[PipelineStage, int], None] | None = None,
 ) -> list[torch.Tensor]:
     """Run one step of ``schedule`` on this rank's ``stages``; return the losses.
 
@@ -276,7 +277,10 @@ def run(
     arguments to every stage's module for microbatch ``i`` (on every rank). With
     ``forward_only`` (evaluation) each rank runs only the schedule's forward actions and their
     sends / receives, under ``torch.no_grad``, in the schedule's order, and keeps nothing for a
-    backward. Returns the detached, unscaled per-microbatch losses on the
+    backward. ``before_backward(stage, microbatch)`` is called before each action that produces
+    parameter gradients (B, W); every built-in schedule runs them in increasing microbatch order
+    per stage, so a data-parallel wrapper can turn its gradient reduction on for the last
+    microbatch only. Returns the detached, unscaled per-microbatch losses on the
     rank of the last stage and ``[]`` elsewhere. Bad input raises ``ValueError`` on every
     rank before any activation is sent.
     """
@@ -399,11 +403,15 @@ def run(
                 st._outputs.pop(mb)
         elif a.kind in (B, I):
             gy = None if st.is_last else value("B", s, mb)
+            if a.kind == B and before_backward is not None:
+                before_backward(st, mb)
             start = time.perf_counter()
             gx = st._backward(mb, gy, split=a.kind == I)
             if gx is not None:
                 handoff[("B", s - 1, mb)] = gx
         else:
+            if before_backward is not None:
+                before_backward(st, mb)
             start = time.perf_counter()
             st._backward_weight(mb)
         if recorder is not None:
