@@ -75,18 +75,19 @@ def fqn_matches(pattern: str, fqn: str) -> bool:
     )
 
 
-def moe_decoder_plan(
+def decoder_plan(
     model_cls: type[nn.Module],
     config: TransformerConfig,
     *,
     colwise: tuple[str, ...],
     rowwise: tuple[str, ...],
     replicated: tuple[str, ...],
-    experts: tuple[str, ...],
+    experts: tuple[str, ...] = (),
     sequence_parallel: tuple[str, ...] = (),
     head_modules: tuple[str, ...] = (),
 ) -> ModelPlan:
-    """The plan of a ``Transformer`` whose blocks hold MoE layers (Qwen3-MoE, DeepSeek-V3).
+    """The plan of a ``Transformer``: Megatron-style TP/SP, one pipeline unit per block,
+    blocks as remat units, and (MoE families) the expert modules.
 
     The patterns given are the blocks' own; embedding, head and the residual-stream norms are
     added here. Unit sizes are counted on a meta-device build (nothing is allocated).
@@ -127,41 +128,20 @@ def moe_decoder_plan(
     )
 
 
-def dense_decoder_plan(config: TransformerConfig, *, qk_norm: bool) -> ModelPlan:
+def dense_decoder_plan(
+    model_cls: type[nn.Module], config: TransformerConfig, *, qk_norm: bool
+) -> ModelPlan:
     """The plan of a ``Transformer`` of attention + SwiGLU blocks (Llama 3, Qwen3)."""
-    c = config
-    attention = c.dim * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    attention += c.num_heads * c.head_dim * c.dim + (2 * c.head_dim if qk_norm else 0)
-    block = attention + 3 * c.dim * c.ffn_hidden_dim + 2 * c.dim
-    units = (
-        PipelineUnit(
-            name="tok_embeddings", modules=("tok_embeddings",), num_params=c.vocab_size * c.dim
+    return decoder_plan(
+        model_cls,
+        config,
+        colwise=(
+            "layers.*.attention.wq",
+            "layers.*.attention.wk",
+            "layers.*.attention.wv",
+            "layers.*.feed_forward.w1",
+            "layers.*.feed_forward.w3",
         ),
-        *(
-            PipelineUnit(name=f"layers.{i}", modules=(f"layers.{i}",), num_params=block)
-            for i in range(c.num_layers)
-        ),
-        PipelineUnit(
-            name="head", modules=("norm", "output"), num_params=c.dim + c.vocab_size * c.dim
-        ),
-    )
-    return ModelPlan(
-        tensor_parallel=TensorParallelPlan(
-            colwise=(
-                "layers.*.attention.wq",
-                "layers.*.attention.wk",
-                "layers.*.attention.wv",
-                "layers.*.feed_forward.w1",
-                "layers.*.feed_forward.w3",
-                "output",
-            ),
-            rowwise=("tok_embeddings", "layers.*.attention.wo", "layers.*.feed_forward.w2"),
-            sequence_parallel=("layers.*.attention_norm", "layers.*.ffn_norm", "norm"),
-            replicated=("layers.*.attention.q_norm", "layers.*.attention.k_norm")
-            if qk_norm
-            else (),
-        ),
-        pipeline_units=units,
-        remat_units=("layers.*",),
-        tied_parameters=(("tok_embeddings.weight", "output.weight"),) if c.tie_embeddings else (),
+        rowwise=("layers.*.attention.wo", "layers.*.feed_forward.w2"),
+        replicated=("layers.*.attention.q_norm", "layers.*.attention.k_norm") if qk_norm else (),
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..plan import ModelPlan, moe_decoder_plan
+from ..plan import ModelPlan, decoder_plan
 from .config import DeepSeekV3Config
 from .model import DeepSeekV3
 
@@ -22,7 +22,7 @@ def plan(config: DeepSeekV3Config) -> ModelPlan:
         return tuple(f"{s}.*.{n}" for s in (stacks[:1] if trunk_only else stacks) for n in names)
 
     mlp = ("feed_forward.w1", "feed_forward.w3") if dense else ()
-    return moe_decoder_plan(
+    return decoder_plan(
         DeepSeekV3,
         config,
         colwise=(
