@@ -195,6 +195,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
         mp=mp,
         reshard_after_forward=case.get("reshard", True),
         prefetch=case.get("prefetch", 1),
+        reduce_order=case.get("reduce_order", "backend"),
     )
     opts = make_optimizer(case, model, sharded=True)
     accum = case.get("accum", 1)

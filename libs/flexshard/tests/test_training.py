@@ -17,7 +17,11 @@ from titan_testing import run_distributed
 # the one-process run to the last bit or so (FP32_TOL). The "*_fp32" cases reduce in fp32 (the
 # default): a different summation order changes a gradient by an ulp, and Adam divides by
 # sqrt(v) + eps, which amplifies that for near-zero gradients (FP32_REDUCE_TOL).
+#
+# reduce_order="rank" (the "*_ordered" cases): plain fp32 reduction, but each rank adds the
+# ranks' contributions in rank order, as the one-process reference does: within FP32_TOL too.
 X = {"reduce": "fp64"}
+RANK_ORDER = {"reduce_order": "rank"}
 CASES = {
     "shard0": {"buckets": "shard0", **X},
     "shard0_keep_gathered_noprefetch": {"buckets": "shard0", "reshard": False, "prefetch": 0, **X},
@@ -37,6 +41,11 @@ CASES = {
     "shard0_remat": {"buckets": "shard0", "remat": True, **X},
     "mixed_remat_accum": {"buckets": "mixed", "remat": True, "accum": 2, **X},
     "shard0_fp32": {"buckets": "shard0"},
+    "shard0_fp32_ordered": {"buckets": "shard0", **RANK_ORDER},
+    "owned_fp32_ordered": {"buckets": "owned", **RANK_ORDER},
+    "blockshard_fp32_ordered": {"buckets": "blockshard", **RANK_ORDER},
+    "replicate_fp32_ordered": {"buckets": "replicate", **RANK_ORDER},
+    "mixed_accum_fp32_ordered": {"buckets": "mixed", "accum": 2, **RANK_ORDER},
     "replicate_fp32": {"buckets": "replicate"},
     "mixed_fp32": {"buckets": "mixed"},
     "shard0_bf16": {"buckets": "shard0", "mp": "bf16"},
@@ -69,7 +78,8 @@ def test_matches_single_process(results, name):
     if case.get("mp") == "bf16":
         tol = BF16_TOL
     else:
-        tol = FP32_TOL if case.get("reduce") == "fp64" else FP32_REDUCE_TOL
+        exact_sum = case.get("reduce") == "fp64" or case.get("reduce_order") == "rank"
+        tol = FP32_TOL if exact_sum else FP32_REDUCE_TOL
     assert err <= tol, f"{name} world={world}: {key} differs by {err:.3g} (> {tol})"
     print(f"{name} world={world}: max |diff| {err:.3g} ({key})")
     if case.get("mp") != "bf16":  # and against one backward over the whole batch
@@ -83,7 +93,8 @@ def test_matches_single_process(results, name):
     for r in res:
         for micro, fwd, bwd in r[name]["micro_comm"]:
             if micro < accum - 1:  # no gradient communication before the last micro-step
-                assert not {"reduce_scatter", "all_reduce", "reduce"} & set(bwd), bwd
+                reductions = {"reduce_scatter", "all_reduce", "reduce", "all_to_all"}
+                assert not reductions & set(bwd), bwd
                 if case.get("reshard") is False:
                     assert not bwd, bwd  # parameters stay gathered: no communication at all
             if micro > 0 and case.get("reshard") is False:

@@ -9,6 +9,13 @@ calls beyond the static layout; the runtime (``_runtime.py``) drives them.
 Every layout writes gathered parameters into one flat buffer at offsets it chooses
 (``full_offsets``), so ``Owned`` can broadcast each owner's parameters as one contiguous
 region and the runtime can free a bucket with one storage resize.
+
+Reduction order. By default gradients are summed by the backend's collective (NCCL / gloo
+choose the order, so the last bit of a sum of >= 3 ranks depends on the algorithm). With
+``rank_ordered`` each rank instead receives every rank's contribution to its part (one
+all-to-all, the bytes of a reduce-scatter; an all-gather for ``Replicate``) and adds them in
+rank order 0, 1, 2, ...: the result equals, bit for bit, a single process summing the
+per-rank gradients in that order, on any backend and world size.
 """
 
 from __future__ import annotations
@@ -76,6 +83,8 @@ class Layout:
     # True: issue_gather writes into ``flat`` (which must exist then); False: it only reads
     # ``flat.device`` and the data arrive in finish_gather.
     writes_flat_at_issue = False
+    # Sum gradients in rank order (see the module docstring); set by ``shard``.
+    rank_ordered = False
 
     def __init__(self, infos: list[Any], g: GroupInfo) -> None:
         self.infos = infos
@@ -136,6 +145,11 @@ class Layout:
         """Start the (optionally pre-divided) sum-reduce-scatter of ``send`` into a new buffer."""
         if predivide:
             send.div_(self.g.world)
+        if self.rank_ordered:  # every rank's segment for this rank, summed at finish
+            recv = torch.empty(self.g.world * out_numel, dtype=send.dtype, device=send.device)
+            work = dist.all_to_all_single(recv, send, group=self.g.group, async_op=True)
+            stats.add("all_to_all", send.nbytes)
+            return Pending([work], recv, [send], send.nbytes + recv.nbytes)
         out = torch.empty(out_numel, dtype=send.dtype, device=send.device)
         work = dist.reduce_scatter_tensor(
             out, send, op=dist.ReduceOp.SUM, group=self.g.group, async_op=True
@@ -146,9 +160,17 @@ class Layout:
     def _reduced(self, p: Pending, predivide: bool) -> torch.Tensor:
         """Wait for ``_reduce_scatter`` and return this rank's averaged segment."""
         p.wait()
-        out = p.recv
+        out = self._sum_over_ranks(p.recv) if self.rank_ordered else p.recv
         if not predivide:
             out.div_(self.g.world)
+        return out
+
+    def _sum_over_ranks(self, recv: torch.Tensor) -> torch.Tensor:
+        """The ``world`` equal parts of ``recv`` added in rank order 0, 1, 2, ..."""
+        parts = recv.view(self.g.world, -1)
+        out = parts[0].clone()
+        for r in range(1, self.g.world):
+            out.add_(parts[r])
         return out
 
     def out_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
@@ -475,6 +497,8 @@ class OwnedLayout(Layout):
         return Pending(works)
 
     def issue_reduce(self, grads, rdtype, predivide, stats, device):
+        if self.rank_ordered:
+            return self._issue_ordered_reduce(grads, rdtype, predivide, stats, device)
         works, bufs = [], []
         for r, start, numel, members in self.regions:
             send = torch.empty(numel, dtype=rdtype, device=device)
@@ -496,9 +520,45 @@ class OwnedLayout(Layout):
             bufs.append(send)
         return Pending(works, bufs, [], sum(b.nbytes for b in bufs))
 
+    def _issue_ordered_reduce(self, grads, rdtype, predivide, stats, device) -> Pending:
+        """One all-to-all: each owner receives every rank's gradients of its parameters (the
+        flat order groups parameters by owner, so the send buffer is already split by
+        destination)."""
+        send = torch.empty(self.full_numel, dtype=rdtype, device=device)
+        for i, gr in enumerate(grads):
+            v = self.out_view(send, i)
+            if gr is None:
+                v.zero_()
+            else:
+                v.copy_(gr)
+        if predivide:
+            send.div_(self.g.world)
+        splits = [0] * self.g.world
+        for r, _start, numel, _members in self.regions:
+            splits[r] = numel
+        mine = splits[self.g.rank]
+        recv = torch.empty(self.g.world * mine, dtype=rdtype, device=device)
+        work = dist.all_to_all_single(
+            recv, send, [mine] * self.g.world, splits, group=self.g.group, async_op=True
+        )
+        stats.add("all_to_all", send.nbytes)
+        return Pending([work], recv, [send], send.nbytes + recv.nbytes)
+
     def finish_reduce(self, p, predivide):
         p.wait()
         res: list[torch.Tensor | None] = [None] * len(self.infos)
+        if self.rank_ordered:
+            region = next((x for x in self.regions if x[0] == self.g.rank), None)
+            if region is not None:
+                _r, start, _numel, members = region
+                out = self._sum_over_ranks(p.recv)
+                if not predivide:
+                    out.div_(self.g.world)
+                for i in members:
+                    off = self.full_offsets[i] - start
+                    res[i] = out[off : off + self.infos[i].numel].view(self.infos[i].shape)
+            p.recv, p.keep = None, []
+            return res
         for (r, start, _numel, members), send in zip(self.regions, p.recv, strict=True):
             if r != self.g.rank:
                 continue
@@ -544,15 +604,22 @@ class ReplicateLayout(Layout):
                 v.copy_(gr)
         if predivide:
             send.div_(self.g.world)
+        if self.rank_ordered:  # every rank's whole gradient, summed in rank order at finish
+            recv = torch.empty(self.g.world * send.numel(), dtype=rdtype, device=device)
+            work = dist.all_gather_into_tensor(recv, send, group=self.g.group, async_op=True)
+            stats.add("all_gather", send.nbytes)
+            return Pending([work], recv, [send], send.nbytes + recv.nbytes)
         work = dist.all_reduce(send, op=dist.ReduceOp.SUM, group=self.g.group, async_op=True)
         stats.add("all_reduce", send.nbytes)
         return Pending([work], send, [], send.nbytes)
 
     def finish_reduce(self, p, predivide):
         p.wait()
+        out = self._sum_over_ranks(p.recv) if self.rank_ordered else p.recv
+        p.keep = []
         if not predivide:
-            p.recv.div_(self.g.world)
-        return [self.out_view(p.recv, i) for i in range(len(self.infos))]
+            out.div_(self.g.world)
+        return [self.out_view(out, i) for i in range(len(self.infos))]
 
 
 def make_layout(placement: Placement, infos: list[Any], g: GroupInfo) -> Layout:

@@ -6,7 +6,7 @@ import functools
 import math
 from collections.abc import Iterable, Sequence
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -130,6 +130,7 @@ def shard(
     reshard_after_forward: bool = True,
     prefetch: int = 1,
     ignored_params: Iterable[nn.Parameter] = (),
+    reduce_order: Literal["backend", "rank"] = "backend",
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh`` (a 1-D DeviceMesh, a ProcessGroup or None
     for the default group), in place; returns ``module``.
@@ -140,13 +141,20 @@ def shard(
     and the module gains ``set_requires_gradient_sync``, ``no_sync``, ``unshard``,
     ``reshard`` and ``flexshard_state``. ``ignored_params`` stay as they are: never gathered,
     never reduced, in no bucket (e.g. experts already sharded by expert parallelism, whose
-    gradients are complete on their rank). Every check happens before any communication.
+    gradients are complete on their rank). ``reduce_order="rank"`` sums gradients in rank
+    order (an all-to-all instead of a reduce-scatter; all-gather instead of all-reduce):
+    bitwise the same sums on every backend and world size, the sums one process would make.
+    Every check happens before any communication.
     """
     if isinstance(module, FlexShardModule):
         raise ValueError("flexshard.shard: module is already sharded")
     for name, sub in module.named_modules():
         if isinstance(sub, FlexShardModule):
             raise ValueError(f"flexshard.shard: submodule {name!r} is already sharded")
+    if reduce_order not in ("backend", "rank"):
+        raise ValueError(
+            f"flexshard.shard: reduce_order must be 'backend' or 'rank', got {reduce_order!r}"
+        )
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"flexshard.shard: prefetch must be an int >= 0, got {prefetch!r}")
     if not isinstance(reshard_after_forward, bool):
@@ -289,6 +297,7 @@ def shard(
                 info.dtensor = (p.device_mesh, tuple(p.placements), p.shape, p.stride())
             infos.append(info)
         layout = make_layout(b.placement, infos, g)
+        layout.rank_ordered = reduce_order == "rank"
         scope = scopes[bi]
         rt = BucketRuntime(
             state,
