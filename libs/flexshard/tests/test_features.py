@@ -111,3 +111,12 @@ def test_ignored_params_stay_whole_and_keep_their_local_gradient(res):
         assert got["same_objects"] and got["others_sharded"]
         assert got["whole"] == [(C.HIDDEN, C.DIM), (C.HIDDEN,)]
         assert got["grad_err"] <= 1e-6  # this rank's own gradient, not averaged
+
+
+def test_optimizer_state_is_sharded_like_its_parameters_and_reloads_exactly(res):
+    world, out = res
+    for r in range(world):
+        got = out[r]["optim_state"]
+        assert "ShardedParam" in got["kinds"]
+        assert got["state_err"] == 0.0  # rank-ordered reduction: one process's arithmetic
+        assert got["resume_err"] == 0.0

@@ -6,6 +6,11 @@ from flexshard._runtime import FlexShardModule, MemStats, ParamInfo, param_info
 from flexshard.api import default_buckets, shard
 from flexshard.clip import clip_grad_norm_, global_grad_norm
 from flexshard.fp8 import dequantize_tiles, fp8_block_error_bound, quantize_tiles
+from flexshard.optim_state import (
+    init_optim_state,
+    load_sharded_optim_state_dict,
+    sharded_optim_state_dict,
+)
 from flexshard.placements import (
     BlockShard,
     Bucket,
@@ -57,12 +62,15 @@ __all__ = [
     "fp8_block_error_bound",
     "full_state_dict",
     "global_grad_norm",
+    "init_optim_state",
     "load_full_state_dict",
+    "load_sharded_optim_state_dict",
     "load_sharded_state_dict",
     "memory_stats",
     "optim",
     "param_info",
     "quantize_tiles",
     "shard",
+    "sharded_optim_state_dict",
     "sharded_state_dict",
 ]
