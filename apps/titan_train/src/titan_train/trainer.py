@@ -195,7 +195,7 @@ def train_step(
     for i, mb in enumerate(micro):
         _set_gradient_sync(pm, i == len(micro) - 1)
         if pm.schedule is not None:
-            total += _pipeline_micro_step(pm, mb, scale, cfg)
+            total += _pipeline_micro_step(pm, mb, scale, cfg, sync=i == len(micro) - 1)
             continue
         with _autocast(cfg):
             loss = _loss_sum(pm.parts[0], mb) * scale
@@ -240,28 +240,49 @@ def _moe_load(pm: ParallelModel) -> dict[str, float]:
     return {"moe_load_max": max(ratios), "moe_load_mean": sum(ratios) / len(ratios)}
 
 
-def _pipeline_micro_step(pm: ParallelModel, mb: Batch, scale: float, cfg: JobConfig) -> float:
-    import titan_pipeline
+def _sync_on_last(pm: ParallelModel, m: int) -> Any:
+    """Reduce each stage's gradients (flexshard) in its last microbatch's backward only."""
+
+    def hook(stage: Any, microbatch: int) -> None:
+        stage.module.set_requires_gradient_sync(microbatch == m - 1)
+
+    return hook if pm.sharded else None
+
+
+def _pipeline_micro_step(
+    pm: ParallelModel, mb: Batch, scale: float, cfg: JobConfig, *, sync: bool
+) -> float:
 
     m = cfg.parallel.pp_microbatches
-    side = [
-        {"positions": pos, "document_ids": doc}
-        for pos, doc in zip(mb.positions.chunk(m), mb.document_ids.chunk(m), strict=True)
-    ]
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return _cross_entropy_sum(logits, labels) * scale
 
     with _autocast(cfg):
-        losses = titan_pipeline.run(
-            pm.schedule,
-            pm.stages,
-            titan_pipeline.split_microbatches(mb.input_ids, m),
-            titan_pipeline.split_microbatches(mb.labels, m),
+        return _run_pipeline(
+            pm,
+            mb,
+            m,
             loss_fn,
             loss_scale=1.0,
-            stage_kwargs=side,
+            before_backward=_sync_on_last(pm, m) if sync else None,
         )
+
+
+def _run_pipeline(pm: ParallelModel, batch: Batch, m: int, loss_fn: Any, **options: Any) -> float:
+    """One titan_pipeline step over ``batch`` in ``m`` microbatches; the summed losses (zero on
+    ranks without the last stage)."""
+    import titan_pipeline
+
+    losses = titan_pipeline.run(
+        pm.schedule,
+        pm.stages,
+        titan_pipeline.split_microbatches(batch.input_ids, m),
+        titan_pipeline.split_microbatches(batch.labels, m),
+        loss_fn,
+        stage_kwargs=_side_inputs(batch, m),
+        **options,
+    )
     return float(sum(float(x) for x in losses))
 
 
@@ -272,6 +293,14 @@ def _update_expert_biases(pm: ParallelModel) -> None:
     group = pm.dp_group() if pm.mesh is not None else None  # same calls on each rank
     for part in pm.parts:
         dist_moe.update_expert_biases(part, group)
+
+
+def _side_inputs(batch: Batch, m: int) -> list[dict[str, torch.Tensor]]:
+    """What every pipeline stage needs besides its input, per microbatch."""
+    return [
+        {"positions": pos, "document_ids": doc}
+        for pos, doc in zip(batch.positions.chunk(m), batch.document_ids.chunk(m), strict=True)
+    ]
 
 
 def _set_gradient_sync(pm: ParallelModel, sync: bool) -> None:
@@ -373,6 +402,25 @@ class _ModelState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # torch_checkpointing fills sharded pieces and tensors in place.
         pass
+
+
+class _OptimizerState:
+    """The optimizer's checkpoint item under flexshard: state keyed by parameter FQN, moments
+    as sharded pieces with their parameter's layout (filled in place on load)."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.module, self.optimizer = module, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        import flexshard
+
+        flexshard.init_optim_state(self.optimizer)  # a fresh optimizer: targets to load into
+        return flexshard.sharded_optim_state_dict(self.module, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        import flexshard
+
+        flexshard.load_sharded_optim_state_dict(self.module, self.optimizer, state)
 
 
 def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict[str, Any]:
@@ -490,9 +538,13 @@ def _checkpoint_state(
     # Stages and experts differ per rank; HSDP replicas hold duplicate shards.
     per_rank = pm.dims.pp > 1 or pm.expert_params or pm.dims.dp_replicate > 1
     model = PerRank(_ModelState(pm)) if per_rank else _ModelState(pm)
+    if pm.sharded and not per_rank:  # reshardable, like the parameters
+        optim = _OptimizerState(pm.parts[0], optimizer)
+    else:
+        optim = PerRank(optimizer)
     return {
         "model": model,
-        "optim": PerRank(optimizer),
+        "optim": optim,
         "lr": scheduler,
         "data": PerRank(loader),
         "train": PerRank(state),
@@ -502,18 +554,41 @@ def _checkpoint_state(
 def _validate(
     pm: ParallelModel, cfg: JobConfig, tokenizer: Tokenizer, val_src: DocumentSource
 ) -> float | None:
-    """Mean validation loss over every data-parallel rank's batches (None under pipelining:
-    a forward-only pipeline schedule is not wired in yet)."""
-    if pm.schedule is not None:
-        return None
+    """Mean validation loss over every data-parallel rank's batches (under pipelining: the
+    schedule's forward actions only)."""
     t = cfg.training
     val_loader = PackedLoader(val_src, tokenizer, seq_len=t.seq_len, batch_size=t.batch_size)
-    total, tokens = evaluate(pm.parts[0], val_loader, cfg.metrics.validation_batches)
+    if pm.schedule is None:
+        total, tokens = evaluate(pm.parts[0], val_loader, cfg.metrics.validation_batches)
+    else:
+        total, tokens = _evaluate_pipeline(pm, val_loader, cfg)
     if pm.dims.world_size > 1:
         both = torch.tensor([total, float(tokens)], dtype=torch.float64)
         dist.all_reduce(both, group=pm.dp_group())
         total, tokens = float(both[0]), int(both[1])
     return total / max(1, tokens)
+
+
+@torch.no_grad()
+def _evaluate_pipeline(
+    pm: ParallelModel, loader: PackedLoader, cfg: JobConfig
+) -> tuple[float, int]:
+
+    for part in pm.parts:
+        part.eval()
+    total, tokens = 0.0, 0
+    m = cfg.parallel.pp_microbatches
+    for _ in range(cfg.metrics.validation_batches):
+        batch = next(loader)
+        total += _run_pipeline(pm, batch, m, _cross_entropy_sum, forward_only=True)
+        tokens += batch.num_target_tokens
+    for part in pm.parts:
+        part.train()
+    if not pm.has_head:
+        total = 0.0
+    summed = torch.tensor([total], dtype=torch.float64)
+    dist.all_reduce(summed, group=pm.group("pp"))  # the last stage's sum to every stage
+    return float(summed[0]), tokens
 
 
 def _export_hf(
