@@ -8,6 +8,9 @@ loss of the same global batch, and with each other step by step. One spawn per w
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -32,7 +35,10 @@ RESUME = ["--training.steps", "20", "--checkpoint.interval", "5", "--checkpoint.
 WORLD2 = {
     "dp2": ["--parallel.dp-shard", "2", "--checkpoint.export-hf"],
     "tp2": ["--parallel.tp", "2", "--parallel.dp-shard", "1"],
-    "pp2": ["--parallel.pp", "2", "--parallel.dp-shard", "1", "--parallel.pp-microbatches", "2"],
+    "pp2": [
+        "--parallel.pp", "2", "--parallel.dp-shard", "1", "--parallel.pp-microbatches", "2",
+        "--metrics.validate-every", "5",
+    ],
     "muon_dp2": ["--parallel.dp-shard", "2", "--optimizer.name", "muon"],
     "remat_dp2": ["--parallel.dp-shard", "2", "--remat.policy", "selective"],
     "qwen3_moe_dp2": ["--model.family", "qwen3_moe", "--parallel.dp-shard", "2"],
@@ -99,7 +105,15 @@ def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("runs"))
     got = run_distributed(_train_cases, 2, out + "/w2", WORLD2, True, timeout=600)[0]
     got |= run_distributed(_train_cases, 4, out + "/w4", WORLD4, False, timeout=600)[0]
-    got["single"] = train(_cfg(out, "single"))["losses"]
+    got["single"] = train(_cfg(out, "single", "--metrics.validate-every", "5"))["losses"]
+    got["validation"] = {
+        name: [
+            row["loss"]
+            for row in map(json.loads, Path(f"{out}/{name}/metrics.jsonl").read_text().splitlines())
+            if row["split"] == "validation"
+        ]
+        for name in ("single", "w2/pp2")
+    }
     got["hf_logits"] = {name: _hf_logits(f"{out}/{w}/{name}/hf") for w, name in HF_EXPORTS}
     got["dp_reference_step1"] = _first_step_loss_of_global_batch(out, 2)
     got["dp4_reference_step1"] = _first_step_loss_of_global_batch(out, 4)
@@ -122,6 +136,10 @@ def test_tp2_and_pp2_follow_the_single_process_run(runs):
     assert abs(runs["tp2"][0] - single[0]) <= 1e-5
     torch.testing.assert_close(runs["tp2"], single, rtol=0, atol=2e-3)
     _falls(runs["tp2"])
+    # Validation through the pipeline's forward-only schedule equals one process's.
+    val = runs["validation"]
+    assert len(val["single"]) == 2
+    torch.testing.assert_close(val["w2/pp2"], val["single"], rtol=0, atol=1e-5)
 
 
 def test_data_parallel_layouts_match_the_global_batch_and_each_other(runs):
