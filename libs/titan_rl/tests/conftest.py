@@ -25,10 +25,10 @@ def tokenizer() -> ByteTokenizer:
     return ByteTokenizer()
 
 
-def make_model(seed: int = 0, **overrides) -> torch.nn.Module:
-    """Llama 3 debug on the byte vocabulary, 2 layers unless overridden."""
+def make_model(seed: int = 0, family: str = "llama3", **overrides) -> torch.nn.Module:
+    """``family``'s debug flavour on the byte vocabulary, 2 layers unless overridden."""
     cfg = {"vocab_size": 264, "num_layers": 2, **overrides}
-    model_cls, config = titan_models.get_model("llama3", "debug", **cfg)
+    model_cls, config = titan_models.get_model(family, "debug", **cfg)
     with torch.device("meta"):
         model = model_cls(config)
     return model.init_weights(device="cpu", seed=seed)

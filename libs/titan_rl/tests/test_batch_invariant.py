@@ -15,7 +15,7 @@ from titan_rl import (
     sequence_logprobs,
 )
 
-PARAMS = SamplingParams(max_new_tokens=24, temperature=1.0, top_k=40, stop_token_ids=(257,))
+PARAMS = SamplingParams(max_new_tokens=16, temperature=1.0, top_k=40, stop_token_ids=(257,))
 SEEDS = list(range(100, 108))
 
 
@@ -46,9 +46,13 @@ def _trainer_logprobs(model, prompts, rows) -> list[torch.Tensor]:
     return [lp[i, : int(mask[i].sum())] for i in range(len(rows))]
 
 
-def test_generator_logprobs_equal_trainer_recompute_exactly(tiny_model):
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.usefixtures("single_thread")
+def test_generator_logprobs_equal_trainer_recompute_exactly(model_factory, family):
     """Batch sizes 1, 3 and 8 over ragged prompts: every sampled token's log-prob is the same
-    bits in each batch size and in the trainer's full-sequence forward (also a mixed batch)."""
+    bits in each batch size and in the trainer's full-sequence forward (also a mixed batch).
+    Qwen3 adds QK-norm and a tied head."""
+    tiny_model = model_factory(family=family)
     prompts = _ragged_prompts()
     gen = TorchGenerator(tiny_model, batch_invariant=True)
     by_size = {bs: _generate_in_batches(gen, prompts, bs) for bs in (1, 3, 8)}
@@ -69,6 +73,24 @@ def test_generator_logprobs_equal_trainer_recompute_exactly(tiny_model):
         assert torch.equal(by_size[8][i][2][by_size[8][i][1]], lp_trainer)
 
 
+def test_equal_with_two_intra_op_threads(tiny_model):
+    """The same claim with two threads (the GEMMs split their work across cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        prompts = _ragged_prompts()
+        gen = TorchGenerator(tiny_model, batch_invariant=True)
+        one, eight = _generate_in_batches(gen, prompts, 1), _generate_in_batches(gen, prompts, 8)
+        with batch_invariant():
+            recomputed = _trainer_logprobs(tiny_model, prompts, eight)
+    finally:
+        torch.set_num_threads(before)
+    for (t1, m1, lp1), (t8, m8, lp8), lp_trainer in zip(one, eight, recomputed, strict=True):
+        assert torch.equal(t1[m1], t8[m8]) and torch.equal(lp1[m1], lp8[m8])
+        assert torch.equal(lp8[m8], lp_trainer)
+
+
+@pytest.mark.usefixtures("single_thread")
 def test_default_mode_reports_the_gap(tiny_model, record_property):
     """With the mode off the same comparison is not exact: the gap is measured and reported."""
     prompts = _ragged_prompts()

@@ -51,6 +51,8 @@ class RLConfig:
     """Responses per prompt."""
     lr: float = 1e-4
     """AdamW learning rate (no weight decay, constant)."""
+    num_minibatches: int = 1
+    """Optimizer steps per rollout batch."""
     temperature: float = 1.0
     """Rollout sampling temperature."""
     max_new_tokens: int = 6
@@ -90,7 +92,8 @@ RL_RECIPES: dict[str, Callable[[], RLConfig]] = {"arith_grpo": arith_grpo}
 
 def validate_rl(cfg: RLConfig) -> None:
     """Reject values no run can use, naming the field."""
-    for name in ("steps", "num_prompts", "heldout_count", "max_new_tokens", "max_operand"):
+    positive = ("steps", "num_prompts", "num_minibatches", "heldout_count", "max_new_tokens")
+    for name in (*positive, "max_operand"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name}={getattr(cfg, name)} must be >= 1")
     if cfg.group_size < 2:
@@ -153,6 +156,7 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
         ),
         loss=titan_rl.LossConfig(correction=cfg.correction),
         mode=cfg.mode,
+        num_minibatches=cfg.num_minibatches,
         max_offpolicy_steps=cfg.max_offpolicy_steps,
         batch_invariant=cfg.batch_invariant,
         seed=cfg.train_seed,
