@@ -15,8 +15,11 @@ class _RMSNormFunction(torch.autograd.Function):
 
     Autograd of the composite formula saves four activations and runs about ten elementwise
     kernels backward. Here the forward reads ``x`` once for the statistics (``vector_norm``)
-    and once for the output; only ``x`` and the per-row ``rstd`` are saved, and the backward
-    is the closed form ``dx = rstd · (gw − x̂ · mean(gw · x̂))`` with ``gw = g · weight``.
+    and once for the output; only ``x`` and the per-row ``rstd`` are saved. The backward is the
+    closed form ``dx = rstd · g·w − x · rstd³ · Σ(g·w·x) / D`` with both reductions over
+    ``g·x`` done as matrix-vector products (``Σ_rows g·x·rstd`` for the weight, ``(g·x)·w`` per
+    row): six full passes instead of autograd's ten. On a busy CPU every pass costs a thread
+    wake-up, so the pass count, not the bytes, is what the step time follows.
     """
 
     @staticmethod
@@ -31,18 +34,17 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        xhat32 = _at_least_fp32(x) * rstd
+        dim = x.shape[-1]
+        grad32, x32, weight32 = _at_least_fp32(grad), _at_least_fp32(x), _at_least_fp32(weight)
+        gx_ND = (grad32 * x32).reshape(-1, dim)
+        rstd_N = rstd.reshape(-1)
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = grad * xhat32.to(x.dtype)
-            if grad.ndim > 1:
-                grad_weight = grad_weight.sum(dim=tuple(range(grad.ndim - 1)))
-            grad_weight = grad_weight.to(weight.dtype)
+            grad_weight = (rstd_N @ gx_ND).to(weight.dtype)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            gw32 = _at_least_fp32(grad) * _at_least_fp32(weight)
-            dot = torch.linalg.vecdot(gw32, xhat32, dim=-1).unsqueeze(-1).div_(x.shape[-1])
-            grad_x = gw32.addcmul_(xhat32, dot, value=-1).mul_(rstd).to(x.dtype)
+            coef = (gx_ND @ weight32).reshape(rstd.shape).mul_(rstd.pow(3)).div_(dim)
+            grad_x = (grad32 * weight32).mul_(rstd).addcmul_(x32, coef, value=-1).to(x.dtype)
         return grad_x, grad_weight, None
 
 
