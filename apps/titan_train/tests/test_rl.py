@@ -86,5 +86,7 @@ def test_short_pretrain_then_grpo_runs_end_to_end(tmp_path):
     assert [x["step"] for x in lines if x["split"] == "eval"] == [0, 3, 6, 6]
     assert json.loads((run_dir / "summary.json").read_text()) == summary
     # Starting again reuses the pre-training run instead of training another one.
-    again = run_rl(dataclasses.replace(cfg, steps=1, eval_every=0))
+    again = run_rl(dataclasses.replace(cfg, name="again", steps=1, eval_every=0))
     assert again["accuracy_before"] == summary["accuracy_before"]
+    with pytest.raises(ValueError, match="already holds a finished RL run"):
+        run_rl(cfg)

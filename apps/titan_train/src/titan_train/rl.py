@@ -137,9 +137,13 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
     validate_rl(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    run_dir = Path(cfg.output_dir) / cfg.name
+    if (run_dir / "hf").exists():
+        raise ValueError(
+            f"name={cfg.name!r}: {run_dir} already holds a finished RL run; choose another name"
+        )
     tokenizer = ByteTokenizer()
     model, init_dir = initial_model(cfg)
-    run_dir = Path(cfg.output_dir) / cfg.name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
 
@@ -240,11 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = tyro.cli(RLConfig, default=RL_RECIPES[known.recipe](), args=rest, prog="titan-train rl")
     try:
-        validate_rl(cfg)
-    except ValueError as e:
+        run_rl(cfg)
+    except ValueError as e:  # config errors are raised before anything is trained or written
         print(f"titan-train rl: error: {e}", file=sys.stderr)
         return 2
-    run_rl(cfg)
     return 0
 
 
