@@ -301,9 +301,14 @@ class BucketRuntime:
     def finish_reduce(self, p: Pending) -> None:
         res = self.layout.finish_reduce(p, self.predivide)
         for info, g in zip(self.infos, res, strict=True):
-            if g is None or not info.requires_grad:
+            if not info.requires_grad:
                 continue
             local = info.local
+            if g is None:  # holds nothing of it (Owned elsewhere): an empty gradient, so that
+                # optimizers step every parameter on every rank and their state agrees
+                if local.grad is None:
+                    local.grad = torch.zeros_like(local)
+                continue
             g = g.to(local.dtype).contiguous()
             if local.grad is None:
                 local.grad = g
