@@ -91,25 +91,21 @@ def invariant_attention(
         v_BKLE = F.pad(v_BKLE, (0, 0, 0, pad))
         mask_BHSL = F.pad(mask_BHSL, (0, pad), value=False)
 
-    q = q_BHSE.contiguous()
-    scores = []  # per key block: (B, H, S, key_block)
-    for j in range(0, L + pad, key_block):
-        k_blk = k_BKLE[:, :, j : j + key_block].contiguous()
-        s = (q[:, :, :, None, :] * k_blk[:, :, None, :, :]).sum(-1) * scale
-        scores.append(s.masked_fill(~mask_BHSL[..., j : j + key_block], float("-inf")))
-    row_max = scores[0].amax(-1, keepdim=True)
-    for s in scores[1:]:
-        row_max = torch.maximum(row_max, s.amax(-1, keepdim=True))
-    # A row with no visible key in a block gets -inf - max = -inf there, so exp gives zeros.
-    denom, out = None, None
-    for idx, s in enumerate(scores):
-        j = idx * key_block
-        p = torch.exp(s - row_max)
-        v_blk_BHEk = v_BKLE[:, :, j : j + key_block].transpose(-1, -2).contiguous()
-        o = (p[:, :, :, None, :] * v_blk_BHEk[:, :, None, :, :]).sum(-1)
-        psum = p.sum(-1, keepdim=True)
-        denom = psum if denom is None else denom + psum
-        out = o if out is None else out + o
+    nb = (L + pad) // key_block
+    # Scores of every key block at once: (B, H, S, nb, key_block), each a fixed-length dot.
+    k_BHnkE = k_BKLE.reshape(B, H, nb, key_block, E)
+    s = (q_BHSE[:, :, :, None, None, :] * k_BHnkE[:, :, None]).sum(-1) * scale
+    s = s.masked_fill(~mask_BHSL.reshape(B, H, S, nb, key_block), float("-inf"))
+    row_max = s.amax(dim=(-2, -1), keepdim=True)  # exact: max has no rounding
+    p = torch.exp(s - row_max)  # a key the query cannot see gives exactly 0
+    psum_BHSn = p.sum(-1)
+    v_BHnEk = v_BKLE.reshape(B, H, nb, key_block, E).transpose(-1, -2)
+    o_BHSnE = (p[:, :, :, :, None, :] * v_BHnEk[:, :, None]).sum(-1)
+    # Fold the blocks left to right: blocks past a query's last key add exact zeros.
+    denom, out = psum_BHSn[..., 0:1], o_BHSnE[:, :, :, 0]
+    for j in range(1, nb):
+        denom = denom + psum_BHSn[..., j : j + 1]
+        out = out + o_BHSnE[:, :, :, j]
     return out / denom
 
 
