@@ -133,13 +133,19 @@ def build_optimizer(pm: ParallelModel, cfg: JobConfig) -> torch.optim.Optimizer:
             adamw_eps=o.eps,
             ns_dtype=torch.float32,
         )
-    decay = [p for _, p in named if _global_ndim(p) >= 2]
-    no_decay = [p for _, p in named if _global_ndim(p) < 2]
+    from torch.distributed.tensor import DTensor
+
+    groups = []
+    for decays in (True, False):
+        params = [p for _, p in named if (_global_ndim(p) >= 2) == decays]
+        # Fused (foreach) updates need one tensor type per group: TP's DTensors apart from
+        # the plain tensors of unsharded modules (norms, MoE experts under TP).
+        for is_dtensor in (True, False):
+            same = [p for p in params if isinstance(p, DTensor) == is_dtensor]
+            if same:
+                groups.append({"params": same, "weight_decay": o.weight_decay if decays else 0.0})
     return torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": o.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
+        groups,
         lr=o.lr,
         betas=o.betas,
         eps=o.eps,
