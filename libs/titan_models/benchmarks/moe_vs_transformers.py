@@ -6,7 +6,8 @@
 Both families at the size of our ``debug`` flavours, fp32. The HF model is built random-init
 from the config, saved, and loaded with ``from_hf``, so both hold identical weights (the
 parity is checked before timing). Same input, same loss (``F.cross_entropy`` outside both
-models); ours in ``eval()`` mode like the HF one computes no balance loss. Steps are
+models); ours in ``eval()`` mode like the HF one computes no balance loss; transformers with
+``use_cache=False``, as in training. Steps are
 interleaved (ours, theirs, ours, ...) so load changes hit both; the median and the best step
 are reported, with a ratio for each (on a shared machine the best step is the steadier one).
 transformers runs its default experts implementation (printed: ``grouped_mm`` where
@@ -96,7 +97,7 @@ def compare(family: str, batch: int, seq: int, rounds: int) -> float:
 
     def hf_step():
         hf.zero_grad(set_to_none=True)
-        loss_of(hf(input_ids=tokens).logits).backward()
+        loss_of(hf(input_ids=tokens, use_cache=False).logits).backward()
 
     for _ in range(2):  # warm-up
         ours_step(), hf_step()

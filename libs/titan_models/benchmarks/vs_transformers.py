@@ -1,14 +1,18 @@
 """Forward+backward tokens/s of titan_models vs Hugging Face transformers, same config/weights.
 
     uv run python libs/titan_models/benchmarks/vs_transformers.py [--family llama3|qwen3]
-        [--threads 2] [--rounds 5] [--skip-bf16]
+        [--threads 2] [--rounds 5] [--skip-bf16] [--compile]
 
 Both models get identical weights (the HF model is saved and loaded with ``from_hf``), the same
-input and the same loss (``F.cross_entropy`` on the logits, outside both models). Steps are
+input and the same loss (``F.cross_entropy`` on the logits, outside both models); transformers
+runs with ``use_cache=False``, as in training (no KV cache is built). Steps are
 interleaved (ours, theirs, ours, ...) so a change in machine load hits both; the median step
 time is reported. CPU "MFU" is ``flops_per_token × tokens/s`` over the FLOP/s of a large
 matmul measured in the same run. fp32 is the main row; the bf16 row uses a much smaller config
 (stated in the output) because on some of these CPUs a bf16 matmul is ~150–400× slower.
+``--compile`` adds an fp32 row where every transformer block of *both* models is
+``torch.compile``d (``module.compile()``; embedding, head and loss stay eager); compilation
+happens in the warm-up step and is not timed. Eager rows are the default and the target.
 """
 
 from __future__ import annotations
@@ -65,7 +69,9 @@ def step_time(step) -> float:
     return time.perf_counter() - t
 
 
-def compare(family: str, c: dict, dtype: torch.dtype, rounds: int, peak: float) -> None:
+def compare(
+    family: str, c: dict, dtype: torch.dtype, rounds: int, peak: float, compile: bool = False
+) -> None:
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(
         hf_config(family, c), attn_implementation="sdpa"
@@ -74,6 +80,9 @@ def compare(family: str, c: dict, dtype: torch.dtype, rounds: int, peak: float) 
         hf.save_pretrained(tmp)
         ours = titan_models.from_hf(tmp, dtype=dtype)
     hf = hf.to(dtype)
+    if compile:
+        for block in (*ours.layers.values(), *hf.model.layers):
+            block.compile()
     tokens = torch.randint(0, c["vocab"], (c["batch"], c["seq"]))
     labels = torch.randint(0, c["vocab"], (c["batch"], c["seq"]))
 
@@ -86,7 +95,7 @@ def compare(family: str, c: dict, dtype: torch.dtype, rounds: int, peak: float) 
 
     def hf_step():
         hf.zero_grad(set_to_none=True)
-        loss_of(hf(input_ids=tokens).logits).backward()
+        loss_of(hf(input_ids=tokens, use_cache=False).logits).backward()
 
     ours_step(), hf_step()  # warm-up
     times = {"titan_models": [], "transformers": []}
@@ -98,7 +107,8 @@ def compare(family: str, c: dict, dtype: torch.dtype, rounds: int, peak: float) 
     ntok = c["batch"] * c["seq"]
     flops = titan_models.flops_per_token(cfg, c["seq"]) * ntok
     print(
-        f"\n{family} {str(dtype).removeprefix('torch.')}: {c['layers']} layers, dim {c['dim']}, "
+        f"\n{family} {str(dtype).removeprefix('torch.')}{' compiled blocks' if compile else ''}: "
+        f"{c['layers']} layers, dim {c['dim']}, "
         f"heads {c['heads']}/{c['kv_heads']} kv, ffn {c['ffn']}, vocab {c['vocab']}, "
         f"batch {c['batch']} x seq {c['seq']}, {rounds} interleaved steps (median)"
     )
@@ -122,6 +132,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip-bf16", action="store_true")
+    parser.add_argument(
+        "--compile", action="store_true", help="also an fp32 row with both models' blocks compiled"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(
@@ -138,6 +151,8 @@ def main() -> None:
             "bf16 uses a much smaller config: on some of these CPUs bf16 matmul is 150-400x slower"
         )
         compare(args.family, SMALL_BF16, torch.bfloat16, args.rounds, peak16)
+    if args.compile:
+        compare(args.family, MAIN, torch.float32, args.rounds, peak32, compile=True)
     print(f"\nload average {os.getloadavg()[0]:.1f} at end")
 
 
