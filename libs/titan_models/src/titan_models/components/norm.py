@@ -40,10 +40,10 @@ class _RMSNormFunction(torch.autograd.Function):
         rstd_N = rstd.reshape(-1)
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = (rstd_N @ gx_ND).to(weight.dtype)
+            grad_weight = torch.mv(gx_ND.t(), rstd_N).to(weight.dtype)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            coef = (gx_ND @ weight32).reshape(rstd.shape).mul_(rstd.pow(3)).div_(dim)
+            coef = torch.mv(gx_ND, weight32).reshape(rstd.shape).mul_(rstd.pow(3)).div_(dim)
             grad_x = (grad32 * weight32).mul_(rstd).addcmul_(x32, coef, value=-1).to(x.dtype)
         return grad_x, grad_weight, None
 
