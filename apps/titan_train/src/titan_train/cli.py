@@ -2,7 +2,8 @@
 
 Launcher flags (``--recipe``, ``--list-recipes``, ``--print-config``, ``--dry-run``,
 ``--nproc``) are read first; every other argument overrides a field of the recipe's config
-through tyro (``--optimizer.lr 3e-4``, ``--parallel.tp 2``).
+through tyro (``--optimizer.lr 3e-4``, ``--parallel.tp 2``). ``titan-train rl ...`` runs GRPO
+post-training instead (``titan_train.rl``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ def parse_config(argv: list[str], recipe: str = DEFAULT_RECIPE) -> JobConfig:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``titan-train`` command."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["rl"]:
+        from titan_train.rl import main as rl_main
+
+        return rl_main(argv[1:])
     launcher, rest = _launcher_parser().parse_known_args(argv)
     if launcher.help:
         _launcher_parser().print_help()

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-from titan_train.data.arithmetic import arithmetic_problem
+from titan_rl import arithmetic_problem
 
 Split = Literal["train", "validation"]
 
