@@ -165,6 +165,26 @@ class Layout:
             out.div_(self.g.world)
         return out
 
+    def _full_send(
+        self,
+        grads: list[torch.Tensor | None],
+        rdtype: torch.dtype,
+        predivide: bool,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """Every gradient of the bucket at its ``full_offsets`` (zeros for missing ones) in
+        ``rdtype``, pre-divided by the world size when asked."""
+        send = torch.empty(self.full_numel, dtype=rdtype, device=device)
+        for i, gr in enumerate(grads):
+            v = self.out_view(send, i)
+            if gr is None:
+                v.zero_()
+            else:
+                v.copy_(gr)
+        if predivide:
+            send.div_(self.g.world)
+        return send
+
     def _sum_over_ranks(self, recv: torch.Tensor) -> torch.Tensor:
         """The ``world`` equal parts of ``recv`` added in rank order 0, 1, 2, ..."""
         parts = recv.view(self.g.world, -1)
@@ -524,15 +544,7 @@ class OwnedLayout(Layout):
         """One all-to-all: each owner receives every rank's gradients of its parameters (the
         flat order groups parameters by owner, so the send buffer is already split by
         destination)."""
-        send = torch.empty(self.full_numel, dtype=rdtype, device=device)
-        for i, gr in enumerate(grads):
-            v = self.out_view(send, i)
-            if gr is None:
-                v.zero_()
-            else:
-                v.copy_(gr)
-        if predivide:
-            send.div_(self.g.world)
+        send = self._full_send(grads, rdtype, predivide, device)
         splits = [0] * self.g.world
         for r, _start, numel, _members in self.regions:
             splits[r] = numel
@@ -595,15 +607,7 @@ class ReplicateLayout(Layout):
         return Pending()
 
     def issue_reduce(self, grads, rdtype, predivide, stats, device):
-        send = torch.empty(self.full_numel, dtype=rdtype, device=device)
-        for i, gr in enumerate(grads):
-            v = self.out_view(send, i)
-            if gr is None:
-                v.zero_()
-            else:
-                v.copy_(gr)
-        if predivide:
-            send.div_(self.g.world)
+        send = self._full_send(grads, rdtype, predivide, device)
         if self.rank_ordered:  # every rank's whole gradient, summed in rank order at finish
             recv = torch.empty(self.g.world * send.numel(), dtype=rdtype, device=device)
             work = dist.all_gather_into_tensor(recv, send, group=self.g.group, async_op=True)
