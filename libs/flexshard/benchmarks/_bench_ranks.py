@@ -45,17 +45,22 @@ def _init_(model: torch.nn.Module, seed: int) -> None:
             t.copy_(torch.randn(t.shape, generator=g) * 0.02)
 
 
+def _model(cfg: dict[str, Any]) -> TinyTransformer:
+    """The benchmark model of ``cfg`` (on the current default device)."""
+    return TinyTransformer(
+        vocab=cfg["vocab"],
+        dim=cfg["dim"],
+        n_layers=cfg["layers"],
+        n_heads=cfg["heads"],
+        hidden=cfg["hidden"],
+    )
+
+
 def train_step_bench(lib: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Step time and peak memory of one library on the same model (meta init, AdamW)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     with torch.device("meta"):
-        model = TinyTransformer(
-            vocab=cfg["vocab"],
-            dim=cfg["dim"],
-            n_layers=cfg["layers"],
-            n_heads=cfg["heads"],
-            hidden=cfg["hidden"],
-        )
+        model = _model(cfg)
     if lib == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -97,13 +102,7 @@ def _muon_setup(mode: str, cfg: dict[str, Any]):
     from flexshard.optim import Muon
 
     torch.manual_seed(0)
-    model = TinyTransformer(
-        vocab=cfg["vocab"],
-        dim=cfg["dim"],
-        n_layers=cfg["layers"],
-        n_heads=cfg["heads"],
-        hidden=cfg["hidden"],
-    )
+    model = _model(cfg)
     if mode == "owned":
         buckets = []
         for i in range(cfg["layers"]):
@@ -165,13 +164,7 @@ def muon_step_bench(cfg: dict[str, Any]) -> dict[str, Any]:
 def fp8_gather_bench(quantize: str | None, cfg: dict[str, Any]) -> dict[str, Any]:
     """Bytes (counted from the send buffers) and time of gathering BlockShard buckets."""
     torch.manual_seed(0)
-    model = TinyTransformer(
-        vocab=cfg["vocab"],
-        dim=cfg["dim"],
-        n_layers=cfg["layers"],
-        n_heads=cfg["heads"],
-        hidden=cfg["hidden"],
-    )
+    model = _model(cfg)
     blk = cfg["block"]
     buckets = []
     for i in range(cfg["layers"]):
