@@ -125,7 +125,10 @@ def test_validator_rejects_deadlock_and_names_the_stuck_ranks():
     """
     with pytest.raises(DeadlockError, match=r"ranks \[0, 1\] are stuck") as info:
         validate(Schedule.from_text(text))
-    assert info.value.stuck == {0: "RECV_B0.0", 1: "RECV_F1.0"}
+    assert info.value.stuck == {
+        0: "B0.0 (for the data of RECV_B0.0)",
+        1: "F1.0 (for the data of RECV_F1.0)",
+    }
 
 
 @pytest.mark.parametrize(

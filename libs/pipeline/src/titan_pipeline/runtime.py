@@ -233,28 +233,39 @@ def _leaves_under(nodes: list[Node]) -> list[torch.Tensor]:
 
 
 class TimelineRecorder:
-    """Collects the start and end of each compute action ``run`` executes on this rank."""
+    """Collects what ``run`` does on this rank and when: compute actions, the host calls that
+    post communication batches, and the waits for received data."""
 
     def __init__(self) -> None:
         self.intervals: list[Interval] = []
+        self.posts: list[Interval] = []
+        self.waits: list[Interval] = []
         self._t0 = 0.0
 
     def _start(self, group: dist.ProcessGroup | None) -> None:
         if dist.is_initialized():
             dist.barrier(group=group)
         self._t0 = time.perf_counter()
-        self.intervals = []
+        self.intervals, self.posts, self.waits = [], [], []
 
     def _record(self, action: Action, start: float, end: float) -> None:
         self.intervals.append(Interval(action, start - self._t0, end - self._t0))
 
+    def _record_post(self, actions: Sequence[Action], start: float, end: float) -> None:
+        self.posts.extend(Interval(a, start - self._t0, end - self._t0) for a in actions)
+
+    def _record_wait(self, action: Action, start: float, end: float) -> None:
+        self.waits.append(Interval(action, start - self._t0, end - self._t0))
+
     def gather(self, group: dist.ProcessGroup | None = None) -> Timeline:
         """The measured timeline of all ranks (a collective: call it on every rank)."""
+        mine = (self.intervals, self.posts, self.waits)
         if not dist.is_initialized():
-            return Timeline((tuple(self.intervals),))
-        every: list[list[Interval] | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, self.intervals, group=group)
-        return Timeline(tuple(tuple(ivs or ()) for ivs in every))
+            every = [mine]
+        else:
+            every = [None] * dist.get_world_size(group)
+            dist.all_gather_object(every, mine, group=group)
+        return Timeline(*(tuple(tuple(e[i]) for e in every) for i in range(3)))
 
 
 def run(
@@ -329,7 +340,7 @@ def run(
     )
 
     handoff: dict[tuple[str, int, int], torch.Tensor] = {}  # values that stay on this rank
-    recvs: dict[tuple[str, int, int], tuple[dist.Work, torch.Tensor]] = {}
+    recvs: dict[tuple[str, int, int], tuple[dist.Work, torch.Tensor, Action]] = {}
     sends: list[tuple[dist.Work, torch.Tensor]] = []
     losses: list[torch.Tensor] = []
     if recorder is not None:
@@ -339,8 +350,11 @@ def run(
         """The input of an action: received (waited for now) or handed over locally."""
         key = (kind, stage, mb)
         if key in recvs:
-            work, buf = recvs.pop(key)
+            work, buf, action = recvs.pop(key)
+            start = time.perf_counter()
             work.wait()
+            if recorder is not None:
+                recorder._record_wait(action, start, time.perf_counter())
             return buf
         return handoff.pop(key)
 
@@ -353,6 +367,7 @@ def run(
         if isinstance(seg, tuple):
             ops = []
             posted: list[tuple[tuple[str, int, int] | None, torch.Tensor]] = []
+            start = time.perf_counter()
             for a in seg:
                 s, mb = a.stage, a.microbatch
                 if a.kind == ActionKind.SEND_F:
@@ -378,11 +393,13 @@ def run(
             works = dist.batch_isend_irecv(ops)
             if len(works) != len(ops):  # NCCL coalesces the batch into one work: share it
                 works = list(works[-1:]) * len(ops)
-            for (key, t), work in zip(posted, works, strict=True):
+            for (key, t), work, a in zip(posted, works, seg, strict=True):
                 if key is None:
                     sends.append((work, t))
                 else:
-                    recvs[key] = (work, t)
+                    recvs[key] = (work, t, a)
+            if recorder is not None:
+                recorder._record_post(seg, start, time.perf_counter())
             continue
 
         a = seg

@@ -33,11 +33,15 @@ def add_communication(schedule: Schedule) -> Schedule:
 
     The compute lists are replayed in lock-step rounds: in each round every rank runs its
     next action if that action's input was produced in an earlier round. A value produced
-    in round ``k`` is sent right after its producer and its receive is posted on the
-    consumer in the same round ``k``, whatever that rank is doing. Both ends of every
-    transfer are therefore posted in the same round, so the result cannot deadlock even
-    when a send blocks until its receive is posted; the runtime waits for a receive only
-    right before the action that consumes it.
+    in round ``k`` is sent right after its producer, and its receive is posted on the
+    consumer at the start of the same round ``k``, before whatever that rank computes in
+    it. Posting a receive never blocks, so receives go as early as that: with gloo a
+    transfer starts only once both ends are posted (a rendezvous), and a receive posted one
+    compute action ahead lets the data move while the consumer is still busy, instead of
+    after it. Every send is posted in the round whose start holds its receive, so the
+    result cannot deadlock even when a send blocks until its receive is posted (the
+    validator checks exactly that); the runtime waits for a receive only right before the
+    action that consumes it.
     """
     owner = schedule.stage_to_rank
     last = schedule.num_stages - 1
@@ -48,7 +52,7 @@ def add_communication(schedule: Schedule) -> Schedule:
     pos = [0] * num_ranks
     rnd = 0
     while any(pos[r] < len(compute[r]) for r in range(num_ranks)):
-        ran: list[Action] = []
+        ran: list[Action | None] = [None] * num_ranks
         for r in range(num_ranks):
             if pos[r] == len(compute[r]):
                 continue
@@ -56,10 +60,9 @@ def add_communication(schedule: Schedule) -> Schedule:
             need = _input_value(a, last)
             if need is not None and produced.get(need, rnd) >= rnd:
                 continue
-            out[r].append(a)
-            ran.append(a)
+            ran[r] = a
             pos[r] += 1
-        if not ran:
+        if not any(ran):
             stuck = {
                 r: str(compute[r][pos[r]]) for r in range(num_ranks) if pos[r] < len(compute[r])
             }
@@ -68,18 +71,25 @@ def add_communication(schedule: Schedule) -> Schedule:
                 f"compute order deadlocks: ranks {sorted(stuck)} wait for inputs never produced "
                 f"({detail})"
             )
+        sends: list[list[Action]] = [[] for _ in range(num_ranks)]
         for a in ran:
+            if a is None:
+                continue
             s, mb = a.stage, a.microbatch
             if a.kind == F:
                 produced[("F", s, mb)] = rnd
                 if s < last and owner[s + 1] != owner[s]:
-                    out[owner[s]].append(Action(ActionKind.SEND_F, s, mb))
+                    sends[owner[s]].append(Action(ActionKind.SEND_F, s, mb))
                     out[owner[s + 1]].append(Action(ActionKind.RECV_F, s + 1, mb))
             elif a.kind in (B, I):
                 produced[("B", s, mb)] = rnd
                 if s > 0 and owner[s - 1] != owner[s]:
-                    out[owner[s]].append(Action(ActionKind.SEND_B, s, mb))
+                    sends[owner[s]].append(Action(ActionKind.SEND_B, s, mb))
                     out[owner[s - 1]].append(Action(ActionKind.RECV_B, s - 1, mb))
+        for r, a in enumerate(ran):
+            if a is not None:
+                out[r].append(a)
+            out[r].extend(sends[r])
         rnd += 1
     return Schedule(schedule.name, schedule.num_microbatches, owner, tuple(map(tuple, out)))
 

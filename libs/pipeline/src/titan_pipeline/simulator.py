@@ -8,6 +8,7 @@ runtime.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,12 @@ class Timeline:
 
     intervals: tuple[tuple[Interval, ...], ...]
     """``intervals[rank]``: that rank's compute actions, in the order it ran them."""
+    posts: tuple[tuple[Interval, ...], ...] = ()
+    """Measured timelines only: per rank, one interval per communication action, spanning the
+    host call that posted its batch (the actions of one batch share start and end)."""
+    waits: tuple[tuple[Interval, ...], ...] = ()
+    """Measured timelines only: per rank, one interval per receive (RECV_F / RECV_B), from
+    the wait before its consumer starts to the data being usable."""
 
     @property
     def num_ranks(self) -> int:
@@ -181,7 +188,10 @@ class Costs:
     backward_weight: _PerStage = 1.0
     """W (weight gradient only)."""
     communication: float = 0.0
-    """From a send being posted to its data being usable by the receiver."""
+    """From both ends of a transfer being posted to its data being usable by the receiver."""
+    posting: float = 0.0
+    """Host time a rank spends posting one batch of communication (it computes nothing
+    meanwhile)."""
 
     def of(self, action: Action) -> float:
         """Duration of a compute ``action``."""
@@ -195,7 +205,16 @@ class Costs:
 
     @classmethod
     def from_timeline(cls, timeline: Timeline, num_stages: int) -> Costs:
-        """Mean measured duration of each (kind, stage); kinds never run cost 0."""
+        """Costs calibrated from a measured timeline of the same run.
+
+        Compute: the mean measured duration of each (kind, stage); kinds never run cost 0.
+        ``posting``: the mean duration of the host calls that posted a batch.
+        ``communication``: the median, over receives whose wait actually blocked, of the time
+        from the later of the two ends being posted to the wait returning (a wait that did
+        not block only bounds it from above). Needs ``posts`` and ``waits`` (a
+        ``TimelineRecorder`` fills them); without them both stay 0. Clocks of different
+        ranks are aligned by the barrier the recorder starts with.
+        """
         sums: dict[tuple[ActionKind, int], list[float]] = {}
         for iv in timeline._all():
             sums.setdefault((iv.action.kind, iv.action.stage), []).append(iv.end - iv.start)
@@ -205,12 +224,35 @@ class Costs:
                 sum(v) / len(v) if (v := sums.get((kind, s))) else 0.0 for s in range(num_stages)
             )
 
+        batches = {(r, iv.start, iv.end) for r, ivs in enumerate(timeline.posts) for iv in ivs}
+        posted = {iv.action: iv.end for ivs in timeline.posts for iv in ivs}
+        transfers = []
+        for ivs in timeline.waits:
+            for iv in ivs:
+                send = _matching_send(iv.action)
+                blocked = iv.end - iv.start > _BLOCKED_WAIT
+                if blocked and iv.action in posted and send in posted:
+                    transfers.append(iv.end - max(posted[iv.action], posted[send]))
         return cls(
             forward=per_stage(ActionKind.F),
             backward=per_stage(ActionKind.B),
             backward_input=per_stage(ActionKind.I),
             backward_weight=per_stage(ActionKind.W),
+            communication=max(0.0, statistics.median(transfers)) if transfers else 0.0,
+            posting=sum(e - s for _, s, e in batches) / len(batches) if batches else 0.0,
         )
+
+
+_BLOCKED_WAIT = 20e-6
+"""A receive wait longer than this (seconds) blocked for its data: a wait on data that has
+already arrived returns in a few microseconds."""
+
+
+def _matching_send(recv: Action) -> Action:
+    """The send whose data ``recv`` receives."""
+    if recv.kind == ActionKind.RECV_F:
+        return Action(ActionKind.SEND_F, recv.stage - 1, recv.microbatch)
+    return Action(ActionKind.SEND_B, recv.stage + 1, recv.microbatch)
 
 
 class DeadlockError(ValueError):
@@ -302,16 +344,20 @@ def _replay(schedule: Schedule, costs: Costs, *, blocking_sends: bool) -> Timeli
     """Run every rank's list against the others; raise ``DeadlockError`` if they get stuck.
 
     Each communication op gets an index on its channel (the k-th send matches the k-th
-    receive); ``post[(channel, k, is_send)]`` is when that end was posted. With
-    ``blocking_sends`` a batch returns once the other end of each of its ops is posted (the
-    strictest semantics: the validator). Without it posting a batch is free and a compute
-    action waits for the receive of its input, as the runtime does.
+    receive); ``post[(channel, k, is_send)]`` is when that end was posted. Posting never
+    waits for the other end; data is usable ``costs.communication`` after both ends are
+    posted (a rendezvous, as gloo does: a send completes only once its receive is posted),
+    and a compute action waits for the data of its input. Posting a batch takes
+    ``costs.posting``. ``blocking_sends`` (the validator) adds the strictest semantics a
+    backend may have: a batch holding a send returns only once every send's receive is
+    posted, and a compute action waits for every op of the batch that holds its input
+    (backends that coalesce a batch into one work, such as NCCL).
     """
     owner = schedule.stage_to_rank
     ranks = [_RankState(_segments(acts)) for acts in schedule.actions]
     counters: dict[tuple[_ChannelKey, bool], int] = {}
     index: dict[tuple[int, int, int], tuple[_ChannelKey, int, bool]] = {}
-    recv_of: dict[tuple[int, ActionKind, int, int], tuple[_ChannelKey, int, bool]] = {}
+    recv_of: dict[tuple[int, ActionKind, int, int], tuple[int, int]] = {}  # -> (rank, seg)
     for r, st in enumerate(ranks):
         for si, seg in enumerate(st.segs):
             if isinstance(seg, tuple):
@@ -321,14 +367,29 @@ def _replay(schedule: Schedule, costs: Costs, *, blocking_sends: bool) -> Timeli
                     counters[(key, is_send)] = k + 1
                     index[(r, si, oi)] = (key, k, is_send)
                     if not is_send:
-                        recv_of[(r, a.kind, a.stage, a.microbatch)] = (key, k, is_send)
+                        recv_of[(r, a.kind, a.stage, a.microbatch)] = (si, oi)
     post: dict[tuple[_ChannelKey, int, bool], float] = {}
 
     def arrival(op: tuple[_ChannelKey, int, bool]) -> float | None:
-        """When the data of op is usable, or None while the other end is not posted."""
+        """When the data of op is usable, or None while an end is not posted."""
         key, k, is_send = op
-        other = post.get((key, k, not is_send))
-        return None if other is None else max(post[op], other) + costs.communication
+        mine, other = post.get(op), post.get((key, k, not is_send))
+        return None if mine is None or other is None else max(mine, other) + costs.communication
+
+    def input_ready(r: int, action: Action) -> float | None:
+        """When the received input of a compute action is usable (its own start if none)."""
+        kind = ActionKind.RECV_F if action.kind == ActionKind.F else ActionKind.RECV_B
+        where = recv_of.get((r, kind, action.stage, action.microbatch))
+        if where is None or action.kind == ActionKind.W:
+            return 0.0
+        si, oi = where
+        ops = (
+            [index[(r, si, j)] for j in range(len(ranks[r].segs[si]))]
+            if blocking_sends
+            else [index[(r, si, oi)]]
+        )
+        times = [arrival(op) for op in ops]
+        return None if any(t is None for t in times) else max(times)
 
     progress = True
     while progress:
@@ -337,15 +398,10 @@ def _replay(schedule: Schedule, costs: Costs, *, blocking_sends: bool) -> Timeli
             while st.pos < len(st.segs):
                 seg = st.segs[st.pos]
                 if isinstance(seg, Action):
-                    start = st.clock
-                    if not blocking_sends:
-                        kind = ActionKind.RECV_F if seg.kind == ActionKind.F else ActionKind.RECV_B
-                        op = recv_of.get((r, kind, seg.stage, seg.microbatch))
-                        if op is not None and seg.kind != ActionKind.W:
-                            ready = arrival(op)
-                            if ready is None:
-                                break
-                            start = max(start, ready)
+                    ready = input_ready(r, seg)
+                    if ready is None:
+                        break
+                    start = max(st.clock, ready)
                     end = start + costs.of(seg)
                     st.intervals.append(Interval(seg, start, end))
                     st.clock = end
@@ -354,21 +410,26 @@ def _replay(schedule: Schedule, costs: Costs, *, blocking_sends: bool) -> Timeli
                     continue
                 ops = [index[(r, st.pos, oi)] for oi in range(len(seg))]
                 if not st.posted:
+                    st.clock += costs.posting
                     for op in ops:
                         post[op] = st.clock
                     st.posted = True
                     progress = True
-                if blocking_sends:
-                    arrivals = [arrival(op) for op in ops]
-                    if any(t is None for t in arrivals):
-                        break
+                if blocking_sends and any(arrival(op) is None for op in ops if op[2]):
+                    break
                 st.pos += 1
                 st.posted = False
                 progress = True
+
+    def waiting_at(r: int, seg: _Seg) -> str:
+        if isinstance(seg, tuple):
+            return " ".join(map(str, seg))
+        kind = ActionKind.RECV_F if seg.kind == ActionKind.F else ActionKind.RECV_B
+        si, oi = recv_of[(r, kind, seg.stage, seg.microbatch)]
+        return f"{seg} (for the data of {ranks[r].segs[si][oi]})"
+
     stuck = {
-        r: " ".join(map(str, seg)) if isinstance(seg := st.segs[st.pos], tuple) else str(seg)
-        for r, st in enumerate(ranks)
-        if st.pos < len(st.segs)
+        r: waiting_at(r, st.segs[st.pos]) for r, st in enumerate(ranks) if st.pos < len(st.segs)
     }
     if stuck:
         raise DeadlockError(stuck)
