@@ -129,11 +129,21 @@ def _all_schedules_on_ranks(num_units: int) -> dict:
         recorder=recorder,
     )
     measured = recorder.gather()
-    simulated = simulate(schedule, Costs.from_timeline(measured, schedule.num_stages))
+    costs = Costs.from_timeline(measured, schedule.num_stages)
+    simulated = simulate(schedule, costs)
+    mine = schedule.actions[rank]
     results["timeline"] = (
         [len(ivs) for ivs in measured.intervals],
         measured.bubble_ratio,
         compare(simulated, measured).difference,
+        # every communication action has its post (in list order), every receive its wait
+        # (in the order of the actions that consume them)
+        (
+            [iv.action for iv in measured.posts[rank]] == [a for a in mine if not a.kind.is_compute]
+            and sorted(str(iv.action) for iv in measured.waits[rank])
+            == sorted(str(a) for a in mine if a.kind.name.startswith("RECV"))
+        ),
+        costs.posting > 0 and costs.communication >= 0,
     )
     return results
 
@@ -165,9 +175,10 @@ def _check(world: int, num_units: int, results: list[dict]) -> None:
         assert (
             "rank 0: microbatches must hold num_microbatches=8 tensors, got 7" in r["count_error"]
         )
-        counts, bubble, diff = r["timeline"]
+        counts, bubble, diff, comm_recorded, calibrated = r["timeline"]
         assert counts == [2 * NUM_MICROBATCHES] * world
         assert 0 <= bubble < 1 and abs(diff) < 1
+        assert comm_recorded and calibrated
 
 
 def test_every_schedule_matches_single_process_training_on_2_ranks():

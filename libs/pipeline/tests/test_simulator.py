@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from titan_pipeline import Costs, Interval, Timeline, build_schedule, compare, simulate
+from titan_pipeline import (
+    Action,
+    ActionKind,
+    Costs,
+    Interval,
+    Timeline,
+    build_schedule,
+    compare,
+    simulate,
+)
 
 
 @pytest.mark.parametrize(("p", "m"), [(2, 4), (2, 8), (4, 4), (4, 8), (4, 16), (8, 32)])
@@ -56,6 +65,49 @@ def test_communication_cost_delays_receivers():
     slow = simulate(s, Costs(communication=0.5))
     assert slow.intervals[1][0].start == 1.5  # F0 on rank 0 ends at 1, arrives 0.5 later
     assert slow.total_time > free.total_time
+
+
+def test_receives_are_posted_one_round_ahead_so_transfers_overlap_compute():
+    # GPipe's last stage posts the receive of microbatch k before it computes microbatch
+    # k - 1: with a transfer no longer than that forward, only the first one is exposed
+    s = build_schedule("gpipe", num_ranks=2, num_microbatches=4)
+    assert [str(a) for a in s.actions[1][:5]] == [
+        "RECV_F1.0",
+        "RECV_F1.1",
+        "F1.0",
+        "RECV_F1.2",
+        "F1.1",
+    ]
+    t = simulate(s, Costs(communication=0.5))
+    starts = [iv.start for iv in t.intervals[1][:4]]
+    assert starts == [1.5, 2.5, 3.5, 4.5]
+
+
+def test_posting_cost_and_rendezvous_transfer():
+    s = build_schedule("1f1b", num_ranks=2, num_microbatches=2)
+    t = simulate(s, Costs(posting=0.25, communication=0.5))
+    # rank 1 posts its receive at 0.25; rank 0 computes F0.0 (0-1) and posts until 1.25;
+    # the data is usable 0.5 after the later end: 1.75
+    assert t.intervals[1][0].start == 1.75
+    assert t.intervals[0][1].start == 1.25  # F0.1 waits for the SEND_F0.0 post
+
+
+def test_costs_from_a_timeline_calibrate_posting_and_transfer():
+    f = ActionKind
+    intervals = (
+        (Interval(Action(f.F, 0, 0), 0.0, 1.0),),
+        (Interval(Action(f.F, 1, 0), 3.0, 4.0),),
+    )
+    posts = (
+        (Interval(Action(f.SEND_F, 0, 0), 1.0, 1.2),),
+        (Interval(Action(f.RECV_F, 1, 0), 0.0, 0.4),),
+    )
+    # the wait blocked from 0.5 until 3.0; both ends were posted by 1.2: transfer 1.8
+    waits = ((), (Interval(Action(f.RECV_F, 1, 0), 0.5, 3.0),))
+    c = Costs.from_timeline(Timeline(intervals, posts, waits), 2)
+    assert c.posting == pytest.approx(0.3) and c.communication == pytest.approx(1.8)
+    assert c.forward == (1.0, 1.0)
+    assert Costs.from_timeline(Timeline(intervals), 2).communication == 0.0
 
 
 def test_per_stage_costs_and_costs_from_a_timeline():

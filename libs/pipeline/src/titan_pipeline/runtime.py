@@ -241,11 +241,15 @@ class TimelineRecorder:
         self.posts: list[Interval] = []
         self.waits: list[Interval] = []
         self._t0 = 0.0
+        self._wall0 = 0.0
 
     def _start(self, group: dist.ProcessGroup | None) -> None:
         if dist.is_initialized():
             dist.barrier(group=group)
-        self._t0 = time.perf_counter()
+        # Times are kept relative to this rank's start; the wall clock read with it aligns
+        # the ranks in ``gather`` (exactly on one host, where every process reads the same
+        # clocks; a barrier alone leaves its exit skew, up to a scheduler slice when loaded).
+        self._t0, self._wall0 = time.perf_counter(), time.time()
         self.intervals, self.posts, self.waits = [], [], []
 
     def _record(self, action: Action, start: float, end: float) -> None:
@@ -259,13 +263,24 @@ class TimelineRecorder:
 
     def gather(self, group: dist.ProcessGroup | None = None) -> Timeline:
         """The measured timeline of all ranks (a collective: call it on every rank)."""
-        mine = (self.intervals, self.posts, self.waits)
+        mine = (self._wall0, self.intervals, self.posts, self.waits)
         if not dist.is_initialized():
             every = [mine]
         else:
             every = [None] * dist.get_world_size(group)
             dist.all_gather_object(every, mine, group=group)
-        return Timeline(*(tuple(tuple(e[i]) for e in every) for i in range(3)))
+        first = min(e[0] for e in every)
+
+        def shifted(i: int) -> tuple[tuple[Interval, ...], ...]:
+            return tuple(
+                tuple(
+                    Interval(iv.action, iv.start + e[0] - first, iv.end + e[0] - first)
+                    for iv in e[i]
+                )
+                for e in every
+            )
+
+        return Timeline(shifted(1), shifted(2), shifted(3))
 
 
 def run(
