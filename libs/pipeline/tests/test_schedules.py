@@ -12,6 +12,7 @@ from titan_pipeline import (
     Schedule,
     add_communication,
     build_schedule,
+    simulate,
     validate,
 )
 
@@ -129,6 +130,20 @@ def test_validator_rejects_deadlock_and_names_the_stuck_ranks():
         0: "B0.0 (for the data of RECV_B0.0)",
         1: "F1.0 (for the data of RECV_F1.0)",
     }
+
+
+def test_validator_assumes_a_batch_completes_as_one_work():
+    # rank 1 posts both receives in one batch; under gloo each op completes on its own and
+    # the simulator runs it, but a backend that coalesces the batch into one work (NCCL) makes
+    # F1.0 wait for F0.1, which rank 0 computes only after rank 1's first backward
+    text = """
+    rank 0: F0.0 SEND_F0.0 RECV_B0.0 B0.0 F0.1 SEND_F0.1 RECV_B0.1 B0.1
+    rank 1: RECV_F1.0 RECV_F1.1 F1.0 B1.0 SEND_B1.0 F1.1 B1.1 SEND_B1.1
+    """
+    s = Schedule.from_text(text)
+    assert len(simulate(s).intervals[1]) == 4
+    with pytest.raises(DeadlockError, match=r"rank 1 waits at F1.0 \(for the data of RECV_F1.0\)"):
+        validate(s)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ runtime.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,9 +192,14 @@ class Costs:
     posting: float = 0.0
     """Host time a rank spends posting one batch of communication (it computes nothing
     meanwhile)."""
+    durations: Mapping[Action, float] = field(default_factory=dict)
+    """Exact durations of single actions (a measured trace), overriding the costs above; for
+    a communication batch, the entry of its first action is the batch's posting time."""
 
     def of(self, action: Action) -> float:
         """Duration of a compute ``action``."""
+        if action in self.durations:
+            return self.durations[action]
         value = {
             ActionKind.F: self.forward,
             ActionKind.B: self.backward,
@@ -204,8 +209,13 @@ class Costs:
         return value if isinstance(value, int | float) else value[action.stage]
 
     @classmethod
-    def from_timeline(cls, timeline: Timeline, num_stages: int) -> Costs:
+    def from_timeline(cls, timeline: Timeline, num_stages: int, *, trace: bool = False) -> Costs:
         """Costs calibrated from a measured timeline of the same run.
+
+        With ``trace`` the costs also hold every action's own measured duration and every
+        batch's own posting time (``durations``): simulating them replays the run as it
+        happened, action by action, and isolates what the model leaves out from how much the
+        durations varied.
 
         Compute: the mean measured duration of each (kind, stage); kinds never run cost 0.
         ``posting``: the mean duration of the host calls that posted a batch.
@@ -233,6 +243,15 @@ class Costs:
                 blocked = iv.end - iv.start > _BLOCKED_WAIT
                 if blocked and iv.action in posted and send in posted:
                     transfers.append(iv.end - max(posted[iv.action], posted[send]))
+        durations: dict[Action, float] = {}
+        if trace:
+            durations.update((iv.action, iv.end - iv.start) for iv in timeline._all())
+            for ivs in timeline.posts:
+                seen: set[tuple[float, float]] = set()
+                for iv in ivs:  # the first action of each batch carries its posting time
+                    if (iv.start, iv.end) not in seen:
+                        seen.add((iv.start, iv.end))
+                        durations[iv.action] = iv.end - iv.start
         return cls(
             forward=per_stage(ActionKind.F),
             backward=per_stage(ActionKind.B),
@@ -240,6 +259,7 @@ class Costs:
             backward_weight=per_stage(ActionKind.W),
             communication=max(0.0, statistics.median(transfers)) if transfers else 0.0,
             posting=sum(e - s for _, s, e in batches) / len(batches) if batches else 0.0,
+            durations=durations,
         )
 
 
@@ -410,7 +430,7 @@ def _replay(schedule: Schedule, costs: Costs, *, blocking_sends: bool) -> Timeli
                     continue
                 ops = [index[(r, st.pos, oi)] for oi in range(len(seg))]
                 if not st.posted:
-                    st.clock += costs.posting
+                    st.clock += costs.durations.get(seg[0], costs.posting)
                     for op in ops:
                         post[op] = st.clock
                     st.posted = True
