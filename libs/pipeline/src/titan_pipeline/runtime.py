@@ -1,8 +1,10 @@
 """Execute a schedule's action list with torch.distributed point-to-point operations.
 
 Each rank walks its own list in order. A run of consecutive communication actions is one
-``batch_isend_irecv`` call; a receive is waited for right before the action that consumes
-it, sends are waited for at the end of the step (the simulator models exactly this). Stage
+batch, posted at once (one ``batch_isend_irecv`` where the backend coalesces, as NCCL does;
+on gloo, which does not, the same ``isend`` / ``irecv`` calls directly); a receive is waited
+for right before the action that consumes it, sends are waited for at the end of the step
+(the simulator models exactly this). Stage
 modules take one tensor and return one tensor; shapes are fixed for a run and found once by
 running each stage on meta tensors, so receive buffers are allocated with static shapes.
 
@@ -354,6 +356,7 @@ def run(
         else (lambda r: r)
     )
 
+    coalesce = dist.is_initialized() and dist.get_backend(group) != dist.Backend.GLOO
     handoff: dict[tuple[str, int, int], torch.Tensor] = {}  # values that stay on this rank
     recvs: dict[tuple[str, int, int], tuple[dist.Work, torch.Tensor, Action]] = {}
     sends: list[tuple[dist.Work, torch.Tensor]] = []
@@ -405,7 +408,7 @@ def run(
                         dist.P2POp(dist.irecv, t, peer_of(owner[s + 1]), group, 2 * (s + 1) + 1)
                     )
                     posted.append((("B", s, mb), t))
-            works = dist.batch_isend_irecv(ops)
+            works = _post(ops, coalesce)
             if len(works) != len(ops):  # NCCL coalesces the batch into one work: share it
                 works = list(works[-1:]) * len(ops)
             for (key, t), work, a in zip(posted, works, seg, strict=True):
@@ -453,6 +456,15 @@ def run(
         work.wait()
     assert not recvs and not handoff, (sorted(recvs), sorted(handoff))
     return losses
+
+
+def _post(ops: list[dist.P2POp], coalesce: bool) -> list[dist.Work]:
+    """Post one batch. gloo does not coalesce: ``batch_isend_irecv`` would issue the same
+    ``isend`` / ``irecv`` calls one by one after checks that cost ~20 us per batch, so they
+    are issued directly; other backends get one ``batch_isend_irecv`` (NCCL: one group)."""
+    if coalesce:
+        return dist.batch_isend_irecv(ops)
+    return [op.op(op.tensor, op.peer, group=op.group, tag=op.tag) for op in ops]
 
 
 def _device_of(stages: Sequence[PipelineStage]) -> torch.device:
