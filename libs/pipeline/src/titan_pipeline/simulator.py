@@ -1,9 +1,11 @@
 """Replay a schedule in time: timelines, bubble ratio, in-flight activations, text and PNG.
 
-One replay engine serves the validator (blocking sends, no costs: does it deadlock?) and the
-simulator (sends posted and forgotten as the runtime does, a receive waits for its send plus
-the communication cost). Consecutive communication actions form one batch, as in the
-runtime.
+One replay engine serves the validator (blocking sends and batches that complete as one
+work, no costs: does it deadlock?) and the simulator (what the runtime does on gloo: posting
+a batch costs host time, a transfer's data is usable a fixed time after both of its ends are
+posted, a compute action waits for its input, sends are waited for at the end).
+Consecutive communication actions form one batch, as in the runtime. The bubble ratio of a
+simulated and of a measured timeline is the same function of their compute intervals.
 """
 
 from __future__ import annotations
