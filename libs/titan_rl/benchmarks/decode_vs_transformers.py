@@ -3,7 +3,11 @@
 Same weights in both (our Llama 3 exported with ``titan_models.to_hf`` and loaded by
 ``AutoModelForCausalLM``), same prompts, greedy decoding of exactly ``--new-tokens`` tokens per
 row (no stop token), fp32 on CPU. Rows interleave the engines round by round and report the
-median. A third row runs TorchGenerator in batch-invariant mode.
+median. Engines: TorchGenerator eager, with its compiled decode step, and in batch-invariant
+mode; transformers with its default dynamic cache (eager) and with ``cache_implementation=
+"static"`` plus its own ``torch.compile`` of the forward (``CompileConfig``, forced on CPU).
+Compiles happen in the untimed warm-up; the script prints the dynamo graph count before and
+after the timed rounds (equal: no recompiles while timing).
 
     uv run python libs/titan_rl/benchmarks/decode_vs_transformers.py
 """
@@ -17,8 +21,12 @@ import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR", os.path.expanduser("~/.cache/titan_rl_bench_inductor")
+)
 
 import torch
+from torch._dynamo.utils import counters
 
 import titan_models
 from titan_rl import SamplingParams, TorchGenerator
@@ -29,8 +37,17 @@ def _ours(gen: TorchGenerator, prompts: list[list[int]], new_tokens: int) -> tor
     return gen.generate(prompts, params, [0] * len(prompts)).tokens
 
 
-def _theirs(hf_model, prompts: list[list[int]], new_tokens: int) -> torch.Tensor:
+def _theirs(
+    hf_model, prompts: list[list[int]], new_tokens: int, *, compiled: bool = False
+) -> torch.Tensor:
+    from transformers import CompileConfig
+
     ids = torch.tensor(prompts)  # equal lengths: no padding, so both see the same inputs
+    extra = {}
+    if compiled:
+        config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+        config._compile_all_devices = True  # generate() compiles only on GPUs unless told
+        extra = {"cache_implementation": "static", "compile_config": config}
     with torch.no_grad():
         out = hf_model.generate(
             input_ids=ids,
@@ -40,6 +57,7 @@ def _theirs(hf_model, prompts: list[list[int]], new_tokens: int) -> torch.Tensor
             do_sample=False,
             pad_token_id=0,
             eos_token_id=None,
+            **extra,
         )
     return out[:, ids.shape[1] :]
 
@@ -70,15 +88,24 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 2048, (args.batch, args.prompt_len), generator=g).tolist()
 
+    compiled = TorchGenerator(model, compile_decode=True)  # one instance: compiled once
     engines = {
         "TorchGenerator": lambda: _ours(TorchGenerator(model), prompts, args.new_tokens),
+        "TorchGenerator, compiled decode": lambda: _ours(compiled, prompts, args.new_tokens),
         "TorchGenerator (batch-invariant)": lambda: _ours(
             TorchGenerator(model, batch_invariant=True), prompts, args.new_tokens
         ),
         "transformers generate": lambda: _theirs(hf_model, prompts, args.new_tokens),
+        "transformers generate, static cache + compile": lambda: _theirs(
+            hf_model, prompts, args.new_tokens, compiled=True
+        ),
     }
     outputs = {name: fn() for name, fn in engines.items()}  # warm-up, and the parity check
-    same = torch.equal(outputs["TorchGenerator"], outputs["transformers generate"])
+    outputs.update({name: fn() for name, fn in engines.items() if "compile" in name})
+    same = {
+        name: torch.equal(out, outputs["transformers generate"]) for name, out in outputs.items()
+    }
+    graphs_before = dict(counters["stats"])
     times: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, fn in engines.items():
@@ -90,8 +117,10 @@ def main() -> None:
     print(
         f"llama3 {args.layers} layers, dim {args.dim}, vocab 2048; batch {args.batch}, prompt "
         f"{args.prompt_len}, {args.new_tokens} new tokens, greedy, fp32, {args.threads} threads; "
-        f"median of {args.rounds}; same greedy tokens as transformers: {same}"
+        f"median of {args.rounds}"
     )
+    print(f"same greedy tokens as transformers generate: {same}")
+    print(f"dynamo stats before timing {graphs_before}, after {dict(counters['stats'])}")
     base = statistics.median(times["transformers generate"])
     ours = statistics.median(times["TorchGenerator"])
     print("| engine | tokens/s | vs transformers | vs TorchGenerator |\n|---|---:|---:|---:|")

@@ -13,7 +13,7 @@ from titan_rl import (
     batch_invariant,
     sequence_logprobs,
 )
-from titan_rl.generator import _sample
+from titan_rl.generator import _noise, _sample
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -92,11 +92,13 @@ def test_sampler_draws_from_the_processed_distribution():
     n = 4000
     rngs = [torch.Generator().manual_seed(s) for s in range(n)]
     params = SamplingParams(max_new_tokens=1, top_k=3)
-    tokens, logp = _sample(logits.expand(n, -1).clone(), params, rngs)
+    noise = _noise(params, rngs, vocab=5, device=torch.device("cpu"))
+    tokens, raw, logp = _sample(logits.expand(n, -1).clone(), params, noise)
     freq = torch.bincount(tokens, minlength=5).double() / n
     expected = torch.cat([logits[:3].softmax(0), torch.zeros(2)]).double()
     assert (freq - expected).abs().max() < 0.03  # 3 sigma of a 4000-draw frequency is ~0.022
     assert torch.allclose(logp, expected.float().log()[tokens])
+    assert torch.allclose(raw, logits.log_softmax(0)[tokens])  # before top-k
 
 
 def test_update_weights_copies_in_memory_and_tags_the_version(tiny_model, model_factory):
@@ -134,6 +136,39 @@ def test_bad_sampling_input_is_refused(tiny_model):
         gen.generate([[1], []], SamplingParams(max_new_tokens=1), seeds=[0, 1])
     with pytest.raises(TypeError, match="titan_models Transformer"):
         TorchGenerator(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="compile_decode=True cannot be combined"):
+        TorchGenerator(gen.model, batch_invariant=True, compile_decode=True)
+
+
+@pytest.mark.slow  # one torch.compile (5-30 s here)
+def test_compiled_decode_equals_eager_and_compiles_once(tiny_model, tmp_path, monkeypatch):
+    """The compiled static-shape step gives eager's tokens (greedy, and sampled with top-k and
+    stop tokens), log-probs within fp32 rounding, and no recompile on later calls or steps."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    eager, compiled = TorchGenerator(tiny_model), TorchGenerator(tiny_model, compile_decode=True)
+    sampled = SamplingParams(max_new_tokens=12, temperature=0.8, top_k=20)
+    stop = int(eager.generate(PROMPTS, sampled, seeds=[1, 2, 3]).tokens[0, 4])  # row 0 stops
+    cases = [
+        SamplingParams(max_new_tokens=12, temperature=0.0),
+        SamplingParams(max_new_tokens=12, temperature=0.8, top_k=20, stop_token_ids=(stop,)),
+    ]
+    for params in cases:
+        want = eager.generate(PROMPTS, params, seeds=[1, 2, 3])
+        for _ in range(2):
+            got = compiled.generate(PROMPTS, params, seeds=[1, 2, 3])
+            assert torch.equal(got.tokens, want.tokens) and torch.equal(got.mask, want.mask)
+            assert got.finish_reasons == want.finish_reasons
+            torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-5)
+            torch.testing.assert_close(
+                got.processed_logprobs, want.processed_logprobs, rtol=0, atol=1e-5
+            )
+    assert want.finish_reasons[0] == "stop" and not want.mask.all()
+    # One graph per sampling setting (greedy, sampled), none per step or per repeated call.
+    assert counters["stats"]["unique_graphs"] == 2
+    assert sum(counters["graph_break"].values()) == 0
 
 
 def test_generation_validate_catches_mismatched_lengths():

@@ -10,6 +10,7 @@ Shapes: B rows, P prompt tokens, T new tokens, V vocabulary.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Mapping
 from contextlib import nullcontext
@@ -17,7 +18,11 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from titan_models import KVCache
 
 from .batch_invariant import batch_invariant
 from .logprobs import token_logprobs
@@ -119,15 +124,32 @@ class TorchGenerator:
         model: nn.Module,
         *,
         batch_invariant: bool = False,
+        compile_decode: bool = False,
         weight_version: int = 0,
     ) -> None:
-        """``model``: a titan_models ``Transformer`` (the trainer's, or a copy for async mode)."""
+        """``model``: a titan_models ``Transformer`` (the trainer's, or a copy for async mode).
+
+        ``compile_decode``: run each decode step as one ``torch.compile``d graph of static
+        shapes (the cache's full capacity, masked), compiled once per batch size and capacity
+        bucket (``_CAPACITY_BUCKET`` tokens); the prefill stays eager. Fused kernels round
+        differently, so it cannot be combined with ``batch_invariant``.
+        """
         if not hasattr(model, "new_kv_cache"):
             raise TypeError(f"model must be a titan_models Transformer, got {type(model).__name__}")
+        if compile_decode and batch_invariant:
+            raise ValueError(
+                "TorchGenerator: compile_decode=True cannot be combined with batch_invariant=True "
+                "(compiled kernels do not keep the invariant reduction order)"
+            )
         self.model = model
         self.batch_invariant = batch_invariant
         self.weight_version = weight_version
         self._lock = threading.Lock()
+        self._decode_step = (
+            torch.compile(functools.partial(_decode_step, model), fullgraph=True, dynamic=False)
+            if compile_decode
+            else None
+        )
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy ``state_dict`` into the model in place (checked first: names and shapes)."""
@@ -172,59 +194,184 @@ class TorchGenerator:
         rngs = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
         stop_ids = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=device)
 
-        tokens_BT = torch.zeros(B, T, dtype=torch.long, device=device)
-        mask_BT = torch.zeros(B, T, dtype=torch.bool, device=device)
-        raw_BT = torch.zeros(B, T, device=device)
-        processed_BT = torch.zeros(B, T, device=device)
-        done_B = torch.zeros(B, dtype=torch.bool, device=device)
-
-        cache = model.new_kv_cache(B, prompt_BP.shape[1] + T)
+        capacity = prompt_BP.shape[1] + T
+        if self._decode_step is not None:  # few distinct shapes: few compiles
+            capacity = -(-capacity // _CAPACITY_BUCKET) * _CAPACITY_BUCKET
+        cache = model.new_kv_cache(B, capacity)
         logits_BSV = model(prompt_BP, kv_cache=cache, input_lengths=lengths_B)
         logits_BV = logits_BSV[torch.arange(B, device=device), lengths_B - 1]
-        for t in range(T):
-            next_B, processed_B = _sample(logits_BV, params, rngs)
-            live_B = ~done_B
-            tokens_BT[:, t] = torch.where(live_B, next_B, 0)
-            mask_BT[:, t] = live_B
-            raw_BT[:, t] = torch.where(
-                live_B, token_logprobs(logits_BV, next_B, params.temperature), 0
-            )
-            processed_BT[:, t] = torch.where(live_B, processed_B, 0)
-            done_B |= torch.isin(next_B, stop_ids)
-            if bool(done_B.all()) or t == T - 1:
-                break
-            logits_BV = model(tokens_BT[:, t : t + 1], kv_cache=cache)[:, 0]
+        vocab = logits_BV.shape[-1]
+        sampled = _sample(logits_BV, params, _noise(params, rngs, vocab, device))
+        step = self._eager_step if self._decode_step is None else self._static_step(cache)
+
+        # Per step: the model, the sampler and (with stop tokens) one host sync for the stop
+        # check; the outputs are assembled once at the end.
+        steps, live = [sampled], [torch.ones(B, dtype=torch.bool, device=device)]
+        done_B = torch.zeros(B, dtype=torch.bool, device=device)
+        for _ in range(T - 1):
+            if len(stop_ids):
+                done_B = done_B | torch.isin(sampled[0], stop_ids)
+                if bool(done_B.all()):
+                    break
+                live.append(~done_B)
+            else:
+                live.append(live[0])
+            sampled = step(sampled[0][:, None], cache, params, rngs)
+            steps.append(sampled)
+        mask_BT = torch.stack(live, 1)
+        tokens_BT, raw_BT, processed_BT = (
+            torch.stack(column, 1).masked_fill(~mask_BT, 0) for column in zip(*steps, strict=True)
+        )
         ends = mask_BT.sum(1)
         reasons = [
             "stop" if n > 0 and int(tokens_BT[i, n - 1]) in params.stop_token_ids else "length"
             for i, n in enumerate(ends.tolist())
         ]
-        width = int(ends.max())
         return Generation(
-            tokens=tokens_BT[:, :width].cpu(),
-            mask=mask_BT[:, :width].cpu(),
-            logprobs=raw_BT[:, :width].cpu(),
-            processed_logprobs=processed_BT[:, :width].cpu(),
+            tokens=tokens_BT.cpu(),
+            mask=mask_BT.cpu(),
+            logprobs=raw_BT.cpu(),
+            processed_logprobs=processed_BT.cpu(),
             finish_reasons=reasons,
             weight_version=self.weight_version,
         )
 
+    def _eager_step(
+        self,
+        tokens_B1: torch.Tensor,
+        cache: KVCache,
+        params: SamplingParams,
+        rngs: list[torch.Generator],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits_BV = self.model(tokens_B1, kv_cache=cache)[:, 0]
+        device = logits_BV.device
+        return _sample(logits_BV, params, _noise(params, rngs, logits_BV.shape[-1], device))
+
+    def _static_step(self, cache: KVCache):
+        """The compiled step over ``cache``'s buffers; it advances its own slots (the cache's
+        ``lengths`` stay at the prompt lengths)."""
+        slots_B = cache.lengths.clone()
+        buffers = [(layer.k_BKLD, layer.v_BKLD) for layer in cache.layers.values()]
+        vocab = self.model.config.vocab_size
+
+        calls = 0
+
+        def step(tokens_B1, cache, params, rngs):
+            nonlocal calls
+            noise = _noise(params, rngs, vocab, tokens_B1.device)
+            args = (tokens_B1, slots_B, buffers, params, noise)
+            calls += 1
+            if calls == 1:  # guards checked: picks (or compiles) the graph for these shapes
+                return self._decode_step(*args)
+            # Later steps of this call have the same shapes, params and weights, so the guards
+            # that passed on the first step pass again; evaluating them costs ~0.15 ms a step.
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return self._decode_step(*args)
+
+        return step
+
+
+_CAPACITY_BUCKET = 64
+"""Compiled decoding rounds the cache capacity up to a multiple of this (fewer recompiles)."""
+
+
+class _StepCache:
+    """A layer's cache for one decode step of the compiled path: the same ``update`` contract
+    as titan_models' ``LayerKVCache``, over the full (static) capacity."""
+
+    def __init__(self, k_BKLE: torch.Tensor, v_BKLE: torch.Tensor, slots_B: torch.Tensor):
+        self.k_BKLE, self.v_BKLE, self.slots_B = k_BKLE, v_BKLE, slots_B
+
+    def update(self, k_B1KE: torch.Tensor, v_B1KE: torch.Tensor):
+        rows_B = torch.arange(self.slots_B.shape[0], device=self.slots_B.device)
+        # Advanced indices on dims 0 and 2 around a slice: the value is (B, K, E).
+        self.k_BKLE[rows_B, :, self.slots_B] = k_B1KE[:, 0]
+        self.v_BKLE[rows_B, :, self.slots_B] = v_B1KE[:, 0]
+        return self.k_BKLE, self.v_BKLE
+
+
+class _DecodeAttention(TorchFunctionMode):
+    """SDPA of one query per row written as plain matmuls + softmax, which the compiler fuses
+    (the CPU flash-attention kernel costs more than the arithmetic at decode sizes)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return _masked_attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _masked_attention(
+    q_BHSE: torch.Tensor,
+    k_BKLE: torch.Tensor,
+    v_BKLE: torch.Tensor,
+    attn_mask: torch.Tensor,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention`` with a boolean ``(B, 1, S, L)`` mask; query head ``h``
+    reads kv head ``h // (H / K)`` (SDPA's ``enable_gqa`` grouping)."""
+    B, H, S, E = q_BHSE.shape
+    K = k_BKLE.shape[1]
+    scale = E**-0.5 if scale is None else scale
+    q_BKGE = q_BHSE.reshape(B, K, (H // K) * S, E)
+    scores = (q_BKGE @ k_BKLE.transpose(-1, -2)).mul_(scale).view(B, K, H // K, S, -1)
+    scores = scores.masked_fill(~attn_mask[:, :, None], float("-inf")).softmax(-1)
+    o_BKGE = scores.view(B, K, (H // K) * S, -1) @ v_BKLE
+    return o_BKGE.view(B, H, S, E)
+
+
+def _decode_step(
+    model: nn.Module,
+    tokens_B1: torch.Tensor,
+    slots_B: torch.Tensor,
+    buffers: list[tuple[torch.Tensor, torch.Tensor]],
+    params: SamplingParams,
+    noise_BV: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decode step of the model's own blocks with static shapes, then the sampler: each
+    row writes its token at its slot, attends to the whole capacity masked to the slots up to
+    its own, and moves its slot on."""
+    capacity = buffers[0][0].shape[2]
+    h_B1D = model.tok_embeddings(tokens_B1)
+    rope = model.rope(slots_B[:, None], h_B1D.dtype)
+    keys_L = torch.arange(capacity, device=slots_B.device)
+    mask_B11L = (keys_L[None, :] <= slots_B[:, None])[:, None, None, :]
+    with _DecodeAttention():
+        for layer, (k_BKLE, v_BKLE) in zip(model.layers.values(), buffers, strict=True):
+            h_B1D = layer(h_B1D, rope, mask_B11L, _StepCache(k_BKLE, v_BKLE, slots_B))
+    slots_B.add_(1)
+    return _sample(model.head(h_B1D)[:, 0], params, noise_BV)
+
+
+def _noise(
+    params: SamplingParams, rngs: list[torch.Generator], vocab: int, device: torch.device
+) -> torch.Tensor | None:
+    """``(B, V)`` Exp(1) noise for the sampler, row ``b`` from ``rngs[b]`` (rows never share
+    randomness); ``None`` when greedy."""
+    if params.temperature == 0.0:
+        return None
+    return torch.stack([torch.empty(vocab, device=device).exponential_(generator=g) for g in rngs])
+
 
 def _sample(
-    logits_BV: torch.Tensor, params: SamplingParams, rngs: list[torch.Generator]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sampled ids ``(B,)`` and their log-probs under the processed distribution."""
+    logits_BV: torch.Tensor, params: SamplingParams, noise_BV: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sampled ids ``(B,)``, their raw log-probs (``token_logprobs``: after temperature, before
+    top-k / top-p) and their log-probs under the processed distribution (0 when greedy)."""
     logits_BV = logits_BV.float()
     if params.temperature == 0.0:
-        return logits_BV.argmax(-1), torch.zeros(logits_BV.shape[0], device=logits_BV.device)
+        next_B = logits_BV.argmax(-1)
+        processed_B = torch.zeros(logits_BV.shape[0], device=logits_BV.device)
+        return next_B, token_logprobs(logits_BV, next_B, params.temperature), processed_B
     scaled_BV = logits_BV / params.temperature if params.temperature != 1.0 else logits_BV
     processed_BV = _top_k_top_p(scaled_BV, params.top_k, params.top_p)
     logp_BV = processed_BV.log_softmax(-1)
-    # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i. Each
-    # row draws its noise from its own generator, so rows never share randomness.
-    noise_BV = torch.stack([torch.empty_like(logp_BV[0]).exponential_(generator=g) for g in rngs])
+    # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i.
     next_B = (logp_BV - noise_BV.log()).argmax(-1)
-    return next_B, logp_BV.gather(-1, next_B[:, None]).squeeze(-1)
+    processed_B = logp_BV.gather(-1, next_B[:, None]).squeeze(-1)
+    return next_B, token_logprobs(logits_BV, next_B, params.temperature), processed_B
 
 
 def _top_k_top_p(logits_BV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
