@@ -224,8 +224,7 @@ class Costs:
         ``communication``: the median, over receives whose wait actually blocked, of the time
         from the later of the two ends being posted to the wait returning (a wait that did
         not block only bounds it from above). Needs ``posts`` and ``waits`` (a
-        ``TimelineRecorder`` fills them); without them both stay 0. Clocks of different
-        ranks are aligned by the barrier the recorder starts with.
+        ``TimelineRecorder`` fills them, on one clock for all ranks); without them both stay 0.
         """
         sums: dict[tuple[ActionKind, int], list[float]] = {}
         for iv in timeline._all():
@@ -379,7 +378,7 @@ def _replay(schedule: Schedule, costs: Costs, *, blocking_sends: bool) -> Timeli
     ranks = [_RankState(_segments(acts)) for acts in schedule.actions]
     counters: dict[tuple[_ChannelKey, bool], int] = {}
     index: dict[tuple[int, int, int], tuple[_ChannelKey, int, bool]] = {}
-    recv_of: dict[tuple[int, ActionKind, int, int], tuple[int, int]] = {}  # -> (rank, seg)
+    recv_of: dict[tuple[int, ActionKind, int, int], tuple[int, int]] = {}  # -> (segment, op)
     for r, st in enumerate(ranks):
         for si, seg in enumerate(st.segs):
             if isinstance(seg, tuple):
@@ -399,7 +398,7 @@ def _replay(schedule: Schedule, costs: Costs, *, blocking_sends: bool) -> Timeli
         return None if mine is None or other is None else max(mine, other) + costs.communication
 
     def input_ready(r: int, action: Action) -> float | None:
-        """When the received input of a compute action is usable (its own start if none)."""
+        """When the received input of a compute action is usable (0 if it receives none)."""
         kind = ActionKind.RECV_F if action.kind == ActionKind.F else ActionKind.RECV_B
         where = recv_of.get((r, kind, action.stage, action.microbatch))
         if where is None or action.kind == ActionKind.W:
