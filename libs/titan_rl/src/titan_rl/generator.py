@@ -132,7 +132,10 @@ class TorchGenerator:
         ``compile_decode``: run each decode step as one ``torch.compile``d graph of static
         shapes (the cache's full capacity, masked), compiled once per batch size and capacity
         bucket (``_CAPACITY_BUCKET`` tokens); the prefill stays eager. Fused kernels round
-        differently, so it cannot be combined with ``batch_invariant``.
+        differently, so it cannot be combined with ``batch_invariant``. Steps after the first
+        of a call skip dynamo's guard checks (``skip_guard_eval_unsafe``, a process-wide
+        stance): other ``torch.compile``d code must not run in another thread meanwhile (in
+        titan_rl's async mode the trainer thread runs eager code).
         """
         if not hasattr(model, "new_kv_cache"):
             raise TypeError(f"model must be a titan_models Transformer, got {type(model).__name__}")
