@@ -92,6 +92,41 @@ def test_posting_cost_and_rendezvous_transfer():
     assert t.intervals[0][1].start == 1.25  # F0.1 waits for the SEND_F0.0 post
 
 
+@pytest.mark.parametrize(
+    ("name", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2)]
+)
+def test_shared_processors_reduce_to_the_plain_replay_with_a_core_per_rank(name, v):
+    s = build_schedule(name, num_ranks=4, num_microbatches=8, stages_per_rank=v)
+    costs = Costs(
+        forward=tuple(1.0 + 0.25 * i for i in range(s.num_stages)),
+        backward=2.5,
+        backward_input=1.25,
+        backward_weight=0.75,
+        communication=0.3,
+        posting=0.125,
+    )
+    plain, shared = simulate(s, costs), simulate(s, costs, cores=4)
+    for a, b in zip(plain.intervals, shared.intervals, strict=True):
+        assert [i.action for i in a] == [i.action for i in b]
+        assert [i.start for i in a] == pytest.approx([i.start for i in b])
+        assert [i.end for i in a] == pytest.approx([i.end for i in b])
+
+
+def test_two_ranks_on_one_core_share_it():
+    # GPipe, 2 ranks, 2 microbatches, F=1, B=2: F0.1 (rank 0) overlaps F1.0 (rank 1) and
+    # both run at half speed: 1 + 2 for the pair
+    s = build_schedule("gpipe", num_ranks=2, num_microbatches=2)
+    t = simulate(s, Costs(), cores=1)
+    f01 = t.intervals[0][1]
+    f10 = t.intervals[1][0]
+    assert (f01.start, f01.end) == (1.0, 3.0) and (f10.start, f10.end) == (1.0, 3.0)
+    # one core that is never idle: the makespan is all the work, 2 x (1 + 1 + 2 + 2),
+    # against 9 with a core per rank
+    assert t.total_time == pytest.approx(12.0) and simulate(s).total_time == 9.0
+    with pytest.raises(ValueError, match="cores must be an int >= 1"):
+        simulate(s, cores=0)
+
+
 def test_costs_from_a_timeline_calibrate_posting_and_transfer():
     f = ActionKind
     intervals = (

@@ -234,6 +234,14 @@ def _leaves_under(nodes: list[Node]) -> list[torch.Tensor]:
     return list(leaves.values())
 
 
+_Clock = tuple[float, float]
+
+
+def _clock() -> _Clock:
+    """Wall time and this thread's CPU time, in seconds."""
+    return time.perf_counter(), time.thread_time()
+
+
 class TimelineRecorder:
     """Collects what ``run`` does on this rank and when: compute actions, the host calls that
     post communication batches, and the waits for received data."""
@@ -254,11 +262,14 @@ class TimelineRecorder:
         self._t0, self._wall0 = time.perf_counter(), time.time()
         self.intervals, self.posts, self.waits = [], [], []
 
-    def _record(self, action: Action, start: float, end: float) -> None:
-        self.intervals.append(Interval(action, start - self._t0, end - self._t0))
+    def _interval(self, action: Action, start: _Clock, end: _Clock) -> Interval:
+        return Interval(action, start[0] - self._t0, end[0] - self._t0, end[1] - start[1])
 
-    def _record_post(self, actions: Sequence[Action], start: float, end: float) -> None:
-        self.posts.extend(Interval(a, start - self._t0, end - self._t0) for a in actions)
+    def _record(self, action: Action, start: _Clock, end: _Clock) -> None:
+        self.intervals.append(self._interval(action, start, end))
+
+    def _record_post(self, actions: Sequence[Action], start: _Clock, end: _Clock) -> None:
+        self.posts.extend(self._interval(a, start, end) for a in actions)
 
     def _record_wait(self, action: Action, start: float, end: float) -> None:
         self.waits.append(Interval(action, start - self._t0, end - self._t0))
@@ -276,7 +287,7 @@ class TimelineRecorder:
         def shifted(i: int) -> tuple[tuple[Interval, ...], ...]:
             return tuple(
                 tuple(
-                    Interval(iv.action, iv.start + e[0] - first, iv.end + e[0] - first)
+                    Interval(iv.action, iv.start + e[0] - first, iv.end + e[0] - first, iv.cpu)
                     for iv in e[i]
                 )
                 for e in every
@@ -385,7 +396,7 @@ def run(
         if isinstance(seg, tuple):
             ops = []
             posted: list[tuple[tuple[str, int, int] | None, torch.Tensor]] = []
-            start = time.perf_counter()
+            start = _clock()
             for a in seg:
                 s, mb = a.stage, a.microbatch
                 if a.kind == ActionKind.SEND_F:
@@ -417,14 +428,14 @@ def run(
                 else:
                     recvs[key] = (work, t, a)
             if recorder is not None:
-                recorder._record_post(seg, start, time.perf_counter())
+                recorder._record_post(seg, start, _clock())
             continue
 
         a = seg
         st, s, mb = local[seg.stage], seg.stage, seg.microbatch
         if a.kind == F:
             x = microbatches[mb] if s == 0 else value("F", s, mb)
-            start = time.perf_counter()
+            start = _clock()
             with grad_mode:
                 y = st._forward(mb, x, stage_kwargs[mb] if stage_kwargs is not None else {})
                 if st.is_last:
@@ -440,17 +451,17 @@ def run(
             gy = None if st.is_last else value("B", s, mb)
             if a.kind == B and before_backward is not None:
                 before_backward(st, mb)
-            start = time.perf_counter()
+            start = _clock()
             gx = st._backward(mb, gy, split=a.kind == I)
             if gx is not None:
                 handoff[("B", s - 1, mb)] = gx
         else:
             if before_backward is not None:
                 before_backward(st, mb)
-            start = time.perf_counter()
+            start = _clock()
             st._backward_weight(mb)
         if recorder is not None:
-            recorder._record(a, start, time.perf_counter())
+            recorder._record(a, start, _clock())
 
     for work, _ in sends:
         work.wait()

@@ -38,6 +38,8 @@ class Interval:
     action: Action
     start: float
     end: float
+    cpu: float | None = None
+    """Measured only: CPU time the recording thread spent in it (``time.thread_time``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,8 +213,15 @@ class Costs:
         return value if isinstance(value, int | float) else value[action.stage]
 
     @classmethod
-    def from_timeline(cls, timeline: Timeline, num_stages: int, *, trace: bool = False) -> Costs:
+    def from_timeline(
+        cls, timeline: Timeline, num_stages: int, *, trace: bool = False, cpu: bool = False
+    ) -> Costs:
         """Costs calibrated from a measured timeline of the same run.
+
+        With ``cpu`` the compute and posting costs are the recorded CPU times instead of wall
+        times: the work of each action on a processor of its own, for ``simulate(...,
+        cores=n)`` when ranks share processors (a rank's wall time then includes the time it
+        waited for one).
 
         With ``trace`` the costs also hold every action's own measured duration and every
         batch's own posting time (``durations``): simulating them replays the run as it
@@ -226,16 +235,22 @@ class Costs:
         not block only bounds it from above). Needs ``posts`` and ``waits`` (a
         ``TimelineRecorder`` fills them, on one clock for all ranks); without them both stay 0.
         """
+
+        def took(iv: Interval) -> float:
+            return iv.cpu if cpu and iv.cpu is not None else iv.end - iv.start
+
         sums: dict[tuple[ActionKind, int], list[float]] = {}
         for iv in timeline._all():
-            sums.setdefault((iv.action.kind, iv.action.stage), []).append(iv.end - iv.start)
+            sums.setdefault((iv.action.kind, iv.action.stage), []).append(took(iv))
 
         def per_stage(kind: ActionKind) -> tuple[float, ...]:
             return tuple(
                 sum(v) / len(v) if (v := sums.get((kind, s))) else 0.0 for s in range(num_stages)
             )
 
-        batches = {(r, iv.start, iv.end) for r, ivs in enumerate(timeline.posts) for iv in ivs}
+        batches = {
+            (r, iv.start, iv.end): took(iv) for r, ivs in enumerate(timeline.posts) for iv in ivs
+        }
         posted = {iv.action: iv.end for ivs in timeline.posts for iv in ivs}
         transfers = []
         for ivs in timeline.waits:
@@ -246,20 +261,20 @@ class Costs:
                     transfers.append(iv.end - max(posted[iv.action], posted[send]))
         durations: dict[Action, float] = {}
         if trace:
-            durations.update((iv.action, iv.end - iv.start) for iv in timeline._all())
+            durations.update((iv.action, took(iv)) for iv in timeline._all())
             for ivs in timeline.posts:
                 seen: set[tuple[float, float]] = set()
                 for iv in ivs:  # the first action of each batch carries its posting time
                     if (iv.start, iv.end) not in seen:
                         seen.add((iv.start, iv.end))
-                        durations[iv.action] = iv.end - iv.start
+                        durations[iv.action] = took(iv)
         return cls(
             forward=per_stage(ActionKind.F),
             backward=per_stage(ActionKind.B),
             backward_input=per_stage(ActionKind.I),
             backward_weight=per_stage(ActionKind.W),
             communication=max(0.0, statistics.median(transfers)) if transfers else 0.0,
-            posting=sum(e - s for _, s, e in batches) / len(batches) if batches else 0.0,
+            posting=sum(batches.values()) / len(batches) if batches else 0.0,
             durations=durations,
         )
 
@@ -285,9 +300,21 @@ class DeadlockError(ValueError):
         self.stuck = stuck
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
-    """Timeline of ``schedule`` under ``costs`` (default: F=I=W=1, B=2, free communication)."""
-    return _replay(schedule, costs or Costs(), blocking_sends=False)
+def simulate(
+    schedule: Schedule, costs: Costs | None = None, *, cores: int | None = None
+) -> Timeline:
+    """Timeline of ``schedule`` under ``costs`` (default: F=I=W=1, B=2, free communication).
+
+    ``cores``: the ranks share that many processors (e.g. more ranks than cores on one
+    machine): whoever computes or posts progresses at ``min(1, cores / n)`` while ``n`` ranks
+    do, and ``costs`` are each action's time on a processor of its own (its CPU time). None:
+    every rank has its own processor.
+    """
+    if cores is None:
+        return _replay(schedule, costs or Costs(), blocking_sends=False)
+    if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
+        raise ValueError(f"cores must be an int >= 1 or None, got {cores!r}")
+    return _replay_shared(schedule, costs or Costs(), cores)
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,57 +388,84 @@ class _RankState:
     intervals: list[Interval] = field(default_factory=list)
 
 
+_Op = tuple[_ChannelKey, int, bool]  # (channel, index on it, is the sending end)
+
+
+class _Wiring:
+    """Every communication op's place on its channel, when each end was posted, and when the
+    data of a transfer is usable (``communication`` after both ends are posted)."""
+
+    def __init__(self, schedule: Schedule, segs: list[list[_Seg]], communication: float) -> None:
+        self.segs = segs
+        self.communication = communication
+        self.post: dict[_Op, float] = {}
+        self.index: dict[tuple[int, int, int], _Op] = {}
+        self.recv_of: dict[tuple[int, ActionKind, int, int], tuple[int, int]] = {}
+        counters: dict[tuple[_ChannelKey, bool], int] = {}
+        for r, rank_segs in enumerate(segs):
+            for si, seg in enumerate(rank_segs):
+                if isinstance(seg, tuple):
+                    for oi, a in enumerate(seg):
+                        key, is_send = channel_of(a, r, schedule.stage_to_rank)
+                        k = counters.get((key, is_send), 0)
+                        counters[(key, is_send)] = k + 1
+                        self.index[(r, si, oi)] = (key, k, is_send)
+                        if not is_send:
+                            self.recv_of[(r, a.kind, a.stage, a.microbatch)] = (si, oi)
+
+    def ops(self, r: int, si: int) -> list[_Op]:
+        """The ops of batch ``si`` of rank ``r``."""
+        return [self.index[(r, si, oi)] for oi in range(len(self.segs[r][si]))]
+
+    def arrival(self, op: _Op) -> float | None:
+        """When the data of op is usable, or None while an end is not posted."""
+        key, k, is_send = op
+        mine, other = self.post.get(op), self.post.get((key, k, not is_send))
+        return None if mine is None or other is None else max(mine, other) + self.communication
+
+    def input_ready(self, r: int, action: Action, *, whole_batch: bool) -> float | None:
+        """When the received input of a compute action is usable (0 if it receives none)."""
+        where = self._recv(r, action)
+        if where is None or action.kind == ActionKind.W:
+            return 0.0
+        si, oi = where
+        ops = self.ops(r, si) if whole_batch else [self.index[(r, si, oi)]]
+        times = [self.arrival(op) for op in ops]
+        return None if any(t is None for t in times) else max(times)
+
+    def stuck(self, positions: list[int]) -> dict[int, str]:
+        """What each unfinished rank waits at."""
+        out = {}
+        for r, pos in enumerate(positions):
+            if pos < len(self.segs[r]):
+                seg = self.segs[r][pos]
+                if isinstance(seg, tuple):
+                    out[r] = " ".join(map(str, seg))
+                else:
+                    si, oi = self._recv(r, seg)
+                    out[r] = f"{seg} (for the data of {self.segs[r][si][oi]})"
+        return out
+
+    def _recv(self, r: int, action: Action) -> tuple[int, int] | None:
+        kind = ActionKind.RECV_F if action.kind == ActionKind.F else ActionKind.RECV_B
+        return self.recv_of.get((r, kind, action.stage, action.microbatch))
+
+
 def _replay(schedule: Schedule, costs: Costs, *, blocking_sends: bool) -> Timeline:
     """Run every rank's list against the others; raise ``DeadlockError`` if they get stuck.
 
     Each communication op gets an index on its channel (the k-th send matches the k-th
-    receive); ``post[(channel, k, is_send)]`` is when that end was posted. Posting never
-    waits for the other end; data is usable ``costs.communication`` after both ends are
-    posted (a rendezvous, as gloo does: a send completes only once its receive is posted),
-    and a compute action waits for the data of its input. Posting a batch takes
-    ``costs.posting``. ``blocking_sends`` (the validator) adds the strictest semantics a
+    receive). Posting never waits for the other end; data is usable ``costs.communication``
+    after both ends are posted (a rendezvous, as gloo does: a send completes only once its
+    receive is posted), and a compute action waits for the data of its input. Posting a batch
+    takes ``costs.posting``. ``blocking_sends`` (the validator) adds the strictest semantics a
     backend may have: a batch holding a send returns only once every send's receive is
     posted, and a compute action waits for every op of the batch that holds its input
-    (backends that coalesce a batch into one work, such as NCCL).
+    (backends that coalesce a batch into one work, such as NCCL). Every rank has a processor
+    of its own; ``_replay_shared`` lets them share fewer.
     """
-    owner = schedule.stage_to_rank
     ranks = [_RankState(_segments(acts)) for acts in schedule.actions]
-    counters: dict[tuple[_ChannelKey, bool], int] = {}
-    index: dict[tuple[int, int, int], tuple[_ChannelKey, int, bool]] = {}
-    recv_of: dict[tuple[int, ActionKind, int, int], tuple[int, int]] = {}  # -> (segment, op)
-    for r, st in enumerate(ranks):
-        for si, seg in enumerate(st.segs):
-            if isinstance(seg, tuple):
-                for oi, a in enumerate(seg):
-                    key, is_send = channel_of(a, r, owner)
-                    k = counters.get((key, is_send), 0)
-                    counters[(key, is_send)] = k + 1
-                    index[(r, si, oi)] = (key, k, is_send)
-                    if not is_send:
-                        recv_of[(r, a.kind, a.stage, a.microbatch)] = (si, oi)
-    post: dict[tuple[_ChannelKey, int, bool], float] = {}
-
-    def arrival(op: tuple[_ChannelKey, int, bool]) -> float | None:
-        """When the data of op is usable, or None while an end is not posted."""
-        key, k, is_send = op
-        mine, other = post.get(op), post.get((key, k, not is_send))
-        return None if mine is None or other is None else max(mine, other) + costs.communication
-
-    def input_ready(r: int, action: Action) -> float | None:
-        """When the received input of a compute action is usable (0 if it receives none)."""
-        kind = ActionKind.RECV_F if action.kind == ActionKind.F else ActionKind.RECV_B
-        where = recv_of.get((r, kind, action.stage, action.microbatch))
-        if where is None or action.kind == ActionKind.W:
-            return 0.0
-        si, oi = where
-        ops = (
-            [index[(r, si, j)] for j in range(len(ranks[r].segs[si]))]
-            if blocking_sends
-            else [index[(r, si, oi)]]
-        )
-        times = [arrival(op) for op in ops]
-        return None if any(t is None for t in times) else max(times)
-
+    wiring = _Wiring(schedule, [st.segs for st in ranks], costs.communication)
     progress = True
     while progress:
         progress = False
@@ -419,7 +473,7 @@ def _replay(schedule: Schedule, costs: Costs, *, blocking_sends: bool) -> Timeli
             while st.pos < len(st.segs):
                 seg = st.segs[st.pos]
                 if isinstance(seg, Action):
-                    ready = input_ready(r, seg)
+                    ready = wiring.input_ready(r, seg, whole_batch=blocking_sends)
                     if ready is None:
                         break
                     start = max(st.clock, ready)
@@ -429,29 +483,90 @@ def _replay(schedule: Schedule, costs: Costs, *, blocking_sends: bool) -> Timeli
                     st.pos += 1
                     progress = True
                     continue
-                ops = [index[(r, st.pos, oi)] for oi in range(len(seg))]
+                ops = wiring.ops(r, st.pos)
                 if not st.posted:
                     st.clock += costs.durations.get(seg[0], costs.posting)
                     for op in ops:
-                        post[op] = st.clock
+                        wiring.post[op] = st.clock
                     st.posted = True
                     progress = True
-                if blocking_sends and any(arrival(op) is None for op in ops if op[2]):
+                if blocking_sends and any(wiring.arrival(op) is None for op in ops if op[2]):
                     break
                 st.pos += 1
                 st.posted = False
                 progress = True
-
-    def waiting_at(r: int, seg: _Seg) -> str:
-        if isinstance(seg, tuple):
-            return " ".join(map(str, seg))
-        kind = ActionKind.RECV_F if seg.kind == ActionKind.F else ActionKind.RECV_B
-        si, oi = recv_of[(r, kind, seg.stage, seg.microbatch)]
-        return f"{seg} (for the data of {ranks[r].segs[si][oi]})"
-
-    stuck = {
-        r: waiting_at(r, st.segs[st.pos]) for r, st in enumerate(ranks) if st.pos < len(st.segs)
-    }
+    stuck = wiring.stuck([st.pos for st in ranks])
     if stuck:
         raise DeadlockError(stuck)
     return Timeline(tuple(tuple(st.intervals) for st in ranks))
+
+
+def _replay_shared(schedule: Schedule, costs: Costs, cores: int) -> Timeline:
+    """``_replay`` (simulation semantics) with the ranks sharing ``cores`` processors.
+
+    Costs are then a rank's work on a processor of its own (its CPU time). Computing and
+    posting need a processor; while ``n`` ranks do, each progresses at ``min(1, cores / n)``
+    (processor sharing, as an OS scheduler gives equal shares); waiting ranks need none.
+    Event by event: the next event is the earliest end of a piece of work at the current
+    rates or the earliest arrival of data some rank waits for.
+    """
+    segs = [_segments(acts) for acts in schedule.actions]
+    wiring = _Wiring(schedule, segs, costs.communication)
+    num = len(segs)
+    pos = [0] * num
+    left: list[float | None] = [None] * num  # work left on the current segment, None: not begun
+    began = [0.0] * num
+    intervals: list[list[Interval]] = [[] for _ in range(num)]
+    now = 0.0
+    while True:
+        wake = []  # arrival times of data that waiting ranks already know of
+        for r in range(num):
+            while pos[r] < len(segs[r]) and left[r] is None:
+                seg = segs[r][pos[r]]
+                if isinstance(seg, Action):
+                    ready = wiring.input_ready(r, seg, whole_batch=False)
+                    if ready is None:
+                        break
+                    if ready > now:
+                        wake.append(ready)
+                        break
+                    work = costs.of(seg)
+                else:
+                    work = costs.durations.get(seg[0], costs.posting)
+                began[r], left[r] = now, work
+                if work <= 0:
+                    _finish_segment(r, pos[r], now, began, wiring, intervals)
+                    pos[r] += 1
+                    left[r] = None
+        busy = [r for r in range(num) if left[r] is not None]
+        if not busy and not wake:
+            break
+        rate = min(1.0, cores / len(busy)) if busy else 0.0
+        step = min([left[r] / rate for r in busy] + [t - now for t in wake])
+        now += step
+        for r in busy:
+            left[r] -= step * rate
+            if left[r] <= 1e-12 * max(1.0, now):
+                _finish_segment(r, pos[r], now, began, wiring, intervals)
+                pos[r] += 1
+                left[r] = None
+    stuck = wiring.stuck(pos)
+    if stuck:
+        raise DeadlockError(stuck)
+    return Timeline(tuple(map(tuple, intervals)))
+
+
+def _finish_segment(
+    r: int,
+    si: int,
+    now: float,
+    began: list[float],
+    wiring: _Wiring,
+    intervals: list[list[Interval]],
+) -> None:
+    seg = wiring.segs[r][si]
+    if isinstance(seg, Action):
+        intervals[r].append(Interval(seg, began[r], now))
+    else:
+        for op in wiring.ops(r, si):
+            wiring.post[op] = now
