@@ -97,7 +97,7 @@ def test_posting_cost_and_rendezvous_transfer():
 )
 def test_shared_processors_reduce_to_the_plain_replay_with_a_core_per_rank(name, v):
     s = build_schedule(name, num_ranks=4, num_microbatches=8, stages_per_rank=v)
-    costs = Costs(
+    uneven = Costs(
         forward=tuple(1.0 + 0.25 * i for i in range(s.num_stages)),
         backward=2.5,
         backward_input=1.25,
@@ -105,11 +105,12 @@ def test_shared_processors_reduce_to_the_plain_replay_with_a_core_per_rank(name,
         communication=0.3,
         posting=0.125,
     )
-    plain, shared = simulate(s, costs), simulate(s, costs, cores=4)
-    for a, b in zip(plain.intervals, shared.intervals, strict=True):
-        assert [i.action for i in a] == [i.action for i in b]
-        assert [i.start for i in a] == pytest.approx([i.start for i in b])
-        assert [i.end for i in a] == pytest.approx([i.end for i in b])
+    for costs in (uneven, Costs()):  # Costs(): free posts and transfers
+        plain, shared = simulate(s, costs), simulate(s, costs, cores=4)
+        for a, b in zip(plain.intervals, shared.intervals, strict=True):
+            assert [i.action for i in a] == [i.action for i in b]
+            assert [i.start for i in a] == pytest.approx([i.start for i in b])
+            assert [i.end for i in a] == pytest.approx([i.end for i in b])
 
 
 def test_two_ranks_on_one_core_share_it():

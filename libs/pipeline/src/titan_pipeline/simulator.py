@@ -519,25 +519,12 @@ def _replay_shared(schedule: Schedule, costs: Costs, cores: int) -> Timeline:
     intervals: list[list[Interval]] = [[] for _ in range(num)]
     now = 0.0
     while True:
-        wake = []  # arrival times of data that waiting ranks already know of
-        for r in range(num):
-            while pos[r] < len(segs[r]) and left[r] is None:
-                seg = segs[r][pos[r]]
-                if isinstance(seg, Action):
-                    ready = wiring.input_ready(r, seg, whole_batch=False)
-                    if ready is None:
-                        break
-                    if ready > now:
-                        wake.append(ready)
-                        break
-                    work = costs.of(seg)
-                else:
-                    work = costs.durations.get(seg[0], costs.posting)
-                began[r], left[r] = now, work
-                if work <= 0:
-                    _finish_segment(r, pos[r], now, began, wiring, intervals)
-                    pos[r] += 1
-                    left[r] = None
+        moved = True
+        while moved:  # zero-cost steps (a free post) can unblock ranks scanned before
+            moved = False
+            wake = []  # arrival times of data that waiting ranks already know of
+            for r in range(num):
+                moved |= _start_segments(r, now, costs, wiring, pos, left, began, intervals, wake)
         busy = [r for r in range(num) if left[r] is not None]
         if not busy and not wake:
             break
@@ -554,6 +541,42 @@ def _replay_shared(schedule: Schedule, costs: Costs, cores: int) -> Timeline:
     if stuck:
         raise DeadlockError(stuck)
     return Timeline(tuple(map(tuple, intervals)))
+
+
+def _start_segments(
+    r: int,
+    now: float,
+    costs: Costs,
+    wiring: _Wiring,
+    pos: list[int],
+    left: list[float | None],
+    began: list[float],
+    intervals: list[list[Interval]],
+    wake: list[float],
+) -> bool:
+    """Begin rank ``r``'s next pieces of work at ``now`` (finishing free ones at once) until
+    it is busy, done or waiting; return whether any free piece finished."""
+    segs = wiring.segs[r]
+    moved = False
+    while pos[r] < len(segs) and left[r] is None:
+        seg = segs[pos[r]]
+        if isinstance(seg, Action):
+            ready = wiring.input_ready(r, seg, whole_batch=False)
+            if ready is None:
+                break
+            if ready > now:
+                wake.append(ready)
+                break
+            work = costs.of(seg)
+        else:
+            work = costs.durations.get(seg[0], costs.posting)
+        began[r], left[r] = now, work
+        if work <= 0:
+            _finish_segment(r, pos[r], now, began, wiring, intervals)
+            pos[r] += 1
+            left[r] = None
+            moved = True
+    return moved
 
 
 def _finish_segment(
