@@ -59,7 +59,8 @@ def _free_port() -> int:
 
 
 def build_state(gib: float, mesh, n_tensors: int = 24, cols: int = 4096) -> dict:
-    """Local bytes ~= gib GiB per rank: params + exp_avg + exp_avg_sq, fp32, Shard(0)."""
+    """Local bytes ~= gib GiB per rank: params + exp_avg + exp_avg_sq, fp32, Shard(0), on the
+    mesh's device."""
     from torch.distributed.tensor import DTensor, Shard
 
     world = mesh.size()
@@ -68,7 +69,7 @@ def build_state(gib: float, mesh, n_tensors: int = 24, cols: int = 4096) -> dict
     g = torch.Generator().manual_seed(dist.get_rank())
 
     def dt(scale: float):
-        local = torch.randn(rows, cols, generator=g) * scale
+        local = (torch.randn(rows, cols, generator=g) * scale).to(mesh.device_type)
         return DTensor.from_local(
             local,
             mesh,
@@ -138,15 +139,18 @@ class RawFloor:
     def __init__(self, tensors: list[torch.Tensor], folder: str, rank: int) -> None:
         self.tensors = [t.reshape(-1).view(torch.uint8) for t in tensors]
         self.nbytes = sum(t.numel() for t in self.tensors)
-        self.buffer = torch.empty(self.nbytes, dtype=torch.uint8)
+        self.cuda = any(t.is_cuda for t in self.tensors)
+        self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.cuda)
         self.buffer.fill_(0)  # fault the pages in once, as a reused staging buffer is
         self.path = os.path.join(folder, f"raw_floor_{rank}.bin")
 
     def stage(self) -> None:
         pos = 0
         for t in self.tensors:
-            self.buffer[pos : pos + t.numel()].copy_(t)
+            self.buffer[pos : pos + t.numel()].copy_(t, non_blocking=self.cuda)
             pos += t.numel()
+        if self.cuda:
+            torch.cuda.synchronize()
 
     def write(self) -> None:
         mv = memoryview(self.buffer.numpy())
@@ -206,7 +210,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_q) ->
 
     from torch_checkpointing import CheckpointManager
 
-    mesh = init_device_mesh("cpu", (world,))
+    if args.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    mesh = init_device_mesh(args.device, (world,))
     state = build_state(args.gib, mesh)
     nbytes = local_bytes(state)
     base = args.dir
@@ -290,10 +296,18 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--mode", default="process", choices=["process", "thread"])
     ap.add_argument("--dir", default=None, help="local-disk folder for the checkpoints")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where the state lives (cuda: staging is a device-to-host copy; gloo either way)",
+    )
     ap.add_argument("--io-threads", type=int, default=None, help="our load threads per rank")
     args = ap.parse_args()
     if args.reps < 3:
         ap.error("--reps must be >= 3 (medians of at least 3)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is visible")
     need = args.ranks * args.gib * 4.2 + 1
     avail = _meminfo_available_gib()
     if avail < need:
@@ -321,7 +335,7 @@ def main() -> None:
     gib = out["bytes"] / 2**30
     print(
         f"\n{args.ranks} ranks (gloo), {gib:.2f} GiB of model+optimizer state per rank, "
-        f"median of {args.reps} reps, our async_mode={args.mode!r}, torch {torch.__version__}\n"
+        f"median of {args.reps} reps, our async_mode={args.mode!r}, state on {args.device}, torch {torch.__version__}\n"
     )
     rows = [
         ("trainer blocking, async save", "ours_block", "dcp.async_save", "dcp_async_block",
