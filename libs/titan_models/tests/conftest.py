@@ -122,6 +122,39 @@ def hf_checkpoint(tmp_path):
 
 
 @pytest.fixture
+def token_batch():
+    """``make(vocab, seed=1) -> (tokens, labels)``: two random (2, 64) id tensors."""
+
+    def make(vocab: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return (
+            torch.randint(0, vocab, (2, 64), generator=g),
+            torch.randint(0, vocab, (2, 64), generator=g),
+        )
+
+    return make
+
+
+@pytest.fixture
+def backward_both(token_batch, assert_logits_match):
+    """``run(ours, hf)``: the same batch through both models, logits checked to match, then a
+    cross-entropy backward through each (gradients left on the parameters)."""
+    import torch.nn.functional as F
+
+    def run(ours: torch.nn.Module, hf: torch.nn.Module) -> None:
+        vocab = hf.config.vocab_size
+        tokens, labels = token_batch(vocab)
+        hf_logits = hf(input_ids=tokens).logits
+        our_logits = ours(tokens)
+        assert our_logits.shape == (2, 64, vocab)
+        assert_logits_match(our_logits, hf_logits)
+        F.cross_entropy(hf_logits.flatten(0, 1), labels.flatten()).backward()
+        F.cross_entropy(our_logits.flatten(0, 1), labels.flatten()).backward()
+
+    return run
+
+
+@pytest.fixture
 def assert_logits_match():
     """``check(ours, theirs)``: same shape, max |Δ| <= 1e-4 and per-token KL <= 1e-6."""
     import torch.nn.functional as F

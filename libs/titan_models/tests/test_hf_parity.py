@@ -20,13 +20,6 @@ CASES = [
 ]
 
 
-def _inputs(vocab: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (2, 64), generator=g), torch.randint(
-        0, vocab, (2, 64), generator=g
-    )
-
-
 def _hf_name(fqn: str) -> str:
     for ours, hf in DENSE_KEY_MAP:
         parts = ours.split("{}")
@@ -42,20 +35,12 @@ def _hf_name(fqn: str) -> str:
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize(("family", "overrides"), CASES)
 def test_logits_and_gradients_match_transformers(
-    hf_checkpoint, assert_logits_match, family, overrides, attn
+    hf_checkpoint, backward_both, family, overrides, attn
 ):
     hf, folder = hf_checkpoint(family, attn=attn, **overrides)
     ours = titan_models.from_hf(folder)
     assert type(ours).__name__ == {"llama3": "Llama3", "qwen3": "Qwen3"}[family]
-    tokens, labels = _inputs(hf.config.vocab_size)
-
-    hf_logits = hf(input_ids=tokens).logits
-    our_logits = ours(tokens)
-    assert our_logits.shape == (2, 64, hf.config.vocab_size)
-    assert_logits_match(our_logits, hf_logits)
-
-    F.cross_entropy(hf_logits.flatten(0, 1), labels.flatten()).backward()
-    F.cross_entropy(our_logits.flatten(0, 1), labels.flatten()).backward()
+    backward_both(ours, hf)
     hf_params = dict(hf.named_parameters())
     checked = 0
     for fqn, param in ours.named_parameters():
@@ -68,7 +53,7 @@ def test_logits_and_gradients_match_transformers(
 
 @pytest.mark.parametrize(("family", "overrides"), CASES)
 def test_to_hf_then_from_pretrained_gives_the_same_logits(
-    hf_checkpoint, tmp_path, family, overrides
+    token_batch, hf_checkpoint, tmp_path, family, overrides
 ):
     transformers = pytest.importorskip("transformers")
     hf, folder = hf_checkpoint(family, **overrides)
@@ -84,7 +69,7 @@ def test_to_hf_then_from_pretrained_gives_the_same_logits(
 
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert reloaded.config.tie_word_embeddings == ours.config.tie_embeddings
-    tokens, _ = _inputs(ours.config.vocab_size)
+    tokens, _ = token_batch(ours.config.vocab_size)
     with torch.no_grad():
         # Same weights, same HF code: bit-identical logits.
         assert torch.equal(reloaded(input_ids=tokens).logits, hf(input_ids=tokens).logits)
@@ -95,11 +80,11 @@ def test_to_hf_then_from_pretrained_gives_the_same_logits(
         assert torch.equal(a, b), name
 
 
-def test_sharded_hf_checkpoint_loads(hf_checkpoint):
+def test_sharded_hf_checkpoint_loads(token_batch, hf_checkpoint):
     hf, folder = hf_checkpoint("llama3", shard="30KB")
     assert (folder / "model.safetensors.index.json").is_file()
     ours = titan_models.from_hf(folder)
-    tokens, _ = _inputs(hf.config.vocab_size)
+    tokens, _ = token_batch(hf.config.vocab_size)
     with torch.no_grad():
         assert (ours(tokens) - hf(input_ids=tokens).logits).abs().max().item() <= 1e-4
 
@@ -111,11 +96,11 @@ def test_from_hf_converts_dtype_and_places_on_device(hf_checkpoint):
     assert ours.output.weight is ours.tok_embeddings.weight  # still tied after loading
 
 
-def test_bf16_model_tracks_transformers_bf16(hf_checkpoint):
+def test_bf16_model_tracks_transformers_bf16(token_batch, hf_checkpoint):
     hf, folder = hf_checkpoint("qwen3", tie_word_embeddings=False)
     ours = titan_models.from_hf(folder, dtype=torch.bfloat16)
     hf = hf.to(torch.bfloat16)
-    tokens, _ = _inputs(hf.config.vocab_size)
+    tokens, _ = token_batch(hf.config.vocab_size)
     with torch.no_grad():
         a, b = ours(tokens).float(), hf(input_ids=tokens).logits.float()
     # bf16 rounds each op; the kernels differ slightly (fused norm / rotary), so compare the

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import titan_models
 from titan_models.hf_io import checkpoint_files, named_state
@@ -39,13 +38,6 @@ CASES = [
 ]
 
 
-def _inputs(vocab: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (2, 64), generator=g), torch.randint(
-        0, vocab, (2, 64), generator=g
-    )
-
-
 def _hf_grads(hf) -> dict[str, torch.Tensor]:
     """transformers' gradients under the on-disk key names: fused experts split per expert."""
     grads = {}
@@ -65,21 +57,11 @@ def _hf_grads(hf) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(("family", "overrides"), CASES)
-def test_logits_and_gradients_match_transformers(
-    hf_checkpoint, assert_logits_match, family, overrides
-):
+def test_logits_and_gradients_match_transformers(hf_checkpoint, backward_both, family, overrides):
     hf, folder = hf_checkpoint(family, **overrides)
     ours = titan_models.from_hf(folder).eval()  # eval: no balance loss, as transformers
     assert family_of(ours).name == family
-    tokens, labels = _inputs(hf.config.vocab_size)
-
-    hf_logits = hf(input_ids=tokens).logits
-    our_logits = ours(tokens)
-    assert our_logits.shape == (2, 64, hf.config.vocab_size)
-    assert_logits_match(our_logits, hf_logits)
-
-    F.cross_entropy(hf_logits.flatten(0, 1), labels.flatten()).backward()
-    F.cross_entropy(our_logits.flatten(0, 1), labels.flatten()).backward()
+    backward_both(ours, hf)
     hf_grads = _hf_grads(hf)
     adapter = family_of(ours).hf_adapter
     hf_config = adapter.adapt_to_checkpoint(
@@ -99,7 +81,7 @@ def test_logits_and_gradients_match_transformers(
 
 @pytest.mark.parametrize(("family", "overrides"), CASES[::2])
 def test_to_hf_then_from_pretrained_gives_the_same_logits(
-    hf_checkpoint, tmp_path, family, overrides
+    token_batch, hf_checkpoint, tmp_path, family, overrides
 ):
     transformers = pytest.importorskip("transformers")
     hf, folder = hf_checkpoint(family, **overrides)
@@ -109,7 +91,7 @@ def test_to_hf_then_from_pretrained_gives_the_same_logits(
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in index["weight_map"]
 
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
-    tokens, _ = _inputs(ours.config.vocab_size)
+    tokens, _ = token_batch(ours.config.vocab_size)
     with torch.no_grad():
         # Same weights, same HF code: bit-identical logits.
         assert torch.equal(reloaded(input_ids=tokens).logits, hf(input_ids=tokens).logits)
@@ -119,7 +101,9 @@ def test_to_hf_then_from_pretrained_gives_the_same_logits(
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_checkpoint_with_fused_experts_loads_like_the_per_expert_one(hf_checkpoint, family):
+def test_checkpoint_with_fused_experts_loads_like_the_per_expert_one(
+    token_batch, hf_checkpoint, family
+):
     hf, per_expert = hf_checkpoint(family)
     _, fused = hf_checkpoint(family, fused=True)
     keys = checkpoint_files(fused)
@@ -128,6 +112,6 @@ def test_checkpoint_with_fused_experts_loads_like_the_per_expert_one(hf_checkpoi
     a, b = titan_models.from_hf(per_expert), titan_models.from_hf(fused)
     for (name, x), (_, y) in zip(named_state(a), named_state(b), strict=True):
         assert torch.equal(x, y), name
-    tokens, _ = _inputs(hf.config.vocab_size)
+    tokens, _ = token_batch(hf.config.vocab_size)
     with torch.no_grad():
         assert (b(tokens) - hf(input_ids=tokens).logits).abs().max().item() <= 1e-4
