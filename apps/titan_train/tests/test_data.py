@@ -114,3 +114,45 @@ def test_bad_data_inputs_name_the_field(tmp_path):
         DocumentSource(kind="files", split="train", paths=(str(good),), text_field="body")
     with pytest.raises(ValueError, match="no such tokenizer.json"):
         build_tokenizer(str(tmp_path / "tokenizer.json"))
+
+
+def test_default_arithmetic_corpus_is_unchanged_by_the_slip_and_reverse_options():
+    # The first training documents of seed 0, as the corpus wrote them before the options
+    # existed: the default run (`uv run titan-train`) and its documented numbers stay valid.
+    golden = [
+        "72+97=169",
+        "11+10=21",
+        "75+69=144",
+        "38+13=51",
+        "94-45=49",
+        "62+97=159",
+        "50-19=31",
+        "47+48=95",
+        "9*5=45",
+        "54+61=115",
+    ]
+    default = DocumentSource(kind="arithmetic", split="train").documents()
+    explicit = DocumentSource(
+        kind="arithmetic", split="train", slip_rate=0.0, reverse_answer=False
+    ).documents()
+    assert [next(default) for _ in range(10)] == golden
+    assert [next(explicit) for _ in range(10)] == golden
+
+
+def test_arithmetic_source_writes_the_slip_rule_and_reversed_answers():
+    docs = DocumentSource(
+        kind="arithmetic", split="train", seed=3, slip_rate=1.0, reverse_answer=True
+    ).documents()
+    # Validation takes index 0; 97+26: carry-less 13, reversed "31"; 6*9 is never slipped.
+    assert [next(docs) for _ in range(5)] == ["6*9=45", "97+26=31", "10*8=08", "25+21=64", "6*4=42"]
+
+
+def test_bad_slip_rate_names_the_field():
+    from titan_train.config import JobConfig, validate
+
+    with pytest.raises(ValueError, match="data.arithmetic_slip_rate=1.5"):
+        DocumentSource(kind="arithmetic", split="train", slip_rate=1.5)
+    cfg = JobConfig()
+    cfg.data.arithmetic_slip_rate = -0.1
+    with pytest.raises(ValueError, match="data.arithmetic_slip_rate=-0.1"):
+        validate(cfg)

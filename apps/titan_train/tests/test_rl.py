@@ -12,7 +12,7 @@ import torch
 import titan_rl
 from titan_rl import arithmetic_problem as app_problem
 from titan_train.data.tokenizers import ByteTokenizer
-from titan_train.rl import RLConfig, main, run_rl, validate_rl
+from titan_train.rl import RLConfig, arith_grpo, main, pretraining_job, run_rl, validate_rl
 
 
 def test_the_pretraining_corpus_is_the_rl_task():
@@ -44,11 +44,24 @@ def test_app_tokenizer_fits_the_titan_rl_protocol():
         ("heldout_seed", 1),
         ("time_budget_s", -1.0),
         ("name", "a/b"),
+        ("init_slip_rate", 1.2),
+        ("init_slip_rate", -0.5),
     ],
 )
 def test_bad_rl_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         validate_rl(RLConfig(**{field: value}))
+
+
+def test_pretraining_run_is_named_for_its_corpus_options():
+    plain = pretraining_job(RLConfig(init_steps=600))
+    assert plain.name == "llama3_debug_600" and plain.data.arithmetic_slip_rate == 0.0
+    job = pretraining_job(RLConfig(init_steps=600, init_slip_rate=0.5, reverse_answer=True))
+    assert job.name == "llama3_debug_600_slip0.5_rev"
+    assert job.data.arithmetic_slip_rate == 0.5 and job.data.arithmetic_reverse_answer
+    assert job.checkpoint.export_hf
+    recipe = arith_grpo()
+    assert pretraining_job(recipe).data.arithmetic_slip_rate == recipe.init_slip_rate
 
 
 def test_cli_rejects_an_unknown_recipe_and_a_bad_value(capsys):

@@ -114,6 +114,12 @@ class DataConfig:
     """byte (built in), or a path to an HF tokenizer.json."""
     validation_fraction: float = 0.01
     """Fraction of documents held out for validation (by document index)."""
+    arithmetic_slip_rate: float = 0.0
+    """source=arithmetic: chance that a + / - document's answer is written with a systematic
+    slip (carry-less +, borrow-less -; titan_rl.slip_answer) instead of the true one. 0: the
+    clean corpus. Used by the arith_grpo RL recipe's pre-training run."""
+    arithmetic_reverse_answer: bool = False
+    """source=arithmetic: write answers least-significant digit first ("47+38=58" for 85)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -217,6 +223,8 @@ def validate(cfg: JobConfig) -> None:
         raise ValueError("data.paths is empty: data.source='files' needs at least one file")
     if not 0.0 <= d.validation_fraction < 1.0:
         raise ValueError(f"data.validation_fraction={d.validation_fraction} must be in [0, 1)")
+    if not 0.0 <= d.arithmetic_slip_rate <= 1.0:
+        raise ValueError(f"data.arithmetic_slip_rate={d.arithmetic_slip_rate} must be in [0, 1]")
     p = cfg.parallel
     for name in ("dp_replicate", "tp", "pp", "ep", "cp"):
         _positive(f"parallel.{name}", getattr(p, name))

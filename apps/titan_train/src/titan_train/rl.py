@@ -26,6 +26,7 @@ import torch
 
 import titan_models
 import titan_rl
+from titan_train.config import JobConfig
 from titan_train.data.tokenizers import ByteTokenizer
 
 
@@ -41,6 +42,14 @@ class RLConfig:
     """Pre-training recipe whose run gives the starting weights (trained first if absent)."""
     init_steps: int = 0
     """Pre-training steps; 0 keeps the recipe's (another value names the run <recipe>_<steps>)."""
+    init_slip_rate: float = 0.0
+    """The pre-training corpus's data.arithmetic_slip_rate: chance that a + / - document shows
+    the slip rule (carry-less +, borrow-less -) instead of the true answer. Not 0: the run is
+    named <recipe>[_<steps>]_slip<rate>. The RL reward and the held-out metric always use the
+    true answer."""
+    reverse_answer: bool = False
+    """Answers written least-significant digit first, in the pre-training corpus (its run is
+    then named ..._rev), the RL task and the held-out problems alike."""
     steps: int = 400
     """Most GRPO steps."""
     time_budget_s: float = 840.0
@@ -114,6 +123,8 @@ def validate_rl(cfg: RLConfig) -> None:
     for name in ("init_steps", "time_budget_s", "eval_every", "threads"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name}={getattr(cfg, name)} must be >= 0")
+    if not 0.0 <= cfg.init_slip_rate <= 1.0:
+        raise ValueError(f"init_slip_rate={cfg.init_slip_rate} must be in [0, 1]")
     if not 0.0 <= cfg.digit_credit < 1.0:
         raise ValueError(f"digit_credit={cfg.digit_credit} must be in [0, 1)")
     if cfg.heldout_seed == cfg.train_seed:
@@ -122,21 +133,39 @@ def validate_rl(cfg: RLConfig) -> None:
         raise ValueError(f"name={cfg.name!r} must be a non-empty folder name without '/'")
 
 
-def initial_model(cfg: RLConfig) -> tuple[torch.nn.Module, Path]:
-    """The pre-trained arithmetic model (trained and exported first if its run is missing)."""
+def pretraining_job(cfg: RLConfig) -> JobConfig:
+    """The pre-training run whose HF export starts RL: ``init_recipe`` with the corpus options
+    of ``cfg``; its name changes with every option, so runs made with others are never reused."""
     from titan_train.recipes import get_recipe
 
     job = get_recipe(cfg.init_recipe)
     if cfg.init_steps:
         job.training.steps = cfg.init_steps
         job.name = f"{job.name}_{cfg.init_steps}"
-    hf_dir = Path(cfg.output_dir) / job.name / "hf"
+    if (cfg.init_slip_rate or cfg.reverse_answer) and job.data.source != "arithmetic":
+        raise ValueError(
+            f"init_slip_rate / reverse_answer: recipe {cfg.init_recipe!r} does not pre-train "
+            "on the arithmetic corpus"
+        )
+    if cfg.init_slip_rate:
+        job.data.arithmetic_slip_rate = cfg.init_slip_rate
+        job.name = f"{job.name}_slip{cfg.init_slip_rate:g}"
+    if cfg.reverse_answer:
+        job.data.arithmetic_reverse_answer = True
+        job.name = f"{job.name}_rev"
+    job.output_dir = cfg.output_dir
+    job.checkpoint.export_hf = True
+    job.metrics.tensorboard = False
+    return job
+
+
+def initial_model(cfg: RLConfig) -> tuple[torch.nn.Module, Path]:
+    """The pre-trained arithmetic model (trained and exported first if its run is missing)."""
+    job = pretraining_job(cfg)
+    hf_dir = Path(job.output_dir) / job.name / "hf"
     if not (hf_dir / "config.json").is_file():
         from titan_train.trainer import train
 
-        job.output_dir = cfg.output_dir
-        job.checkpoint.export_hf = True
-        job.metrics.tensorboard = False
         train(job)
     return titan_models.from_hf(hf_dir), hf_dir
 
@@ -157,9 +186,18 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
 
     task = titan_rl.ArithmeticTask(
-        tokenizer, seed=cfg.train_seed, max_operand=cfg.max_operand, digit_credit=cfg.digit_credit
+        tokenizer,
+        seed=cfg.train_seed,
+        max_operand=cfg.max_operand,
+        digit_credit=cfg.digit_credit,
+        reverse_answer=cfg.reverse_answer,
     )
-    heldout = titan_rl.ArithmeticTask(tokenizer, seed=cfg.heldout_seed, max_operand=cfg.max_operand)
+    heldout = titan_rl.ArithmeticTask(
+        tokenizer,
+        seed=cfg.heldout_seed,
+        max_operand=cfg.max_operand,
+        reverse_answer=cfg.reverse_answer,
+    )
     stop = (tokenizer.eos_id,)
     grpo = titan_rl.GRPOConfig(
         num_prompts=cfg.num_prompts,
@@ -180,17 +218,25 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
         max_new_tokens=cfg.max_new_tokens, temperature=0.0, stop_token_ids=stop
     )
 
-    def accuracy() -> float:
+    problems = [heldout.problem(i) for i in range(cfg.heldout_count)]
+    prompts = heldout.prompts(0, cfg.heldout_count)
+
+    def evaluate() -> dict[str, float]:
         # The trainer's own model, greedy, outside the rollout generator (which may lag).
         gen = titan_rl.TorchGenerator(model, batch_invariant=cfg.batch_invariant)
-        return titan_rl.evaluate_accuracy(
-            gen, heldout, start=0, count=cfg.heldout_count, params=eval_params
-        )
+        out = gen.generate([p.ids for p in prompts], eval_params, list(range(len(prompts))))
+        out.validate(len(prompts))
+        # A response without EOS is no answer (the task's score says "truncated").
+        answers = [
+            heldout.completion_text(r) if tokenizer.eos_id in r else "" for r in out.responses()
+        ]
+        return titan_rl.answer_breakdown(problems, answers, reverse_answer=cfg.reverse_answer)
 
     metrics_file = (run_dir / "metrics.jsonl").open("w")
-    before = accuracy()
-    metrics_file.write(json.dumps({"step": 0, "split": "eval", "accuracy": before}) + "\n")
-    print(f"held-out accuracy before RL: {before:.3f} (from {init_dir})", flush=True)
+    first = evaluate()
+    before = first["accuracy"]
+    metrics_file.write(json.dumps({"step": 0, "split": "eval", **first}) + "\n")
+    print(f"held-out before RL: {_breakdown_line(first)} (from {init_dir})", flush=True)
     start = time.perf_counter()
 
     def on_step(m: dict[str, Any]) -> bool:
@@ -203,19 +249,18 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
             f"lag {m['staleness']}  {elapsed:6.1f}s"
         )
         if cfg.eval_every and done % cfg.eval_every == 0:
-            acc = accuracy()
-            metrics_file.write(json.dumps({"step": done, "split": "eval", "accuracy": acc}) + "\n")
-            line += f"  held-out accuracy {acc:.3f}"
+            ev = evaluate()
+            metrics_file.write(json.dumps({"step": done, "split": "eval", **ev}) + "\n")
+            line += f"  held-out accuracy {ev['accuracy']:.3f}"
         metrics_file.flush()
         print(line, flush=True)
         return bool(cfg.time_budget_s) and elapsed >= cfg.time_budget_s
 
     history = trainer.train(cfg.steps, on_step=on_step)
     wall = time.perf_counter() - start
-    after = accuracy()
-    metrics_file.write(
-        json.dumps({"step": len(history), "split": "eval", "accuracy": after}) + "\n"
-    )
+    last = evaluate()
+    after = last["accuracy"]
+    metrics_file.write(json.dumps({"step": len(history), "split": "eval", **last}) + "\n")
     metrics_file.close()
     titan_models.to_hf(model, run_dir / "hf")
     summary = {
@@ -226,14 +271,21 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
         "rl_seconds": wall,
         "heldout": f"seed {cfg.heldout_seed}, {cfg.heldout_count} problems, "
         f"max_operand {cfg.max_operand}",
+        "before": first,
+        "after": last,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"held-out after RL: {_breakdown_line(last)}", flush=True)
     print(
         f"held-out accuracy {before:.3f} -> {after:.3f} ({summary['gain_points']:+.1f} points) "
         f"in {len(history)} steps, {wall:.0f} s",
         flush=True,
     )
     return summary
+
+
+def _breakdown_line(ev: dict[str, float]) -> str:
+    return "  ".join(f"{k} {v:.3f}" for k, v in ev.items())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -374,6 +374,8 @@ def _loaders(
         validation_fraction=d.validation_fraction,
         paths=d.paths,
         text_field=d.text_field,
+        slip_rate=d.arithmetic_slip_rate,
+        reverse_answer=d.arithmetic_reverse_answer,
         rank=dp_rank,
         world_size=dp_size,
     )

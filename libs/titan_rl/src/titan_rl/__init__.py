@@ -1,6 +1,12 @@
 """RL post-training with the same model code in trainer and generator."""
 
-from .arithmetic import ArithmeticTask, Problem, arithmetic_problem
+from .arithmetic import (
+    ArithmeticTask,
+    Problem,
+    answer_breakdown,
+    arithmetic_problem,
+    slip_answer,
+)
 from .batch_invariant import batch_invariant, invariant_attention, invariant_linear
 from .diagnostics import logprob_diagnostics, reward_diagnostics
 from .environment import (
@@ -68,6 +74,7 @@ __all__ = [
     "TorchGenerator",
     "__version__",
     "aggregate",
+    "answer_breakdown",
     "arithmetic_problem",
     "batch_invariant",
     "boxed_math_reward",
@@ -89,5 +96,6 @@ __all__ = [
     "run_episode",
     "run_sandboxed",
     "sequence_logprobs",
+    "slip_answer",
     "token_logprobs",
 ]

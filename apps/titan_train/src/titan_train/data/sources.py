@@ -37,12 +37,19 @@ class DocumentSource:
         validation_fraction: float = 0.01,
         paths: tuple[str, ...] = (),
         text_field: str = "text",
+        slip_rate: float = 0.0,
+        reverse_answer: bool = False,
     ) -> None:
+        """``slip_rate``, ``reverse_answer``: the arithmetic corpus's options (see
+        ``titan_rl.arithmetic_problem``); the defaults give the clean corpus."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+        if not 0.0 <= slip_rate <= 1.0:
+            raise ValueError(f"data.arithmetic_slip_rate={slip_rate} must be in [0, 1]")
         self.kind, self.split, self.rank, self.world_size = kind, split, rank, world_size
         self.seed, self.validation_fraction = seed, validation_fraction
         self.paths, self.text_field = paths, text_field
+        self.slip_rate, self.reverse_answer = slip_rate, reverse_answer
         if kind == "files":
             self._format = _check_files(paths)
             self._check_field()
@@ -60,7 +67,12 @@ class DocumentSource:
     def _all_documents(self, epoch: int) -> Iterator[str]:
         if self.kind == "arithmetic":
             # Infinite: epochs never end, so the epoch only reseeds nothing.
-            return (arithmetic_problem(self.seed, i).text for i in itertools.count())
+            return (
+                arithmetic_problem(
+                    self.seed, i, slip_rate=self.slip_rate, reverse_answer=self.reverse_answer
+                ).text
+                for i in itertools.count()
+            )
         return (self._text(rec) for rec in self._records(epoch))
 
     def _records(self, epoch: int) -> Iterator[dict]:
