@@ -10,8 +10,9 @@ gradients. Run::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
-import os
+import pickle
 import statistics
 import time
 
@@ -43,9 +44,7 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, target)
 
 
-def _bench(
-    names: list[str], steps: int, recorded: int, dim: int, batch: int, num_mb: int, cores: int
-) -> dict:
+def _bench(names: list[str], steps: int, recorded: int, dim: int, batch: int, num_mb: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(batch, dim, generator=g), torch.randn(batch, dim, generator=g)
@@ -121,23 +120,16 @@ def _bench(
             ):
                 if p.grad is not None or q.grad is not None:
                     grad_diff = max(grad_diff, (p.grad - q.grad).abs().max().item())
-        # Recorded steps: each is simulated with the costs calibrated from itself (compute per
-        # (kind, stage), posting, transfer), then the median step is reported.
-        bubbles = []
+        # Recorded steps: measured timelines for the bubbles (modelled in the parent process),
+        # and each action's time alone for the contention model.
+        alone = tp.measure_costs(schedule, ours, mbs[0], tgts[0], _loss)
+        timelines = []
         for _ in range(recorded):
             recorder = tp.TimelineRecorder()
             for p in ours_params:
                 p.grad = None
             ours_step(recorder=recorder)
-            measured = recorder.gather()
-            costs = tp.Costs.from_timeline(measured, schedule.num_stages)
-            cmp = tp.compare(tp.simulate(schedule, costs), measured)
-            trace = tp.Costs.from_timeline(measured, schedule.num_stages, trace=True)
-            replayed = tp.simulate(schedule, trace).bubble_ratio
-            cpu_costs = tp.Costs.from_timeline(measured, schedule.num_stages, cpu=True)
-            shared = tp.simulate(schedule, cpu_costs, cores=cores).bubble_ratio
-            bubbles.append((cmp.difference, cmp, costs, replayed, shared))
-        _, cmp, costs, replayed, shared = sorted(bubbles, key=lambda b: b[0])[len(bubbles) // 2]
+            timelines.append(recorder.gather())
         diff = torch.tensor([grad_diff])
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
         out[name] = {
@@ -151,14 +143,11 @@ def _bench(
                 else None
             ),
             "grad_diff": diff.item(),
-            "sim_bubble": cmp.simulated,
-            "trace_bubble": replayed,
-            "shared_bubble": shared,
-            "meas_bubble": cmp.measured,
             "unit_bubble": tp.simulate(schedule).bubble_ratio,
             "latency": latency,
-            "communication": costs.communication,
-            "posting": costs.posting,
+            "timelines": timelines,
+            "alone": alone,
+            "v": v,
         }
     return out
 
@@ -182,46 +171,83 @@ def _p2p_latency(t: torch.Tensor, rounds: int = 20) -> float:
     return value.item()
 
 
+def _bubbles(results: dict, world: int, num_mb: int, samples: int) -> dict[str, dict]:
+    """Measured bubble and three simulations of it per schedule (medians over steps/seeds).
+
+    ``mean``: costs calibrated from the same step (mean per (kind, stage), posting, transfer).
+    ``trace``: the same step replayed with each action's own duration.
+    ``contention``: the schedule's time alone of each action (``measure_costs``) and the
+    ``Contention`` (stretch factors, posting times) and transfer time calibrated on the
+    recorded steps of the *other* schedules only: a prediction, not a fit.
+    """
+    out = {}
+    for name, r in results.items():
+        schedule = tp.build_schedule(
+            name, num_ranks=world, num_microbatches=num_mb, stages_per_rank=r["v"]
+        )
+        others = [q for n, q in results.items() if n != name]
+        runs = [(tl, q["alone"]) for q in others for tl in q["timelines"]]
+        contention = tp.Contention.from_timelines(runs)
+        transfer = statistics.median(
+            tp.Costs.from_timeline(tl, len(alone.forward)).communication for tl, alone in runs
+        )
+        costs = dataclasses.replace(r["alone"], communication=transfer)
+        n = schedule.num_stages
+        out[name] = {
+            "measured": statistics.median(tl.bubble_ratio for tl in r["timelines"]),
+            "mean": statistics.median(
+                tp.simulate(schedule, tp.Costs.from_timeline(tl, n)).bubble_ratio
+                for tl in r["timelines"]
+            ),
+            "trace": statistics.median(
+                tp.simulate(schedule, tp.Costs.from_timeline(tl, n, trace=True)).bubble_ratio
+                for tl in r["timelines"]
+            ),
+            "contention": statistics.median(
+                tp.simulate(schedule, costs, contention=contention, seed=k).bubble_ratio
+                for k in range(samples)
+            ),
+        }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=7)
-    parser.add_argument("--recorded", type=int, default=3, help="recorded steps for the bubbles")
+    parser.add_argument("--recorded", type=int, default=5, help="recorded steps for the bubbles")
+    parser.add_argument("--samples", type=int, default=20, help="seeds of the contention model")
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
-    parser.add_argument(
-        "--cores",
-        type=int,
-        default=len(os.sched_getaffinity(0)),
-        help="processors the ranks share, for the shared-cores simulation",
-    )
+    parser.add_argument("--save", default=None, help="pickle the measured timelines here")
     args = parser.parse_args()
     print(
         f"MLP of Linear({args.dim},{args.dim})+GELU units, 2 units per stage, batch "
         f"{args.batch}, {args.microbatches} microbatches, gloo on CPU, fp32; median of "
         f"{args.steps} steps after 2 warm-up steps (who goes first alternates); ratio: median "
-        f"of ours / torch over pairs of adjacent steps. Bubbles: median over {args.recorded} "
-        "recorded steps of ours, each simulated with the costs calibrated from itself (mean "
-        "compute per (kind, stage), mean host time to post a batch, median transfer time); "
-        "'trace' replays that step's own duration of every action and post; 'CPU costs, cores "
-        "shared': the same step's CPU times with the ranks sharing the machine's cores; diff = "
-        "measured - simulated"
+        f"of ours / torch over pairs of adjacent steps. Bubbles: medians over {args.recorded} "
+        "recorded steps of ours; 'mean costs': each step simulated with costs calibrated from "
+        "itself (mean compute per (kind, stage), mean posting, median transfer); 'trace': each "
+        "step replayed with its own action durations; 'contention': predicted from each "
+        "action's time alone and the stretch / posting distributions measured on the OTHER "
+        f"schedules' steps (median over {args.samples} seeds); diff = measured - simulated"
     )
     print(
         "| ranks | schedule | titan_pipeline ms | torch.pipelining ms | ratio | max grad diff "
-        "| bubble unit-cost sim | transfer / post ms | bubble sim (measured costs) "
-        f"| bubble sim (CPU costs, {args.cores} cores shared) | bubble sim (trace) "
-        "| bubble measured | diff pp | diff pp (cores shared) |"
+        "| bubble unit-cost sim | bubble sim (mean costs, same step) | bubble sim (trace) "
+        "| bubble predicted (contention, other schedules) | bubble measured "
+        "| diff pp (mean costs) | diff pp (contention) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     # The ranks load this file by module name; under "__main__" they would rerun main().
     spec = importlib.util.spec_from_file_location("bench_vs_torch", __file__)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    saved = {}
     for world in args.ranks:
-        res = run_distributed(
+        res = saved[world] = run_distributed(
             module._bench,
             world,
             args.schedules,
@@ -230,27 +256,29 @@ def main() -> None:
             args.dim,
             args.batch,
             args.microbatches,
-            args.cores,
             timeout=1800,
             num_threads=1,
         )[0]
+        bubbles = _bubbles(res, world, args.microbatches, args.samples)
         for name, r in res.items():
+            b = bubbles[name]
             theirs = f"{1e3 * r['torch']:.1f}" if r["torch"] else "n/a"
             ratio = f"{r['ratio']:.2f}" if r["torch"] else "n/a"
             diff = f"{r['grad_diff']:.1e}" if r["torch"] else "n/a"
-            if name == next(iter(res)):
+            if name == args.schedules[0]:
                 print(f"<!-- {world} ranks: ping-pong p2p latency {1e3 * r['latency']:.2f} ms -->")
             print(
                 f"| {world} | {name} | {1e3 * r['ours']:.1f} | {theirs} | {ratio} | {diff} "
-                f"| {100 * r['unit_bubble']:.1f}% "
-                f"| {1e3 * r['communication']:.2f} / {1e3 * r['posting']:.2f} "
-                f"| {100 * r['sim_bubble']:.1f}% | {100 * r['shared_bubble']:.1f}% "
-                f"| {100 * r['trace_bubble']:.1f}% "
-                f"| {100 * r['meas_bubble']:.1f}% "
-                f"| {100 * (r['meas_bubble'] - r['sim_bubble']):+.1f} "
-                f"| {100 * (r['meas_bubble'] - r['shared_bubble']):+.1f} |",
+                f"| {100 * r['unit_bubble']:.1f}% | {100 * b['mean']:.1f}% "
+                f"| {100 * b['trace']:.1f}% | {100 * b['contention']:.1f}% "
+                f"| {100 * b['measured']:.1f}% "
+                f"| {100 * (b['measured'] - b['mean']):+.1f} "
+                f"| {100 * (b['measured'] - b['contention']):+.1f} |",
                 flush=True,
             )
+    if args.save:
+        with open(args.save, "wb") as f:
+            pickle.dump(saved, f)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titan_pipeline import (
+    Contention,
     Costs,
     PipelineStage,
     TimelineRecorder,
@@ -15,6 +16,7 @@ from titan_pipeline import (
     build_schedule,
     build_stages,
     compare,
+    measure_costs,
     run,
     simulate,
     split_microbatches,
@@ -119,16 +121,19 @@ def _all_schedules_on_ranks(num_units: int) -> dict:
 
     # measured timeline, compared with the simulation under the measured costs
     schedule = build_schedule("1f1b", num_ranks=world, num_microbatches=NUM_MICROBATCHES)
+    stages = build_stages(_units(num_units), schedule, rank)
+    alone = measure_costs(schedule, stages, mbs[0], tgts[0], _loss, repeats=2)
+    untouched = all(p.grad is None for st in stages for p in st.module.parameters())
     recorder = TimelineRecorder()
-    run(
-        schedule,
-        build_stages(_units(num_units), schedule, rank),
-        mbs,
-        tgts,
-        _loss,
-        recorder=recorder,
-    )
+    run(schedule, stages, mbs, tgts, _loss, recorder=recorder)
     measured = recorder.gather()
+    contention = Contention.from_timelines([(measured, alone)])
+    predicted = simulate(schedule, alone, contention=contention, seed=rank)
+    results["alone"] = (
+        (alone.forward, alone.backward, alone.backward_input, alone.backward_weight),
+        untouched,
+        [len(ivs) for ivs in predicted.intervals],
+    )
     costs = Costs.from_timeline(measured, schedule.num_stages)
     simulated = simulate(schedule, costs)
     mine = schedule.actions[rank]
@@ -175,6 +180,11 @@ def _check(world: int, num_units: int, results: list[dict]) -> None:
         assert (
             "rank 0: microbatches must hold num_microbatches=8 tensors, got 7" in r["count_error"]
         )
+        # every rank gets every stage's time alone, the same everywhere
+        kinds, untouched, predicted = r["alone"]
+        assert kinds == results[0]["alone"][0] and untouched
+        assert all(len(k) == world and min(k) > 0 for k in kinds)
+        assert predicted == [2 * NUM_MICROBATCHES] * world
         counts, bubble, diff, comm_recorded, calibrated = r["timeline"]
         assert counts == [2 * NUM_MICROBATCHES] * world
         assert 0 <= bubble < 1 and abs(diff) < 1
@@ -214,6 +224,30 @@ def test_single_process_run_and_bad_batch():
         run(schedule, build_stages(units, schedule, 0)[:1], split_microbatches(x, 4), None, _loss)
     with pytest.raises(ValueError, match="stage_index"):
         PipelineStage(nn.Linear(2, 2), 3, 2)
+
+
+def test_measure_costs_times_each_stage_alone_and_leaves_no_trace():
+    schedule = build_schedule("zbv", num_ranks=1, num_microbatches=4, stages_per_rank=2)
+    units = _units(4)
+    stages = build_stages(units, schedule, 0)
+    x, y = _data()
+    mbs, tgts = split_microbatches(x, 4), split_microbatches(y, 4)
+    marker = torch.full_like(units[0][0].weight, 7.0)
+    units[0][0].weight.grad = marker
+    costs = measure_costs(schedule, stages, mbs[0], tgts[0], _loss, repeats=2)
+    assert len(costs.forward) == len(costs.backward) == len(costs.backward_weight) == 2
+    assert min(costs.forward + costs.backward + costs.backward_weight) > 0
+    assert units[0][0].weight.grad is marker
+    assert all(p.grad is None for u in units[1:] for p in u.parameters())
+    assert not any(st._inputs or st._outputs or st._split for st in stages)
+    units[0][0].weight.grad = None  # a step afterwards is plain training
+    run(schedule, stages, mbs, tgts, _loss)
+    ref_grads, _ = _reference(4)
+    got = dict(nn.Sequential(*units).named_parameters())
+    for k, g in ref_grads.items():
+        torch.testing.assert_close(got[k].grad, g, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+        measure_costs(schedule, stages, mbs[0], tgts[0], _loss, repeats=0)
 
 
 def test_split_units_balances_by_parameter_count():

@@ -7,6 +7,7 @@ import pytest
 from titan_pipeline import (
     Action,
     ActionKind,
+    Contention,
     Costs,
     Interval,
     Timeline,
@@ -126,6 +127,67 @@ def test_two_ranks_on_one_core_share_it():
     assert t.total_time == pytest.approx(12.0) and simulate(s).total_time == 9.0
     with pytest.raises(ValueError, match="cores must be an int >= 1"):
         simulate(s, cores=0)
+
+
+@pytest.mark.parametrize(("name", "v"), [("1f1b", 1), ("zb_h1", 1), ("dualpipev", 2)])
+def test_contention_with_unit_stretch_and_fixed_posts_is_the_plain_replay(name, v):
+    s = build_schedule(name, num_ranks=4, num_microbatches=8, stages_per_rank=v)
+    costs = Costs(forward=1.5, backward=2.5, communication=0.3, posting=0.125)
+    fixed = Contention(stretch=((1.0,),) * 4, posting=((0.125,),) * 4)
+    plain, drawn = simulate(s, costs), simulate(s, costs, contention=fixed, seed=3)
+    for a, b in zip(plain.intervals, drawn.intervals, strict=True):
+        assert [(i.action, i.start, i.end) for i in a] == [
+            (i.action, pytest.approx(i.start), pytest.approx(i.end)) for i in b
+        ]
+    # a constant stretch of 2 with free posts and transfers is the replay at doubled costs
+    doubled = simulate(s, Costs(forward=3.0, backward=5.0, backward_input=2, backward_weight=2))
+    stretched = simulate(
+        s, Costs(forward=1.5, backward=2.5), contention=Contention(((2.0,),), ((0.0,),))
+    )
+    assert stretched.total_time == pytest.approx(doubled.total_time)
+    assert stretched.bubble_ratio == pytest.approx(doubled.bubble_ratio)
+
+
+def test_contention_stretches_by_how_many_other_ranks_are_busy():
+    # GPipe, 2 ranks, 2 microbatches, F=1, B=2, free posts: alone x1, with one other busy x3
+    s = build_schedule("gpipe", num_ranks=2, num_microbatches=2)
+    t = simulate(s, Costs(), contention=Contention(((1.0,), (3.0,)), ((0.0,), (0.0,))))
+    got = [[(str(i.action), i.start, i.end) for i in ivs] for ivs in t.intervals]
+    assert got == [
+        # rank 1 posts its receives at 0, so F0.0 starts with one other busy rank
+        [("F0.0", 0.0, 3.0), ("F0.1", 3.0, 6.0), ("B0.0", 9.0, 15.0), ("B0.1", 15.0, 17.0)],
+        # F1.0 and F0.1 begin together (both x3); F1.1 and B1.0 run alone
+        [("F1.0", 3.0, 6.0), ("F1.1", 6.0, 7.0), ("B1.0", 7.0, 9.0), ("B1.1", 9.0, 15.0)],
+    ]
+
+
+def test_contention_samples_depend_only_on_the_seed():
+    s = build_schedule("zbv", num_ranks=2, num_microbatches=4, stages_per_rank=2)
+    c = Contention(((1.0, 1.5, 4.0), (1.0, 2.0, 6.0)), ((0.1, 0.5), (0.2, 0.9)))
+    runs = [simulate(s, Costs(), contention=c, seed=k) for k in (0, 0, 1)]
+    assert runs[0].intervals == runs[1].intervals != runs[2].intervals
+    with pytest.raises(ValueError, match="not both"):
+        simulate(s, contention=c, cores=2)
+
+
+def test_contention_calibrates_from_measured_timelines():
+    f = ActionKind
+    intervals = (
+        (Interval(Action(f.F, 0, 0), 0.0, 1.0), Interval(Action(f.F, 0, 1), 1.5, 3.0)),
+        (Interval(Action(f.F, 1, 0), 1.5, 3.5), Interval(Action(f.B, 1, 0), 4.0, 5.0)),
+    )
+    posts = (
+        (Interval(Action(f.SEND_F, 0, 0), 1.0, 1.1), Interval(Action(f.SEND_F, 0, 1), 3.2, 3.6)),
+        (Interval(Action(f.RECV_F, 1, 0), 0.5, 0.9),),
+    )
+    alone = Costs(forward=1.0, backward=(0.5, 0.5))
+    c = Contention.from_timelines([(Timeline(intervals, posts), alone)])
+    # F0.0 started alone (rank 1 had not posted yet), B1.0 too; F0.1 and F1.0 together
+    assert sorted(c.stretch[0]) == [1.0, 2.0] and sorted(c.stretch[1]) == [1.5, 2.0]
+    # rank 1 posted while rank 0 computed; rank 0's posts began while rank 1 was idle or busy
+    assert c.posting[1] == pytest.approx((0.4, 0.4)) and c.posting[0] == pytest.approx((0.1,))
+    with pytest.raises(ValueError, match="at least one"):
+        Contention.from_timelines([])
 
 
 def test_costs_from_a_timeline_calibrate_posting_and_transfer():

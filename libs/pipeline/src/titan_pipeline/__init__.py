@@ -1,10 +1,17 @@
 """Pipeline schedules as data: generator, validator, simulator and runtime."""
 
 from titan_pipeline.actions import Action, ActionKind, Schedule
-from titan_pipeline.runtime import PipelineStage, TimelineRecorder, run, split_microbatches
+from titan_pipeline.runtime import (
+    PipelineStage,
+    TimelineRecorder,
+    measure_costs,
+    run,
+    split_microbatches,
+)
 from titan_pipeline.schedules import SCHEDULES, add_communication, build_schedule, stage_to_rank
 from titan_pipeline.simulator import (
     BubbleComparison,
+    Contention,
     Costs,
     DeadlockError,
     Interval,
@@ -22,6 +29,7 @@ __all__ = [
     "Action",
     "ActionKind",
     "BubbleComparison",
+    "Contention",
     "Costs",
     "DeadlockError",
     "Interval",
@@ -35,6 +43,7 @@ __all__ = [
     "build_schedule",
     "build_stages",
     "compare",
+    "measure_costs",
     "run",
     "simulate",
     "split_microbatches",

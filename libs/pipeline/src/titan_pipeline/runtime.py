@@ -31,6 +31,7 @@ stage) does all its work in W.
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,9 +42,9 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from titan_pipeline.actions import Action, ActionKind, Schedule
-from titan_pipeline.simulator import Interval, Timeline, _segments
+from titan_pipeline.simulator import Costs, Interval, Timeline, _segments
 
-__all__ = ["PipelineStage", "TimelineRecorder", "run", "split_microbatches"]
+__all__ = ["PipelineStage", "TimelineRecorder", "measure_costs", "run", "split_microbatches"]
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W  # noqa: E741
 
@@ -467,6 +468,104 @@ def run(
         work.wait()
     assert not recvs and not handoff, (sorted(recvs), sorted(handoff))
     return losses
+
+
+def measure_costs(
+    schedule: Schedule,
+    stages: Sequence[PipelineStage],
+    microbatch: torch.Tensor,
+    target: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    repeats: int = 3,
+) -> Costs:
+    """Each stage's F, B, I and W time alone: the costs of ``simulate`` (a collective).
+
+    Rank by rank, while the other ranks wait in a barrier, each of this rank's stages runs
+    ``repeats`` times F then B, and F then I then W, on one microbatch shaped like
+    ``microbatch`` (stage 0 gets it, later stages random inputs of the shape they receive;
+    the last stage's loss is ``loss_fn(output, target)``); the median of each is kept. The
+    parameters' ``.grad`` are restored afterwards (hooks on gradient accumulation do fire).
+    Returns per-stage costs for all stages, the same on every rank.
+    """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    group = stages[0].group if stages else None
+    distributed = dist.is_initialized()
+    rank = dist.get_rank(group) if distributed else 0
+    world = dist.get_world_size(group) if distributed else 1
+    local = {st.stage_index: st for st in stages}
+    if sorted(local) != schedule.stages_of_rank(rank):
+        raise ValueError(
+            f"rank {rank} was given stages {sorted(local)} but schedule {schedule.name!r} places "
+            f"stages {schedule.stages_of_rank(rank)} on it"
+        )
+    metas = _stage_output_meta(schedule, local, [microbatch], rank, group, None)
+    mine: dict[int, dict[ActionKind, float]] = {}
+    for turn in range(world):
+        if distributed:
+            dist.barrier(group=group)
+        if turn == rank:
+            mine = {
+                s: _time_alone(st, metas, microbatch, target, loss_fn, repeats)
+                for s, st in local.items()
+            }
+    every = [mine]
+    if distributed:
+        every = [None] * world
+        dist.all_gather_object(every, mine, group=group)
+    took = {s: kinds for e in every for s, kinds in e.items()}
+
+    def per_stage(kind: ActionKind) -> tuple[float, ...]:
+        return tuple(took[s][kind] for s in range(schedule.num_stages))
+
+    return Costs(
+        forward=per_stage(F),
+        backward=per_stage(B),
+        backward_input=per_stage(I),
+        backward_weight=per_stage(W),
+    )
+
+
+def _time_alone(
+    stage: PipelineStage,
+    metas: list[tuple[tuple[int, ...], torch.dtype]],
+    microbatch: torch.Tensor,
+    target: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    repeats: int,
+) -> dict[ActionKind, float]:
+    s = stage.stage_index
+    saved = [p.grad for p in stage._params]
+    times: dict[ActionKind, list[float]] = {F: [], B: [], I: [], W: []}
+    mb = -1  # a key no real microbatch uses
+    try:
+        for _ in range(repeats):
+            for split in (False, True):
+                if s == 0:
+                    x = microbatch
+                else:
+                    shape, dtype = metas[s - 1]
+                    x = torch.randn(shape, device=microbatch.device).to(dtype)
+                t0 = time.perf_counter()
+                y = stage._forward(mb, x, {})
+                if stage.is_last:
+                    stage._set_loss(mb, loss_fn(stage._outputs[mb], target))
+                t1 = time.perf_counter()
+                gy = None if stage.is_last else torch.randn_like(y)
+                stage._backward(mb, gy, split=split)
+                t2 = time.perf_counter()
+                times[F].append(t1 - t0)
+                if split:
+                    stage._backward_weight(mb)
+                    times[I].append(t2 - t1)
+                    times[W].append(time.perf_counter() - t2)
+                else:
+                    times[B].append(t2 - t1)
+    finally:
+        for p, g in zip(stage._params, saved, strict=True):
+            p.grad = g
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _post(ops: list[dist.P2POp], coalesce: bool) -> list[dist.Work]:

@@ -10,8 +10,9 @@ simulated and of a measured timeline is the same function of their compute inter
 
 from __future__ import annotations
 
+import random
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from titan_pipeline.actions import Action, ActionKind, Schedule
 
 __all__ = [
     "BubbleComparison",
+    "Contention",
     "Costs",
     "DeadlockError",
     "Interval",
@@ -291,6 +293,80 @@ def _matching_send(recv: Action) -> Action:
     return Action(ActionKind.SEND_B, recv.stage + 1, recv.microbatch)
 
 
+@dataclass(frozen=True, slots=True)
+class Contention:
+    """How a machine whose ranks share processors stretches their work, measured.
+
+    When more ranks (and other jobs) are runnable than there are processors, the OS gives
+    each a processor in time slices: an action usually runs at full speed and is now and
+    then descheduled for a slice of someone else's, so its wall time is its time alone times
+    a heavy-tailed factor (on the 2-core machine of the benchmark: median 1.1-1.4, mean
+    1.4-2.1 with 4 ranks). A pipeline pays for the tail, not for the mean: one descheduled
+    action delays every rank that waits for it. A mean cost per kind cannot model that;
+    sampling the factors can (``simulate(..., contention=...)``).
+    """
+
+    stretch: tuple[tuple[float, ...], ...]
+    """``stretch[n]``: observed ``wall time / time alone`` of compute actions that started
+    while ``n`` other ranks computed or posted."""
+    posting: tuple[tuple[float, ...], ...]
+    """``posting[n]``: observed wall times of batch posts started while ``n`` other ranks
+    computed or posted (a post is short host work, so its wall time is mostly the time its
+    rank waited for a processor after waking gloo's threads)."""
+
+    @classmethod
+    def from_timelines(cls, runs: Sequence[tuple[Timeline, Costs]]) -> Contention:
+        """Calibrate from measured timelines, each with the time alone of its actions
+        (``measure_costs``, taken while no other rank computes; the schedules may differ).
+
+        Actions shorter than 0.2 ms alone are left out (their ratio is timer noise).
+        """
+        if not runs:
+            raise ValueError("from_timelines needs at least one (timeline, costs) pair")
+        num = runs[0][0].num_ranks
+        stretch: list[list[float]] = [[] for _ in range(num)]
+        posting: list[list[float]] = [[] for _ in range(num)]
+        for tl, alone in runs:
+            if tl.num_ranks != num or len(tl.posts) != num:
+                raise ValueError(
+                    "timelines must be measured (with posts) on the same number of ranks"
+                )
+            busy = [
+                [(iv.start, iv.end) for iv in tl.intervals[r]] + sorted(_batches(tl.posts[r]))
+                for r in range(num)
+            ]
+
+            def others(r: int, t: float, busy: list = busy) -> int:
+                return sum(
+                    any(a <= t < b for a, b in spans) for q, spans in enumerate(busy) if q != r
+                )
+
+            for r in range(num):
+                for iv in tl.intervals[r]:
+                    base = alone.of(iv.action)
+                    if base >= _SHORTEST_CALIBRATED:
+                        stretch[others(r, iv.start)].append((iv.end - iv.start) / base)
+                for a, b in _batches(tl.posts[r]):
+                    posting[others(r, a)].append(b - a)
+        return cls(tuple(map(tuple, stretch)), tuple(map(tuple, posting)))
+
+    def _draw(self, table: tuple[tuple[float, ...], ...], others: int, rng: random.Random):
+        # no sample for this many busy ranks: the nearest count that has some
+        for n in sorted(range(len(table)), key=lambda k: (abs(k - others), -k)):
+            if table[n]:
+                return rng.choice(table[n])
+        return None
+
+
+_SHORTEST_CALIBRATED = 0.2e-3
+"""Seconds: actions shorter than this alone do not calibrate ``Contention.stretch``."""
+
+
+def _batches(posts: Sequence[Interval]) -> set[tuple[float, float]]:
+    """(start, end) of each posted batch (the actions of one batch share them)."""
+    return {(iv.start, iv.end) for iv in posts}
+
+
 class DeadlockError(ValueError):
     """No rank can make progress; ``stuck`` maps each unfinished rank to its next step."""
 
@@ -301,20 +377,45 @@ class DeadlockError(ValueError):
 
 
 def simulate(
-    schedule: Schedule, costs: Costs | None = None, *, cores: int | None = None
+    schedule: Schedule,
+    costs: Costs | None = None,
+    *,
+    cores: int | None = None,
+    contention: Contention | None = None,
+    seed: int = 0,
 ) -> Timeline:
     """Timeline of ``schedule`` under ``costs`` (default: F=I=W=1, B=2, free communication).
 
     ``cores``: the ranks share that many processors (e.g. more ranks than cores on one
     machine): whoever computes or posts progresses at ``min(1, cores / n)`` while ``n`` ranks
-    do, and ``costs`` are each action's time on a processor of its own (its CPU time). None:
-    every rank has its own processor.
+    do (fluid processor sharing), and ``costs`` are each action's time on a processor of its
+    own. None: every rank has its own processor.
+
+    ``contention``: ranks share processors in time slices, as measured: each compute action
+    takes its cost (time alone) times a stretch factor, and each post a posting time, drawn
+    (generator seeded with ``seed``) from what was observed while as many other ranks were
+    busy as are busy in the replay when it starts. One call is one sample; average the
+    bubble over seeds for its expectation.
     """
+    costs = costs or Costs()
+    if contention is not None:
+        if cores is not None:
+            raise ValueError("pass cores or contention, not both: contention includes sharing")
+        rng = random.Random(seed)
+
+        def draw(seg: _Seg, others: int, base: float) -> float:
+            if isinstance(seg, Action):
+                factor = contention._draw(contention.stretch, others, rng)
+                return base if factor is None else base * factor
+            took = contention._draw(contention.posting, others, rng)
+            return base if took is None else took
+
+        return _replay_shared(schedule, costs, lambda n: 1.0, draw)
     if cores is None:
-        return _replay(schedule, costs or Costs(), blocking_sends=False)
+        return _replay(schedule, costs, blocking_sends=False)
     if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
         raise ValueError(f"cores must be an int >= 1 or None, got {cores!r}")
-    return _replay_shared(schedule, costs or Costs(), cores)
+    return _replay_shared(schedule, costs, lambda n: min(1.0, cores / n))
 
 
 @dataclass(frozen=True, slots=True)
@@ -501,12 +602,19 @@ def _replay(schedule: Schedule, costs: Costs, *, blocking_sends: bool) -> Timeli
     return Timeline(tuple(tuple(st.intervals) for st in ranks))
 
 
-def _replay_shared(schedule: Schedule, costs: Costs, cores: int) -> Timeline:
-    """``_replay`` (simulation semantics) with the ranks sharing ``cores`` processors.
+def _replay_shared(
+    schedule: Schedule,
+    costs: Costs,
+    speed: Callable[[int], float],
+    draw: Callable[[_Seg, int, float], float] | None = None,
+) -> Timeline:
+    """``_replay`` (simulation semantics) with the ranks sharing processors.
 
-    Costs are then a rank's work on a processor of its own (its CPU time). Computing and
-    posting need a processor; while ``n`` ranks do, each progresses at ``min(1, cores / n)``
-    (processor sharing, as an OS scheduler gives equal shares); waiting ranks need none.
+    Costs are then a rank's work on a processor of its own. Computing and posting need a
+    processor; while ``n`` ranks do, each progresses at ``speed(n)`` (processor sharing, as
+    an OS scheduler gives equal shares); waiting ranks need none. ``draw(segment, others,
+    cost)``, if given, sets each segment's work when it starts, knowing how many other ranks
+    are busy then.
     Event by event: the next event is the earliest end of a piece of work at the current
     rates or the earliest arrival of data some rank waits for.
     """
@@ -520,15 +628,23 @@ def _replay_shared(schedule: Schedule, costs: Costs, cores: int) -> Timeline:
     now = 0.0
     while True:
         moved = True
+        drawn: list[int] = []  # ranks that began a segment whose work is still to be drawn
         while moved:  # zero-cost steps (a free post) can unblock ranks scanned before
             moved = False
             wake = []  # arrival times of data that waiting ranks already know of
             for r in range(num):
-                moved |= _start_segments(r, now, costs, wiring, pos, left, began, intervals, wake)
+                moved |= _start_segments(
+                    r, now, costs, wiring, pos, left, began, intervals, wake, drawn, draw
+                )
+        # drawn once every rank beginning now has begun: "others busy" is then the same for
+        # ranks that begin at the same instant, whatever the order they are scanned in
+        others = sum(w is not None for w in left) - 1
+        for r in drawn:
+            left[r] = draw(wiring.segs[r][pos[r]], others, left[r])
         busy = [r for r in range(num) if left[r] is not None]
         if not busy and not wake:
             break
-        rate = min(1.0, cores / len(busy)) if busy else 0.0
+        rate = speed(len(busy)) if busy else 0.0
         step = min([left[r] / rate for r in busy] + [t - now for t in wake])
         now += step
         for r in busy:
@@ -553,9 +669,12 @@ def _start_segments(
     began: list[float],
     intervals: list[list[Interval]],
     wake: list[float],
+    drawn: list[int],
+    draw: Callable[[_Seg, int, float], float] | None,
 ) -> bool:
     """Begin rank ``r``'s next pieces of work at ``now`` (finishing free ones at once) until
-    it is busy, done or waiting; return whether any free piece finished."""
+    it is busy, done or waiting; return whether any free piece finished. With ``draw``, the
+    work of the piece begun is drawn later (``r`` is appended to ``drawn``)."""
     segs = wiring.segs[r]
     moved = False
     while pos[r] < len(segs) and left[r] is None:
@@ -571,6 +690,9 @@ def _start_segments(
         else:
             work = costs.durations.get(seg[0], costs.posting)
         began[r], left[r] = now, work
+        if draw is not None:
+            drawn.append(r)
+            break
         if work <= 0:
             _finish_segment(r, pos[r], now, began, wiring, intervals)
             pos[r] += 1
