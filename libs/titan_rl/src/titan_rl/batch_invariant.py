@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 
 def invariant_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, row_block: int = 16
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, row_block: int = 8
 ) -> torch.Tensor:
     """``F.linear`` whose every output row is computed by the same fixed-shape GEMM."""
     x_MK = x.reshape(-1, x.shape[-1])
@@ -59,7 +59,7 @@ def invariant_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     *,
-    key_block: int = 64,
+    key_block: int = 32,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with a per-query reduction order fixed by key blocks.
 
@@ -124,8 +124,14 @@ class _BatchInvariantMode(TorchFunctionMode):
 
 
 @contextmanager
-def batch_invariant(*, row_block: int = 16, key_block: int = 64) -> Iterator[None]:
-    """Run the enclosed model code in batch-invariant mode (see the module docstring)."""
+def batch_invariant(*, row_block: int = 8, key_block: int = 32) -> Iterator[None]:
+    """Run the enclosed model code in batch-invariant mode (see the module docstring).
+
+    The trainer and the generator must use the same blocks. The defaults were measured on the
+    debug model (batch 8, 32-token prompts, 64 new tokens, 1 and 2 threads): 8-row GEMMs leave
+    a decode step of 8 rows unpadded, and 32-key blocks pad a short cache less. Together they
+    cost 1.7-1.9x the default mode's time, against 1.9-2.0x for 16 rows and 64 keys.
+    """
     for name, value in (("row_block", row_block), ("key_block", key_block)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"batch_invariant {name}={value!r} must be an int >= 1")

@@ -201,8 +201,10 @@ class TorchGenerator:
         if self._decode_step is not None:  # few distinct shapes: few compiles
             capacity = -(-capacity // _CAPACITY_BUCKET) * _CAPACITY_BUCKET
         cache = model.new_kv_cache(B, capacity)
-        logits_BSV = model(prompt_BP, kv_cache=cache, input_lengths=lengths_B)
-        logits_BV = logits_BSV[torch.arange(B, device=device), lengths_B - 1]
+        # The prefill needs logits at each row's last prompt token only: the head (the largest
+        # GEMM at small sizes) runs on those B rows, not on all B * P.
+        h_BPD, _ = model.run_blocks(prompt_BP, kv_cache=cache, input_lengths=lengths_B)
+        logits_BV = model.head(h_BPD[torch.arange(B, device=device), lengths_B - 1])
         vocab = logits_BV.shape[-1]
         sampled = _sample(logits_BV, params, _noise(params, rngs, vocab, device))
         step = self._eager_step if self._decode_step is None else self._static_step(cache)
@@ -274,7 +276,7 @@ class TorchGenerator:
         return step
 
 
-_CAPACITY_BUCKET = 64
+_CAPACITY_BUCKET = 32
 """Compiled decoding rounds the cache capacity up to a multiple of this (fewer recompiles)."""
 
 
