@@ -2,7 +2,10 @@
 
 Same model (an MLP cut into stages), same microbatches, same gloo group; steps of the two
 runtimes alternate so that machine noise hits both. Also checks that both produce the same
-gradients. Run::
+gradients. Then recorded steps of ours, round-robin over the schedules, give each schedule's
+measured bubble, which is compared with three simulations: calibrated from the same step
+(mean costs), replayed from the same step (trace), and predicted by the contention model
+calibrated on the other schedules' steps only. Run::
 
     uv run python libs/pipeline/benchmarks/bench_vs_torch.py [--ranks 2 4] [--steps 7]
 """
@@ -51,6 +54,7 @@ def _bench(names: list[str], steps: int, recorded: int, dim: int, batch: int, nu
     mbs, tgts = tp.split_microbatches(x, num_mb), tp.split_microbatches(y, num_mb)
     latency = _p2p_latency(mbs[0])
     out = {}
+    recordable = {}
     for name in names:
         torch_cls, v = SCHEDULES[name]
         schedule = tp.build_schedule(
@@ -120,16 +124,8 @@ def _bench(names: list[str], steps: int, recorded: int, dim: int, batch: int, nu
             ):
                 if p.grad is not None or q.grad is not None:
                     grad_diff = max(grad_diff, (p.grad - q.grad).abs().max().item())
-        # Recorded steps: measured timelines for the bubbles (modelled in the parent process),
-        # and each action's time alone for the contention model.
-        alone = tp.measure_costs(schedule, ours, mbs[0], tgts[0], _loss)
-        timelines = []
-        for _ in range(recorded):
-            recorder = tp.TimelineRecorder()
-            for p in ours_params:
-                p.grad = None
-            ours_step(recorder=recorder)
-            timelines.append(recorder.gather())
+        alone = tp.measure_costs(schedule, ours, mbs[0], tgts[0], _loss, repeats=10)
+        recordable[name] = (ours_step, ours_params)
         diff = torch.tensor([grad_diff])
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
         out[name] = {
@@ -145,10 +141,20 @@ def _bench(names: list[str], steps: int, recorded: int, dim: int, batch: int, nu
             "grad_diff": diff.item(),
             "unit_bubble": tp.simulate(schedule).bubble_ratio,
             "latency": latency,
-            "timelines": timelines,
+            "timelines": [],
             "alone": alone,
             "v": v,
         }
+    # Recorded steps for the bubbles, round-robin over the schedules: the load of a shared
+    # machine drifts, and every schedule's steps then sample the same drift as the steps of
+    # the other schedules that calibrate its prediction.
+    for _ in range(recorded):
+        for name, (step, params) in recordable.items():
+            recorder = tp.TimelineRecorder()
+            for p in params:
+                p.grad = None
+            step(recorder=recorder)
+            out[name]["timelines"].append(recorder.gather())
     return out
 
 
@@ -193,8 +199,10 @@ def _bubbles(results: dict, world: int, num_mb: int, samples: int) -> dict[str, 
         )
         costs = dataclasses.replace(r["alone"], communication=transfer)
         n = schedule.num_stages
+        measured = [tl.bubble_ratio for tl in r["timelines"]]
         out[name] = {
-            "measured": statistics.median(tl.bubble_ratio for tl in r["timelines"]),
+            "measured": statistics.median(measured),
+            "spread": (min(measured), max(measured)),
             "mean": statistics.median(
                 tp.simulate(schedule, tp.Costs.from_timeline(tl, n)).bubble_ratio
                 for tl in r["timelines"]
@@ -215,8 +223,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=7)
-    parser.add_argument("--recorded", type=int, default=5, help="recorded steps for the bubbles")
-    parser.add_argument("--samples", type=int, default=20, help="seeds of the contention model")
+    parser.add_argument("--recorded", type=int, default=8, help="recorded steps for the bubbles")
+    parser.add_argument("--samples", type=int, default=50, help="seeds of the contention model")
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--microbatches", type=int, default=8)
@@ -228,7 +236,7 @@ def main() -> None:
         f"{args.batch}, {args.microbatches} microbatches, gloo on CPU, fp32; median of "
         f"{args.steps} steps after 2 warm-up steps (who goes first alternates); ratio: median "
         f"of ours / torch over pairs of adjacent steps. Bubbles: medians over {args.recorded} "
-        "recorded steps of ours; 'mean costs': each step simulated with costs calibrated from "
+        "recorded steps of ours (round-robin over the schedules); 'mean costs': each step simulated with costs calibrated from "
         "itself (mean compute per (kind, stage), mean posting, median transfer); 'trace': each "
         "step replayed with its own action durations; 'contention': predicted from each "
         "action's time alone and the stretch / posting distributions measured on the OTHER "
@@ -237,7 +245,7 @@ def main() -> None:
     print(
         "| ranks | schedule | titan_pipeline ms | torch.pipelining ms | ratio | max grad diff "
         "| bubble unit-cost sim | bubble sim (mean costs, same step) | bubble sim (trace) "
-        "| bubble predicted (contention, other schedules) | bubble measured "
+        "| bubble predicted (contention, other schedules) | bubble measured (min–max over steps) "
         "| diff pp (mean costs) | diff pp (contention) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -271,7 +279,8 @@ def main() -> None:
                 f"| {world} | {name} | {1e3 * r['ours']:.1f} | {theirs} | {ratio} | {diff} "
                 f"| {100 * r['unit_bubble']:.1f}% | {100 * b['mean']:.1f}% "
                 f"| {100 * b['trace']:.1f}% | {100 * b['contention']:.1f}% "
-                f"| {100 * b['measured']:.1f}% "
+                f"| {100 * b['measured']:.1f}% ({100 * b['spread'][0]:.0f}–"
+                f"{100 * b['spread'][1]:.0f}) "
                 f"| {100 * (b['measured'] - b['mean']):+.1f} "
                 f"| {100 * (b['measured'] - b['contention']):+.1f} |",
                 flush=True,

@@ -6,6 +6,8 @@ a batch costs host time, a transfer's data is usable a fixed time after both of 
 posted, a compute action waits for its input, sends are waited for at the end).
 Consecutive communication actions form one batch, as in the runtime. The bubble ratio of a
 simulated and of a measured timeline is the same function of their compute intervals.
+Ranks that share processors are replayed event by event, either with fluid sharing
+(``cores``) or with measured, sampled stretch factors (``Contention``).
 """
 
 from __future__ import annotations
