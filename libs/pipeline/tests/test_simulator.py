@@ -133,8 +133,10 @@ def test_two_ranks_on_one_core_share_it():
 def test_contention_with_unit_stretch_and_fixed_posts_is_the_plain_replay(name, v):
     s = build_schedule(name, num_ranks=4, num_microbatches=8, stages_per_rank=v)
     costs = Costs(forward=1.5, backward=2.5, communication=0.3, posting=0.125)
-    fixed = Contention(stretch=((1.0,),) * 4, posting=((0.125,),) * 4)
-    plain, drawn = simulate(s, costs), simulate(s, costs, contention=fixed, seed=3)
+    fixed = Contention(stretch=((1.0,),) * 4, posting=((0.125,),) * 4, transfer=(0.3,))
+    # the drawn transfer time replaces Costs.communication
+    free = Costs(forward=1.5, backward=2.5, posting=0.125)
+    plain, drawn = simulate(s, costs), simulate(s, free, contention=fixed, seed=3)
     for a, b in zip(plain.intervals, drawn.intervals, strict=True):
         assert [(i.action, i.start, i.end) for i in a] == [
             (i.action, pytest.approx(i.start), pytest.approx(i.end)) for i in b
@@ -181,7 +183,10 @@ def test_contention_calibrates_from_measured_timelines():
         (Interval(Action(f.RECV_F, 1, 0), 0.5, 0.9),),
     )
     alone = Costs(forward=1.0, backward=(0.5, 0.5))
-    c = Contention.from_timelines([(Timeline(intervals, posts), alone)])
+    # rank 1 waited for F1.0's input from 1.0, before the send's post ended (1.1), until 1.5
+    waits = ((), (Interval(Action(f.RECV_F, 1, 0), 1.0, 1.5),))
+    c = Contention.from_timelines([(Timeline(intervals, posts, waits), alone)])
+    assert c.transfer == pytest.approx((0.4,))
     # F0.0 started alone (rank 1 had not posted yet), B1.0 too; F0.1 and F1.0 together
     assert sorted(c.stretch[0]) == [1.0, 2.0] and sorted(c.stretch[1]) == [1.5, 2.0]
     # rank 1 posted while rank 0 computed; rank 0's posts began while rank 1 was idle or busy

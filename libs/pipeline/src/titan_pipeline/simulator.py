@@ -234,9 +234,9 @@ class Costs:
 
         Compute: the mean measured duration of each (kind, stage); kinds never run cost 0.
         ``posting``: the mean duration of the host calls that posted a batch.
-        ``communication``: the median, over receives whose wait actually blocked, of the time
-        from the later of the two ends being posted to the wait returning (a wait that did
-        not block only bounds it from above). Needs ``posts`` and ``waits`` (a
+        ``communication``: the median, over receives whose rank was already waiting when the
+        later of the two ends was posted, of the time from that post to the wait returning
+        (a receive waited for only later is only bounded by it). Needs ``posts`` and ``waits`` (a
         ``TimelineRecorder`` fills them, on one clock for all ranks); without them both stay 0.
         """
 
@@ -255,14 +255,7 @@ class Costs:
         batches = {
             (r, iv.start, iv.end): took(iv) for r, ivs in enumerate(timeline.posts) for iv in ivs
         }
-        posted = {iv.action: iv.end for ivs in timeline.posts for iv in ivs}
-        transfers = []
-        for ivs in timeline.waits:
-            for iv in ivs:
-                send = _matching_send(iv.action)
-                blocked = iv.end - iv.start > _BLOCKED_WAIT
-                if blocked and iv.action in posted and send in posted:
-                    transfers.append(iv.end - max(posted[iv.action], posted[send]))
+        transfers = _transfer_times(timeline)
         durations: dict[Action, float] = {}
         if trace:
             durations.update((iv.action, took(iv)) for iv in timeline._all())
@@ -277,15 +270,31 @@ class Costs:
             backward=per_stage(ActionKind.B),
             backward_input=per_stage(ActionKind.I),
             backward_weight=per_stage(ActionKind.W),
-            communication=max(0.0, statistics.median(transfers)) if transfers else 0.0,
+            communication=statistics.median(transfers) if transfers else 0.0,
             posting=sum(batches.values()) / len(batches) if batches else 0.0,
             durations=durations,
         )
 
 
-_BLOCKED_WAIT = 20e-6
-"""A receive wait longer than this (seconds) blocked for its data: a wait on data that has
-already arrived returns in a few microseconds."""
+def _transfer_times(timeline: Timeline) -> list[float]:
+    """Per receive whose rank was already waiting when the later of its two ends was posted:
+    from that post to the wait returning (at least 0: a post's recorded end can come after
+    the data moved, when its rank was descheduled right after handing it over).
+
+    Receives waited for only later are left out: the data may have been there before the
+    wait, so their time is only bounded, and keeping just the ones that still blocked would
+    keep just the slow transfers.
+    """
+    posted = {iv.action: iv.end for ivs in timeline.posts for iv in ivs}
+    out = []
+    for ivs in timeline.waits:
+        for iv in ivs:
+            send = _matching_send(iv.action)
+            if iv.action in posted and send in posted:
+                later = max(posted[iv.action], posted[send])
+                if iv.start <= later:
+                    out.append(max(0.0, iv.end - later))
+    return out
 
 
 def _matching_send(recv: Action) -> Action:
@@ -305,7 +314,9 @@ class Contention:
     a heavy-tailed factor (on the 2-core machine of the benchmark: median 1.1-1.4, mean
     1.4-2.1 with 4 ranks). A pipeline pays for the tail, not for the mean: one descheduled
     action delays every rank that waits for it. A mean cost per kind cannot model that;
-    sampling the factors can (``simulate(..., contention=...)``).
+    sampling the factors can (``simulate(..., contention=...)``). Transfers are sampled too:
+    a receiver waits for gloo's I/O threads and then for its own wake-up, each of which may
+    wait for a processor.
     """
 
     stretch: tuple[tuple[float, ...], ...]
@@ -315,19 +326,28 @@ class Contention:
     """``posting[n]``: observed wall times of batch posts started while ``n`` other ranks
     computed or posted (a post is short host work, so its wall time is mostly the time its
     rank waited for a processor after waking gloo's threads)."""
+    transfer: tuple[float, ...] = ()
+    """Observed times from the later of a transfer's two posts to its receiver's wait
+    returning, over receivers already waiting at that post (as in ``Costs.from_timeline``;
+    for the others it is only bounded). Under load
+    they are heavy-tailed (median ~0.05 ms, mean 1-2 ms on the benchmark's machine: gloo's
+    I/O threads and the woken receiver each wait for a processor). Empty: every transfer
+    takes ``Costs.communication``."""
 
     @classmethod
     def from_timelines(cls, runs: Sequence[tuple[Timeline, Costs]]) -> Contention:
         """Calibrate from measured timelines, each with the time alone of its actions
         (``measure_costs``, taken while no other rank computes; the schedules may differ).
 
-        Actions shorter than 0.2 ms alone are left out (their ratio is timer noise).
+        Actions shorter than 0.2 ms alone are left out of ``stretch`` (their ratio is timer
+        noise); ``transfer`` holds the transfer times defined above.
         """
         if not runs:
             raise ValueError("from_timelines needs at least one (timeline, costs) pair")
         num = runs[0][0].num_ranks
         stretch: list[list[float]] = [[] for _ in range(num)]
         posting: list[list[float]] = [[] for _ in range(num)]
+        transfers: list[float] = []
         for tl, alone in runs:
             if tl.num_ranks != num or len(tl.posts) != num:
                 raise ValueError(
@@ -350,7 +370,8 @@ class Contention:
                         stretch[others(r, iv.start)].append((iv.end - iv.start) / base)
                 for a, b in _batches(tl.posts[r]):
                     posting[others(r, a)].append(b - a)
-        return cls(tuple(map(tuple, stretch)), tuple(map(tuple, posting)))
+            transfers.extend(_transfer_times(tl))
+        return cls(tuple(map(tuple, stretch)), tuple(map(tuple, posting)), tuple(transfers))
 
     def _draw(self, table: tuple[tuple[float, ...], ...], others: int, rng: random.Random):
         # no sample for this many busy ranks: the nearest count that has some
@@ -396,8 +417,8 @@ def simulate(
     ``contention``: ranks share processors in time slices, as measured: each compute action
     takes its cost (time alone) times a stretch factor, and each post a posting time, drawn
     (generator seeded with ``seed``) from what was observed while as many other ranks were
-    busy as are busy in the replay when it starts. One call is one sample; average the
-    bubble over seeds for its expectation.
+    busy as are busy in the replay when it starts; each transfer takes a drawn transfer
+    time. One call is one sample; take the bubble over many seeds for its distribution.
     """
     costs = costs or Costs()
     if contention is not None:
@@ -412,7 +433,8 @@ def simulate(
             took = contention._draw(contention.posting, others, rng)
             return base if took is None else took
 
-        return _replay_shared(schedule, costs, lambda n: 1.0, draw)
+        latency = (lambda: rng.choice(contention.transfer)) if contention.transfer else None
+        return _replay_shared(schedule, costs, lambda n: 1.0, draw, latency)
     if cores is None:
         return _replay(schedule, costs, blocking_sends=False)
     if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
@@ -498,9 +520,17 @@ class _Wiring:
     """Every communication op's place on its channel, when each end was posted, and when the
     data of a transfer is usable (``communication`` after both ends are posted)."""
 
-    def __init__(self, schedule: Schedule, segs: list[list[_Seg]], communication: float) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        segs: list[list[_Seg]],
+        communication: float,
+        latency: Callable[[], float] | None = None,
+    ) -> None:
         self.segs = segs
         self.communication = communication
+        self.latency = latency
+        self.drawn: dict[tuple[_ChannelKey, int], float] = {}
         self.post: dict[_Op, float] = {}
         self.index: dict[tuple[int, int, int], _Op] = {}
         self.recv_of: dict[tuple[int, ActionKind, int, int], tuple[int, int]] = {}
@@ -524,7 +554,13 @@ class _Wiring:
         """When the data of op is usable, or None while an end is not posted."""
         key, k, is_send = op
         mine, other = self.post.get(op), self.post.get((key, k, not is_send))
-        return None if mine is None or other is None else max(mine, other) + self.communication
+        if mine is None or other is None:
+            return None
+        if self.latency is None:
+            return max(mine, other) + self.communication
+        if (key, k) not in self.drawn:  # drawn once, when both ends are known
+            self.drawn[(key, k)] = self.latency()
+        return max(mine, other) + self.drawn[(key, k)]
 
     def input_ready(self, r: int, action: Action, *, whole_batch: bool) -> float | None:
         """When the received input of a compute action is usable (0 if it receives none)."""
@@ -609,6 +645,7 @@ def _replay_shared(
     costs: Costs,
     speed: Callable[[int], float],
     draw: Callable[[_Seg, int, float], float] | None = None,
+    latency: Callable[[], float] | None = None,
 ) -> Timeline:
     """``_replay`` (simulation semantics) with the ranks sharing processors.
 
@@ -616,12 +653,12 @@ def _replay_shared(
     processor; while ``n`` ranks do, each progresses at ``speed(n)`` (processor sharing, as
     an OS scheduler gives equal shares); waiting ranks need none. ``draw(segment, others,
     cost)``, if given, sets each segment's work when it starts, knowing how many other ranks
-    are busy then.
-    Event by event: the next event is the earliest end of a piece of work at the current
+    are busy then; ``latency()``, if given, each transfer's time instead of
+    ``costs.communication``. Event by event: the next event is the earliest end of a piece of work at the current
     rates or the earliest arrival of data some rank waits for.
     """
     segs = [_segments(acts) for acts in schedule.actions]
-    wiring = _Wiring(schedule, segs, costs.communication)
+    wiring = _Wiring(schedule, segs, costs.communication, latency)
     num = len(segs)
     pos = [0] * num
     left: list[float | None] = [None] * num  # work left on the current segment, None: not begun
