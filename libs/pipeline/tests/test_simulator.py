@@ -193,6 +193,8 @@ def test_contention_calibrates_from_measured_timelines():
     assert c.posting[1] == pytest.approx((0.4, 0.4)) and c.posting[0] == pytest.approx((0.1,))
     with pytest.raises(ValueError, match="at least one"):
         Contention.from_timelines([])
+    with pytest.raises(ValueError, match=r"Contention.stretch must hold samples >= 0"):
+        Contention(((1.0, -0.5),), ((0.1,),))
 
 
 def test_costs_from_a_timeline_calibrate_posting_and_transfer():

@@ -329,10 +329,17 @@ class Contention:
     transfer: tuple[float, ...] = ()
     """Observed times from the later of a transfer's two posts to its receiver's wait
     returning, over receivers already waiting at that post (as in ``Costs.from_timeline``;
-    for the others it is only bounded). Under load
-    they are heavy-tailed (median ~0.05 ms, mean 1-2 ms on the benchmark's machine: gloo's
-    I/O threads and the woken receiver each wait for a processor). Empty: every transfer
-    takes ``Costs.communication``."""
+    for the others it is only bounded). Under load they are heavy-tailed (median ~0.05 ms,
+    mean 1-2 ms on the benchmark's machine: gloo's I/O threads and the woken receiver each
+    wait for a processor). Empty: every transfer takes ``Costs.communication``."""
+
+    def __post_init__(self) -> None:
+        for name in ("stretch", "posting"):
+            table = getattr(self, name)
+            if not all(all(v >= 0 for v in samples) for samples in table):
+                raise ValueError(f"Contention.{name} must hold samples >= 0, got {table!r}")
+        if not all(v >= 0 for v in self.transfer):
+            raise ValueError(f"Contention.transfer must hold samples >= 0, got {self.transfer}")
 
     @classmethod
     def from_timelines(cls, runs: Sequence[tuple[Timeline, Costs]]) -> Contention:
@@ -357,23 +364,20 @@ class Contention:
                 [(iv.start, iv.end) for iv in tl.intervals[r]] + sorted(_batches(tl.posts[r]))
                 for r in range(num)
             ]
-
-            def others(r: int, t: float, busy: list = busy) -> int:
-                return sum(
-                    any(a <= t < b for a, b in spans) for q, spans in enumerate(busy) if q != r
-                )
-
             for r in range(num):
                 for iv in tl.intervals[r]:
                     base = alone.of(iv.action)
                     if base >= _SHORTEST_CALIBRATED:
-                        stretch[others(r, iv.start)].append((iv.end - iv.start) / base)
+                        n = _others_busy(busy, r, iv.start)
+                        stretch[n].append((iv.end - iv.start) / base)
                 for a, b in _batches(tl.posts[r]):
-                    posting[others(r, a)].append(b - a)
+                    posting[_others_busy(busy, r, a)].append(b - a)
             transfers.extend(_transfer_times(tl))
         return cls(tuple(map(tuple, stretch)), tuple(map(tuple, posting)), tuple(transfers))
 
-    def _draw(self, table: tuple[tuple[float, ...], ...], others: int, rng: random.Random):
+    def _draw(
+        self, table: tuple[tuple[float, ...], ...], others: int, rng: random.Random
+    ) -> float | None:
         # no sample for this many busy ranks: the nearest count that has some
         for n in sorted(range(len(table)), key=lambda k: (abs(k - others), -k)):
             if table[n]:
@@ -383,6 +387,11 @@ class Contention:
 
 _SHORTEST_CALIBRATED = 0.2e-3
 """Seconds: actions shorter than this alone do not calibrate ``Contention.stretch``."""
+
+
+def _others_busy(busy: list[list[tuple[float, float]]], rank: int, t: float) -> int:
+    """How many ranks other than ``rank`` are inside one of their busy spans at ``t``."""
+    return sum(any(a <= t < b for a, b in spans) for q, spans in enumerate(busy) if q != rank)
 
 
 def _batches(posts: Sequence[Interval]) -> set[tuple[float, float]]:
