@@ -189,8 +189,10 @@ def test_contention_calibrates_from_measured_timelines():
     assert c.transfer == pytest.approx((0.4,))
     # F0.0 started alone (rank 1 had not posted yet), B1.0 too; F0.1 and F1.0 together
     assert sorted(c.stretch[0]) == [1.0, 2.0] and sorted(c.stretch[1]) == [1.5, 2.0]
-    # rank 1 posted while rank 0 computed; rank 0's posts began while rank 1 was idle or busy
-    assert c.posting[1] == pytest.approx((0.4, 0.4)) and c.posting[0] == pytest.approx((0.1,))
+    # rank 1 posted while rank 0 computed, rank 0 its second send while rank 1 computed; its
+    # first send went to rank 1 waiting for it (from 1.0), while no other rank was busy
+    assert c.posting[1] == pytest.approx((0.4, 0.4)) and c.posting[0] == ()
+    assert c.waking[0] == pytest.approx((0.1,)) and c.waking[1] == ()
     with pytest.raises(ValueError, match="at least one"):
         Contention.from_timelines([])
     with pytest.raises(ValueError, match=r"Contention.stretch must hold samples >= 0"):

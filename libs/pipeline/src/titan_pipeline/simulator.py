@@ -324,17 +324,22 @@ class Contention:
     while ``n`` other ranks computed or posted."""
     posting: tuple[tuple[float, ...], ...]
     """``posting[n]``: observed wall times of batch posts started while ``n`` other ranks
-    computed or posted (a post is short host work, so its wall time is mostly the time its
-    rank waited for a processor after waking gloo's threads)."""
+    computed or posted, when no receiver was waiting for a send of the batch (a post is
+    short host work: its wall time beyond ~0.15 ms is time its rank waited for a
+    processor)."""
     transfer: tuple[float, ...] = ()
     """Observed times from the later of a transfer's two posts to its receiver's wait
     returning, over receivers already waiting at that post (as in ``Costs.from_timeline``;
     for the others it is only bounded). Under load they are heavy-tailed (median ~0.05 ms,
     mean 1-2 ms on the benchmark's machine: gloo's I/O threads and the woken receiver each
     wait for a processor). Empty: every transfer takes ``Costs.communication``."""
+    waking: tuple[tuple[float, ...], ...] = ()
+    """``waking[n]``: the same for posts that send to a rank already waiting for that data.
+    Waking it costs the poster its processor: on 2 ranks such posts took a median 2.2-2.9 ms
+    against 0.1-0.2 ms for the others, in every schedule. Empty: ``posting`` is used."""
 
     def __post_init__(self) -> None:
-        for name in ("stretch", "posting"):
+        for name in ("stretch", "posting", "waking"):
             table = getattr(self, name)
             if not all(all(v >= 0 for v in samples) for samples in table):
                 raise ValueError(f"Contention.{name} must hold samples >= 0, got {table!r}")
@@ -354,6 +359,7 @@ class Contention:
         num = runs[0][0].num_ranks
         stretch: list[list[float]] = [[] for _ in range(num)]
         posting: list[list[float]] = [[] for _ in range(num)]
+        waking: list[list[float]] = [[] for _ in range(num)]
         transfers: list[float] = []
         for tl, alone in runs:
             if tl.num_ranks != num or len(tl.posts) != num:
@@ -364,16 +370,29 @@ class Contention:
                 [(iv.start, iv.end) for iv in tl.intervals[r]] + sorted(_batches(tl.posts[r]))
                 for r in range(num)
             ]
+            # send action -> the span its receiver spent waiting for that data
+            waiting = {
+                _matching_send(w.action): _Span(w.start, w.end) for ivs in tl.waits for w in ivs
+            }
             for r in range(num):
                 for iv in tl.intervals[r]:
                     base = alone.of(iv.action)
                     if base >= _SHORTEST_CALIBRATED:
                         n = _others_busy(busy, r, iv.start)
                         stretch[n].append((iv.end - iv.start) / base)
-                for a, b in _batches(tl.posts[r]):
-                    posting[_others_busy(busy, r, a)].append(b - a)
+                batches: dict[tuple[float, float], list[Action]] = {}
+                for iv in tl.posts[r]:
+                    batches.setdefault((iv.start, iv.end), []).append(iv.action)
+                for (a, b), actions in batches.items():
+                    wakes = any(a in waiting.get(x, ()) for x in actions)
+                    (waking if wakes else posting)[_others_busy(busy, r, a)].append(b - a)
             transfers.extend(_transfer_times(tl))
-        return cls(tuple(map(tuple, stretch)), tuple(map(tuple, posting)), tuple(transfers))
+        return cls(
+            tuple(map(tuple, stretch)),
+            tuple(map(tuple, posting)),
+            tuple(transfers),
+            tuple(map(tuple, waking)),
+        )
 
     def _draw(
         self, table: tuple[tuple[float, ...], ...], others: int, rng: random.Random
@@ -383,6 +402,17 @@ class Contention:
             if table[n]:
                 return rng.choice(table[n])
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Span:
+    """A half-open time span; ``t in span`` is ``start <= t < end``."""
+
+    start: float
+    end: float
+
+    def __contains__(self, t: float) -> bool:
+        return self.start <= t < self.end
 
 
 _SHORTEST_CALIBRATED = 0.2e-3
@@ -435,11 +465,12 @@ def simulate(
             raise ValueError("pass cores or contention, not both: contention includes sharing")
         rng = random.Random(seed)
 
-        def draw(seg: _Seg, others: int, base: float) -> float:
+        def draw(seg: _Seg, others: int, wakes: bool, base: float) -> float:
             if isinstance(seg, Action):
                 factor = contention._draw(contention.stretch, others, rng)
                 return base if factor is None else base * factor
-            took = contention._draw(contention.posting, others, rng)
+            table = contention.waking if wakes and contention.waking else contention.posting
+            took = contention._draw(table, others, rng)
             return base if took is None else took
 
         latency = (lambda: rng.choice(contention.transfer)) if contention.transfer else None
@@ -653,7 +684,7 @@ def _replay_shared(
     schedule: Schedule,
     costs: Costs,
     speed: Callable[[int], float],
-    draw: Callable[[_Seg, int, float], float] | None = None,
+    draw: Callable[[_Seg, int, bool, float], float] | None = None,
     latency: Callable[[], float] | None = None,
 ) -> Timeline:
     """``_replay`` (simulation semantics) with the ranks sharing processors.
@@ -662,7 +693,8 @@ def _replay_shared(
     processor; while ``n`` ranks do, each progresses at ``speed(n)`` (processor sharing, as
     an OS scheduler gives equal shares); waiting ranks need none. ``draw(segment, others,
     cost)``, if given, sets each segment's work when it starts, knowing how many other ranks
-    are busy then; ``latency()``, if given, each transfer's time instead of
+    are busy then (and, for a post, whether it sends to a rank waiting for that data);
+    ``latency()``, if given, each transfer's time instead of
     ``costs.communication``. Event by event: the next event is the earliest end of a piece of work at the current
     rates or the earliest arrival of data some rank waits for.
     """
@@ -688,7 +720,8 @@ def _replay_shared(
         # ranks that begin at the same instant, whatever the order they are scanned in
         others = sum(w is not None for w in left) - 1
         for r in drawn:
-            left[r] = draw(wiring.segs[r][pos[r]], others, left[r])
+            wakes = _wakes_a_waiting_rank(wiring, r, pos, left)
+            left[r] = draw(wiring.segs[r][pos[r]], others, wakes, left[r])
         busy = [r for r in range(num) if left[r] is not None]
         if not busy and not wake:
             break
@@ -707,6 +740,25 @@ def _replay_shared(
     return Timeline(tuple(map(tuple, intervals)))
 
 
+def _wakes_a_waiting_rank(
+    wiring: _Wiring, r: int, pos: list[int], left: list[float | None]
+) -> bool:
+    """Whether rank ``r``'s current segment is a batch that sends to a rank whose next
+    action is waiting for exactly that data."""
+    seg = wiring.segs[r][pos[r]]
+    if isinstance(seg, Action):
+        return False
+    for key, k, is_send in wiring.ops(r, pos[r]):
+        q = key[1]
+        if not is_send or left[q] is not None or pos[q] >= len(wiring.segs[q]):
+            continue
+        consumer = wiring.segs[q][pos[q]]
+        where = isinstance(consumer, Action) and wiring._recv(q, consumer)
+        if where and wiring.index[(q, *where)] == (key, k, False):
+            return True
+    return False
+
+
 def _start_segments(
     r: int,
     now: float,
@@ -718,7 +770,7 @@ def _start_segments(
     intervals: list[list[Interval]],
     wake: list[float],
     drawn: list[int],
-    draw: Callable[[_Seg, int, float], float] | None,
+    draw: Callable[[_Seg, int, bool, float], float] | None,
 ) -> bool:
     """Begin rank ``r``'s next pieces of work at ``now`` (finishing free ones at once) until
     it is busy, done or waiting; return whether any free piece finished. With ``draw``, the
