@@ -91,9 +91,10 @@ class RLConfig:
     """torch intra-op threads (0: leave torch's default)."""
 
 
-def arith_grpo() -> RLConfig:
-    """GRPO on arithmetic from a 600-step llama3_debug run (made first if absent, ~5 min), then
-    at most 14 min of RL on 2 cores; the settings of the README's measured run."""
+def arith_grpo_clean() -> RLConfig:
+    """GRPO on arithmetic from a 600-step llama3_debug run on the clean corpus (made first if
+    absent, ~5 min), then at most 14 min of RL on 2 cores: learning a new skill (carrying)
+    from the reward, which gave +6.6 points (see titan_rl's README)."""
     return RLConfig(
         init_steps=600,
         lr=3e-5,
@@ -105,7 +106,22 @@ def arith_grpo() -> RLConfig:
     )
 
 
-RL_RECIPES: dict[str, Callable[[], RLConfig]] = {"arith_grpo": arith_grpo}
+def arith_grpo() -> RLConfig:
+    """GRPO from a 3000-step llama3_debug run on a corpus with a competing wrong rule: answers
+    written least-significant digit first, 60% of the + / - documents with carry-less /
+    borrow-less answers (see titan_rl's README for why); RL rewards the true answer only.
+    At most 14 min of RL on 2 cores; pre-training is made first if absent (~25 min)."""
+    cfg = arith_grpo_clean()
+    cfg.init_steps = 3000
+    cfg.init_slip_rate = 0.6
+    cfg.reverse_answer = True
+    return cfg
+
+
+RL_RECIPES: dict[str, Callable[[], RLConfig]] = {
+    "arith_grpo": arith_grpo,
+    "arith_grpo_clean": arith_grpo_clean,
+}
 
 
 def validate_rl(cfg: RLConfig) -> None:
