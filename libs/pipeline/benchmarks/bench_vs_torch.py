@@ -13,7 +13,6 @@ calibrated on the other schedules' steps only. Run::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import pickle
 import statistics
@@ -183,8 +182,8 @@ def _bubbles(results: dict, world: int, num_mb: int, samples: int) -> dict[str, 
     ``mean``: costs calibrated from the same step (mean per (kind, stage), posting, transfer).
     ``trace``: the same step replayed with each action's own duration.
     ``contention``: the schedule's time alone of each action (``measure_costs``) and the
-    ``Contention`` (stretch factors, posting times) and transfer time calibrated on the
-    recorded steps of the *other* schedules only: a prediction, not a fit.
+    ``Contention`` (stretch factors, posting and transfer times) calibrated on the recorded
+    steps of the *other* schedules only: a prediction, not a fit.
     """
     out = {}
     for name, r in results.items():
@@ -194,10 +193,6 @@ def _bubbles(results: dict, world: int, num_mb: int, samples: int) -> dict[str, 
         others = [q for n, q in results.items() if n != name]
         runs = [(tl, q["alone"]) for q in others for tl in q["timelines"]]
         contention = tp.Contention.from_timelines(runs)
-        transfer = statistics.median(
-            tp.Costs.from_timeline(tl, len(alone.forward)).communication for tl, alone in runs
-        )
-        costs = dataclasses.replace(r["alone"], communication=transfer)
         n = schedule.num_stages
         measured = [tl.bubble_ratio for tl in r["timelines"]]
         out[name] = {
@@ -212,7 +207,7 @@ def _bubbles(results: dict, world: int, num_mb: int, samples: int) -> dict[str, 
                 for tl in r["timelines"]
             ),
             "contention": statistics.median(
-                tp.simulate(schedule, costs, contention=contention, seed=k).bubble_ratio
+                tp.simulate(schedule, r["alone"], contention=contention, seed=k).bubble_ratio
                 for k in range(samples)
             ),
         }
@@ -239,7 +234,7 @@ def main() -> None:
         "recorded steps of ours (round-robin over the schedules); 'mean costs': each step simulated with costs calibrated from "
         "itself (mean compute per (kind, stage), mean posting, median transfer); 'trace': each "
         "step replayed with its own action durations; 'contention': predicted from each "
-        "action's time alone and the stretch / posting distributions measured on the OTHER "
+        "action's time alone and the stretch / posting / transfer distributions measured on the OTHER "
         f"schedules' steps (median over {args.samples} seeds); diff = measured - simulated"
     )
     print(
