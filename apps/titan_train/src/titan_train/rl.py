@@ -1,10 +1,12 @@
 """``titan-train rl``: GRPO post-training (titan_rl) of the built-in arithmetic model.
 
-The starting weights are those of a pre-training recipe's run (``<output_dir>/<init_recipe>/hf``,
-the HF export of ``titan-train --recipe llama3_debug --checkpoint.export-hf``); when that folder
-does not exist the pre-training run is made first, in process, by the app's ``train``. Then
-``titan_rl.GRPOTrainer`` trains the same model class with the arithmetic task's exact-match
-reward, and held-out exact-match accuracy (greedy) is measured before, during and after.
+The starting weights are those of a pre-training recipe's run (``<output_dir>/<run>/hf``, the
+HF export of e.g. ``titan-train --recipe llama3_debug --checkpoint.export-hf``, with the corpus
+options of ``pretraining_job``); when that folder does not exist the pre-training run is made
+first, in process, by the app's ``train``. Then ``titan_rl.GRPOTrainer`` trains the same model
+class with the arithmetic task's exact-match reward (always the true answer), and held-out
+exact-match accuracy (greedy; per operator and slip share too) is measured before, during and
+after.
 
 Outputs in ``<output_dir>/<name>/``: ``config.json``, ``metrics.jsonl`` (one line per step,
 ``split: eval`` lines for accuracy), ``summary.json`` and the HF export of the final model.
