@@ -166,6 +166,16 @@ def test_compiled_decode_equals_eager_and_compiles_once(tiny_model, tmp_path, mo
                 got.processed_logprobs, want.processed_logprobs, rtol=0, atol=1e-5
             )
     assert want.finish_reasons[0] == "stop" and not want.mask.all()
+    # Weights changed in place behind the generator's back (through .data: no version bump)
+    # are seen by the next call, fused projections included.
+    greedy = cases[0]
+    before = compiled.generate(PROMPTS, greedy, seeds=[1, 2, 3])
+    for p in tiny_model.parameters():
+        p.data.mul_(-1.5)
+    want = eager.generate(PROMPTS, greedy, seeds=[1, 2, 3])
+    got = compiled.generate(PROMPTS, greedy, seeds=[1, 2, 3])
+    assert torch.equal(got.tokens, want.tokens) and not torch.equal(got.tokens, before.tokens)
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-5)
     # One graph per sampling setting (greedy, sampled), none per step or per repeated call.
     assert counters["stats"]["unique_graphs"] == 2
     assert sum(counters["graph_break"].values()) == 0
