@@ -112,7 +112,7 @@ def arith_grpo() -> RLConfig:
     """GRPO from a 3000-step llama3_debug run on a corpus with a competing wrong rule: answers
     written least-significant digit first, 60% of the + / - documents with carry-less /
     borrow-less answers (see titan_rl's README for why); RL rewards the true answer only.
-    At most 14 min of RL on 2 cores; pre-training is made first if absent (~25 min)."""
+    At most 14 min of RL on 2 cores; pre-training is made first if absent (~20 min)."""
     cfg = arith_grpo_clean()
     cfg.init_steps = 3000
     cfg.init_slip_rate = 0.6
