@@ -101,6 +101,21 @@ def _all_schedules_on_ranks(num_units: int) -> dict:
         evaluated = run(schedule, stages, mbs, tgts, _loss, forward_only=True)
         no_grads = all(p.grad is None for u in units for p in u.parameters())
         results[name]["eval"] = ([loss.item() for loss in evaluated], no_grads)
+        # the same stages again: the shape agreed last run is reused; then a new microbatch
+        # shape (rows doubled, so the mean losses stay) must be shared, then the old one again
+        again = run(schedule, stages, mbs, tgts, _loss, forward_only=True)
+        doubled = run(
+            schedule,
+            stages,
+            [torch.cat([m, m]) for m in mbs],
+            [torch.cat([t, t]) for t in tgts],
+            _loss,
+            forward_only=True,
+        )
+        back = run(schedule, stages, mbs, tgts, _loss, forward_only=True)
+        results[name]["reshaped"] = [
+            [loss.item() for loss in losses] for losses in (again, doubled, back)
+        ]
 
     # stage modules that do not fit: every rank raises the same ValueError, nothing is sent
     units = _units(num_units)
@@ -168,6 +183,11 @@ def _check(world: int, num_units: int, results: list[dict]) -> None:
         assert len(losses) == NUM_MICROBATCHES, name  # only the last stage's rank reports
         evaluated = [x for r in results for x in r[name]["eval"][0]]
         assert evaluated == losses and all(r[name]["eval"][1] for r in results), name
+        again, doubled, back = (
+            [x for r in results for x in r[name]["reshaped"][i]] for i in range(3)
+        )
+        assert again == losses and back == losses, name
+        assert doubled == pytest.approx(losses, rel=1e-6), name
         assert sum(losses) / NUM_MICROBATCHES == pytest.approx(ref_loss, abs=1e-6)
     # same stage layout and a full backward: the same sums in the same order, bitwise
     for k in ref_grads:

@@ -106,6 +106,8 @@ class PipelineStage:
         self._outputs: dict[int, torch.Tensor] = {}
         self._split: dict[int, _SplitBackward] = {}
         self._shape_cache: dict[object, list[tuple[tuple[int, ...], torch.dtype]]] = {}
+        # per stage-to-rank layout, the microbatch (shape, dtype) every rank agreed on last
+        self._agreed_shape: dict[tuple[int, ...], tuple[tuple[int, ...], torch.dtype]] = {}
 
     @property
     def is_first(self) -> bool:
@@ -625,17 +627,19 @@ def _stage_output_meta(
 ) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Shape and dtype of every stage's output, the same on every rank.
 
-    One small all-reduce per run shares whether any rank found a problem in its inputs (so
-    every rank raises the same ``ValueError`` instead of some waiting forever) and the
-    microbatch shape. The first
-    time a shape is seen, each stage in turn runs its module on meta tensors and its owner
-    broadcasts the result, or the error that says the stages do not fit.
+    One one-element all-reduce per run shares whether any rank found a problem in its inputs
+    (so every rank raises the same ``ValueError`` instead of some waiting forever) and whether
+    every rank can reuse the microbatch shape agreed in the last run of this stage layout (the
+    first stage's rank compares its microbatches with it). Only when one cannot is the shape
+    broadcast from the first stage's rank; the first time a shape is seen, each stage in turn
+    runs its module on meta tensors and its owner broadcasts the result, or the error that
+    says the stages do not fit. One element because gloo all-reduces fewer elements than
+    ranks in one short exchange: 11 int64 took 4.3 ms on 4 ranks sharing 2 cores, 1 took
+    0.7 ms (2 ranks: 0.51 vs 0.27 ms), every step.
     """
     distributed = dist.is_initialized() and schedule.num_ranks > 1
     first = schedule.stage_to_rank[0]
-    # [problem?, ndim, dtype code, shape...]: summed over ranks, only the first stage's
-    # rank fills the shape. One tiny all-reduce per run; messages travel only on failure.
-    code = torch.zeros(3 + _MAX_DIMS, dtype=torch.int64)
+    key = None
     if problem is None and rank == first:
         mb = microbatches[0]
         if mb.dim() > _MAX_DIMS or mb.dtype not in _DTYPES:
@@ -644,18 +648,33 @@ def _stage_output_meta(
                 f"{list(_DTYPES)}, got shape {list(mb.shape)} dtype {mb.dtype}"
             )
         else:
-            code[1], code[2] = mb.dim(), _DTYPES.index(mb.dtype)
-            code[3 : 3 + mb.dim()] = torch.tensor(mb.shape)
-    code[0] = problem is not None
+            key = (tuple(mb.shape), mb.dtype)
+    holder = next(iter(local.values()))
+    layout = schedule.stage_to_rank
+    agreed = holder._agreed_shape.get(layout)
+    stale = agreed is None or (key is not None and key != agreed)
+    # problems (at most num_ranks) + (num_ranks + 1) * ranks that need the shape sent
+    flag = torch.tensor([int(problem is not None) + (schedule.num_ranks + 1) * int(stale)])
     if distributed:
-        dist.all_reduce(code, group=group)
-    if code[0]:
-        problems = [problem]
+        dist.all_reduce(flag, group=group)
+    total = int(flag)
+    problems, stale = total % (schedule.num_ranks + 1), total // (schedule.num_ranks + 1)
+    if problems:
+        messages = [problem]
         if distributed:
-            problems = [None] * schedule.num_ranks
-            dist.all_gather_object(problems, problem, group=group)
-        raise ValueError("; ".join(p for p in problems if p is not None))
-    key = (tuple(code[3 : 3 + int(code[1])].tolist()), _DTYPES[int(code[2])])
+            messages = [None] * schedule.num_ranks
+            dist.all_gather_object(messages, problem, group=group)
+        raise ValueError("; ".join(p for p in messages if p is not None))
+    if not stale:
+        return holder._shape_cache[(layout, agreed)]
+    code = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)  # [ndim, dtype code, shape...]
+    if rank == first:
+        shape, dtype = key
+        code[0], code[1] = len(shape), _DTYPES.index(dtype)
+        code[2 : 2 + len(shape)] = torch.tensor(shape)
+    if distributed:
+        dist.broadcast(code, src=_global(first, group), group=group)
+    key = (tuple(code[2 : 2 + int(code[0])].tolist()), _DTYPES[int(code[1])])
 
     def share(obj: object, owner_rank: int) -> object:
         if not distributed:
@@ -664,26 +683,24 @@ def _stage_output_meta(
         dist.broadcast_object_list(box, src=_global(owner_rank, group), group=group)
         return box[0]
 
-    cache = next(iter(local.values()))._shape_cache
-    cache_key = (schedule.stage_to_rank, key)
-    if cache_key in cache:
-        return cache[cache_key]
-    shape, dtype = key
-    metas: list[tuple[tuple[int, ...], torch.dtype]] = []
-    for s, owner_rank in enumerate(schedule.stage_to_rank):
-        result = _stage_meta(local[s], shape, dtype) if owner_rank == rank else None
-        result = share(result, owner_rank)
-        if isinstance(result, str):
-            what = "the microbatches" if s == 0 else f"the output of stage {s - 1}"
-            raise ValueError(
-                f"stage {s} (rank {owner_rank}) cannot take {what}: input shape {list(shape)} "
-                f"dtype {dtype}; each stage's output shape must match the next stage's input "
-                f"({result})"
-            )
-        shape, dtype = result
-        metas.append((shape, dtype))
-    cache[cache_key] = metas
-    return metas
+    if (layout, key) not in holder._shape_cache:
+        shape, dtype = key
+        metas: list[tuple[tuple[int, ...], torch.dtype]] = []
+        for s, owner_rank in enumerate(layout):
+            result = _stage_meta(local[s], shape, dtype) if owner_rank == rank else None
+            result = share(result, owner_rank)
+            if isinstance(result, str):
+                what = "the microbatches" if s == 0 else f"the output of stage {s - 1}"
+                raise ValueError(
+                    f"stage {s} (rank {owner_rank}) cannot take {what}: input shape "
+                    f"{list(shape)} dtype {dtype}; each stage's output shape must match the "
+                    f"next stage's input ({result})"
+                )
+            shape, dtype = result
+            metas.append((shape, dtype))
+        holder._shape_cache[(layout, key)] = metas
+    holder._agreed_shape[layout] = key
+    return holder._shape_cache[(layout, key)]
 
 
 def _stage_meta(
