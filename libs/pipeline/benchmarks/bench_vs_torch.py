@@ -7,7 +7,7 @@ measured bubble, which is compared with three simulations: calibrated from the s
 (mean costs), replayed from the same step (trace), and predicted by the contention model
 calibrated on the other schedules' steps only. Run::
 
-    uv run python libs/pipeline/benchmarks/bench_vs_torch.py [--ranks 2 4] [--steps 7]
+    uv run python libs/pipeline/benchmarks/bench_vs_torch.py [--ranks 2 4] [--steps 15]
 """
 
 from __future__ import annotations
@@ -217,9 +217,9 @@ def _bubbles(results: dict, world: int, num_mb: int, samples: int) -> dict[str, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--steps", type=int, default=7)
-    parser.add_argument("--recorded", type=int, default=8, help="recorded steps for the bubbles")
-    parser.add_argument("--samples", type=int, default=50, help="seeds of the contention model")
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--recorded", type=int, default=16, help="recorded steps for the bubbles")
+    parser.add_argument("--samples", type=int, default=200, help="seeds of the contention model")
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--microbatches", type=int, default=8)
@@ -250,6 +250,7 @@ def main() -> None:
     spec.loader.exec_module(module)
     saved = {}
     for world in args.ranks:
+        began = time.perf_counter()
         res = saved[world] = run_distributed(
             module._bench,
             world,
@@ -269,7 +270,10 @@ def main() -> None:
             ratio = f"{r['ratio']:.2f}" if r["torch"] else "n/a"
             diff = f"{r['grad_diff']:.1e}" if r["torch"] else "n/a"
             if name == args.schedules[0]:
-                print(f"<!-- {world} ranks: ping-pong p2p latency {1e3 * r['latency']:.2f} ms -->")
+                print(
+                    f"<!-- {world} ranks: ping-pong p2p latency {1e3 * r['latency']:.2f} ms, "
+                    f"{time.perf_counter() - began:.0f} s -->"
+                )
             print(
                 f"| {world} | {name} | {1e3 * r['ours']:.1f} | {theirs} | {ratio} | {diff} "
                 f"| {100 * r['unit_bubble']:.1f}% | {100 * b['mean']:.1f}% "

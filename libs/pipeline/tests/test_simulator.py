@@ -163,6 +163,25 @@ def test_contention_stretches_by_how_many_other_ranks_are_busy():
     ]
 
 
+def test_contention_draws_stretch_from_actions_of_similar_length():
+    # one rank: F (1 alone) draws only the factor seen on an action of ~1, B (2.5) only the
+    # one seen on ~2.5; without lengths either factor may be drawn for either
+    s = build_schedule("gpipe", num_ranks=1, num_microbatches=4)
+    by_length = Contention(((1.0, 3.0),), ((0.0,),), stretch_alone=((2.4, 1.1),))
+    assert by_length.stretch == ((3.0, 1.0),) and by_length.stretch_alone == ((1.1, 2.4),)
+    costs = Costs(forward=1.0, backward=2.5)
+    for seed in range(5):
+        t = simulate(s, costs, contention=by_length, seed=seed)
+        assert t.total_time == pytest.approx(4 * (3.0 + 2.5))
+    mixed = {
+        simulate(s, costs, contention=Contention(((3.0, 1.0),), ((0.0,),)), seed=k).total_time
+        for k in range(20)
+    }
+    assert len(mixed) > 1
+    with pytest.raises(ValueError, match="one time alone per stretch sample"):
+        Contention(((3.0, 1.0),), ((0.0,),), stretch_alone=((1.0,),))
+
+
 def test_contention_samples_depend_only_on_the_seed():
     s = build_schedule("zbv", num_ranks=2, num_microbatches=4, stages_per_rank=2)
     c = Contention(((1.0, 1.5, 4.0), (1.0, 2.0, 6.0)), ((0.1, 0.5), (0.2, 0.9)))
@@ -189,6 +208,8 @@ def test_contention_calibrates_from_measured_timelines():
     assert c.transfer == pytest.approx((0.4,))
     # F0.0 started alone (rank 1 had not posted yet), B1.0 too; F0.1 and F1.0 together
     assert sorted(c.stretch[0]) == [1.0, 2.0] and sorted(c.stretch[1]) == [1.5, 2.0]
+    # each factor with the time alone of its action, sorted by it
+    assert c.stretch_alone == ((0.5, 1.0), (1.0, 1.0)) and c.stretch[0] == (2.0, 1.0)
     # rank 1 posted while rank 0 computed, rank 0 its second send while rank 1 computed; its
     # first send went to rank 1 waiting for it (from 1.0), while no other rank was busy
     assert c.posting[1] == pytest.approx((0.4, 0.4)) and c.posting[0] == ()

@@ -12,6 +12,7 @@ Ranks that share processors are replayed event by event, either with fluid shari
 
 from __future__ import annotations
 
+import bisect
 import random
 import statistics
 from collections.abc import Callable, Mapping, Sequence
@@ -337,6 +338,13 @@ class Contention:
     """``waking[n]``: the same for posts that send to a rank already waiting for that data.
     Waking it costs the poster its processor: on 2 ranks such posts took a median 2.2-2.9 ms
     against 0.1-0.2 ms for the others, in every schedule. Empty: ``posting`` is used."""
+    stretch_alone: tuple[tuple[float, ...], ...] = ()
+    """``stretch_alone[n][i]``: the time alone of the action ``stretch[n][i]`` was observed
+    on. A descheduled action loses whole scheduler slices, so the factor depends on the
+    action's length (the same lost slice stretches a short action more than a long one): an
+    action then draws only among samples whose time alone is within a factor
+    ``_SIMILAR_LENGTH`` of its own (all of ``stretch[n]`` when there are none). Empty: every
+    sample of ``stretch[n]`` may be drawn. Each ``stretch[n]`` is kept sorted by it."""
 
     def __post_init__(self) -> None:
         for name in ("stretch", "posting", "waking"):
@@ -345,6 +353,18 @@ class Contention:
                 raise ValueError(f"Contention.{name} must hold samples >= 0, got {table!r}")
         if not all(v >= 0 for v in self.transfer):
             raise ValueError(f"Contention.transfer must hold samples >= 0, got {self.transfer}")
+        if self.stretch_alone:
+            if [len(v) for v in self.stretch_alone] != [len(v) for v in self.stretch]:
+                raise ValueError(
+                    "Contention.stretch_alone must hold one time alone per stretch sample, got "
+                    f"{[len(v) for v in self.stretch_alone]} for {[len(v) for v in self.stretch]}"
+                )
+            pairs = [
+                sorted(zip(a, f, strict=True))
+                for a, f in zip(self.stretch_alone, self.stretch, strict=True)
+            ]
+            object.__setattr__(self, "stretch", tuple(tuple(f for _, f in p) for p in pairs))
+            object.__setattr__(self, "stretch_alone", tuple(tuple(a for a, _ in p) for p in pairs))
 
     @classmethod
     def from_timelines(cls, runs: Sequence[tuple[Timeline, Costs]]) -> Contention:
@@ -358,6 +378,7 @@ class Contention:
             raise ValueError("from_timelines needs at least one (timeline, costs) pair")
         num = runs[0][0].num_ranks
         stretch: list[list[float]] = [[] for _ in range(num)]
+        lengths: list[list[float]] = [[] for _ in range(num)]
         posting: list[list[float]] = [[] for _ in range(num)]
         waking: list[list[float]] = [[] for _ in range(num)]
         transfers: list[float] = []
@@ -380,6 +401,7 @@ class Contention:
                     if base >= _SHORTEST_CALIBRATED:
                         n = _others_busy(busy, r, iv.start)
                         stretch[n].append((iv.end - iv.start) / base)
+                        lengths[n].append(base)
                 batches: dict[tuple[float, float], list[Action]] = {}
                 for iv in tl.posts[r]:
                     batches.setdefault((iv.start, iv.end), []).append(iv.action)
@@ -392,16 +414,35 @@ class Contention:
             tuple(map(tuple, posting)),
             tuple(transfers),
             tuple(map(tuple, waking)),
+            tuple(map(tuple, lengths)),
         )
 
     def _draw(
         self, table: tuple[tuple[float, ...], ...], others: int, rng: random.Random
     ) -> float | None:
-        # no sample for this many busy ranks: the nearest count that has some
-        for n in sorted(range(len(table)), key=lambda k: (abs(k - others), -k)):
-            if table[n]:
-                return rng.choice(table[n])
-        return None
+        n = _nearest_filled(table, others)
+        return None if n is None else rng.choice(table[n])
+
+    def _draw_stretch(self, others: int, alone: float, rng: random.Random) -> float | None:
+        """A stretch factor for an action of ``alone`` seconds started with ``others`` busy."""
+        n = _nearest_filled(self.stretch, others)
+        if n is None:
+            return None
+        if self.stretch_alone:
+            lengths = self.stretch_alone[n]
+            lo = bisect.bisect_left(lengths, alone / _SIMILAR_LENGTH)
+            hi = bisect.bisect_right(lengths, alone * _SIMILAR_LENGTH)
+            if hi > lo:
+                return self.stretch[n][rng.randrange(lo, hi)]
+        return rng.choice(self.stretch[n])
+
+
+def _nearest_filled(table: tuple[tuple[float, ...], ...], others: int) -> int | None:
+    """The count of busy ranks nearest ``others`` that has samples (ties: the larger)."""
+    for n in sorted(range(len(table)), key=lambda k: (abs(k - others), -k)):
+        if table[n]:
+            return n
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,6 +458,12 @@ class _Span:
 
 _SHORTEST_CALIBRATED = 0.2e-3
 """Seconds: actions shorter than this alone do not calibrate ``Contention.stretch``."""
+
+_SIMILAR_LENGTH = 1.5
+"""An action draws its stretch among samples from actions whose time alone is within this
+factor of its own (``Contention.stretch_alone``): narrower than the factor ~2 between a full
+backward and a forward of one stage. One constant for every schedule (2 gave similar errors on
+the benchmark's saved runs)."""
 
 
 def _others_busy(busy: list[list[tuple[float, float]]], rank: int, t: float) -> int:
@@ -467,7 +514,7 @@ def simulate(
 
         def draw(seg: _Seg, others: int, wakes: bool, base: float) -> float:
             if isinstance(seg, Action):
-                factor = contention._draw(contention.stretch, others, rng)
+                factor = contention._draw_stretch(others, base, rng)
                 return base if factor is None else base * factor
             table = contention.waking if wakes and contention.waking else contention.posting
             took = contention._draw(table, others, rng)
