@@ -137,6 +137,7 @@ def _bench(names: list[str], steps: int, recorded: int, dim: int, batch: int, nu
                 else None
             ),
             "grad_diff": diff.item(),
+            "steps": (ours_t, theirs_t),  # every timed step, for --save
             "unit_bubble": tp.simulate(schedule).bubble_ratio,
             "latency": latency,
             "timelines": [],
@@ -245,7 +246,23 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
     parser.add_argument("--save", default=None, help="pickle the measured timelines here")
+    parser.add_argument(
+        "--glibc-malloc-defaults",
+        action="store_true",
+        help="leave glibc's mmap / trim thresholds alone in the rank processes",
+    )
     args = parser.parse_args()
+    # By default glibc serves blocks of >= 128 KB (every activation and gradient here) with
+    # mmap or trims them back to the OS, adapting its thresholds to what was freed so far, and
+    # the next step faults the pages in again: how much of that a step paid depended on each
+    # launch's allocation history (2-rank 1F1B, ours / torch over 21 paired steps: 0.89-0.99
+    # in 7 launches, 0.91-0.93 in 3 launches with fixed thresholds). Both runtimes run in the
+    # same rank processes, so both get the same allocator.
+    malloc = (
+        {}
+        if args.glibc_malloc_defaults
+        else {"MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+    )
     print(
         f"MLP of Linear({args.dim},{args.dim})+GELU units, 2 units per stage, batch "
         f"{args.batch}, {args.microbatches} microbatches, gloo on CPU, fp32; median of "
@@ -282,6 +299,7 @@ def main() -> None:
             args.microbatches,
             timeout=1800,
             num_threads=1,
+            env=malloc,
         )[0]
         bubbles = _bubbles(res, world, args.microbatches, args.samples)
         for name, r in res.items():
