@@ -295,15 +295,43 @@ class _StepCache:
         return self.k_BKLE, self.v_BKLE
 
 
-class _DecodeAttention(TorchFunctionMode):
-    """SDPA of one query per row written as plain matmuls + softmax, which the compiler fuses
-    (the CPU flash-attention kernel costs more than the arithmetic at decode sizes)."""
+class _DecodeKernels(TorchFunctionMode):
+    """The compiled decode step's own forms of two ops, for Inductor to fuse:
+
+    - SDPA of one query per row as plain matmuls + softmax (the CPU flash-attention kernel
+      costs more than the arithmetic at decode sizes);
+    - ``F.linear`` over a few rows as broadcast products + sums (``_rowwise_linear``)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return _masked_attention(*args, **kwargs)
+        if func is F.linear:
+            return _rowwise_linear(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+_ROWWISE_ROWS = range(2, 33)
+"""Row counts for which the compiled step writes a linear as products + sums (see
+``_rowwise_linear``); measured on the debug model with 8 rows."""
+
+
+def _rowwise_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear`` written as ``(x[:, None, :] * weight).sum(-1)`` when ``x`` has few rows.
+
+    At decode sizes a GEMM library call runs on one thread and packs the weight first; written
+    as a reduction over each weight row, Inductor emits a vectorised dot-product kernel that
+    splits the rows over the threads and fuses with the norm, activation and residual around
+    it. Only traced, never run eagerly (the product is ``(M, N, K)`` before the sum)."""
+    x_MK = x.reshape(-1, x.shape[-1])
+    if x_MK.shape[0] not in _ROWWISE_ROWS:
+        return F.linear(x, weight, bias)
+    out_MN = (x_MK[:, None, :] * weight).sum(-1)
+    if bias is not None:
+        out_MN = out_MN + bias
+    return out_MN.view(*x.shape[:-1], weight.shape[0])
 
 
 def _masked_attention(
@@ -343,7 +371,7 @@ def _decode_step(
     rope = model.rope(slots_B[:, None], h_B1D.dtype)
     keys_L = torch.arange(capacity, device=slots_B.device)
     mask_B11L = (keys_L[None, :] <= slots_B[:, None])[:, None, None, :]
-    with _DecodeAttention():
+    with _DecodeKernels():
         for layer, (k_BKLE, v_BKLE) in zip(model.layers.values(), buffers, strict=True):
             h_B1D = layer(h_B1D, rope, mask_B11L, _StepCache(k_BKLE, v_BKLE, slots_B))
     slots_B.add_(1)
