@@ -13,7 +13,7 @@ from titan_rl import (
     batch_invariant,
     sequence_logprobs,
 )
-from titan_rl.generator import _noise, _sample
+from titan_rl.generator import _ROWWISE_ROWS, _noise, _rowwise_linear, _sample
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -179,6 +179,22 @@ def test_compiled_decode_equals_eager_and_compiles_once(tiny_model, tmp_path, mo
     # One graph per sampling setting (greedy, sampled), none per step or per repeated call.
     assert counters["stats"]["unique_graphs"] == 2
     assert sum(counters["graph_break"].values()) == 0
+
+
+def test_rowwise_linear_is_linear_for_every_row_count():
+    """The compiled step's products + sums form of ``F.linear`` (used for 2..32 rows; other row
+    counts go to ``F.linear`` itself) agrees with it within fp32 rounding, bias and leading
+    dims included."""
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
+    for rows in (1, 2, 8, 32, 33):
+        x = torch.randn(rows, 1, 40, generator=g)
+        for b in (None, bias):
+            got, want = _rowwise_linear(x, weight, b), torch.nn.functional.linear(x, weight, b)
+            assert got.shape == want.shape == (rows, 1, 24)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+            if rows not in _ROWWISE_ROWS:  # the fallback is F.linear itself
+                assert torch.equal(got, want)
 
 
 def test_generation_validate_catches_mismatched_lengths():
