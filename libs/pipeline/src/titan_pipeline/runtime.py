@@ -635,7 +635,10 @@ def _stage_output_meta(
     runs its module on meta tensors and its owner broadcasts the result, or the error that
     says the stages do not fit. One element because gloo all-reduces fewer elements than
     ranks in one short exchange: 11 int64 took 4.3 ms on 4 ranks sharing 2 cores, 1 took
-    0.7 ms (2 ranks: 0.51 vs 0.27 ms), every step.
+    0.7 ms (2 ranks: 0.51 vs 0.27 ms), every step. The agreed shape is kept on this rank's
+    first stage object, so every rank's stages must have taken part in the same runs (they
+    do when each rank builds its stages once and calls ``run`` with them each step; a rank
+    with new stage objects asks for the shape).
     """
     distributed = dist.is_initialized() and schedule.num_ranks > 1
     first = schedule.stage_to_rank[0]
