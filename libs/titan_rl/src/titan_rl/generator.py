@@ -324,7 +324,7 @@ def _rowwise_linear(
     At decode sizes a GEMM library call runs on one thread and packs the weight first; written
     as a reduction over each weight row, Inductor emits a vectorised dot-product kernel that
     splits the rows over the threads and fuses with the norm, activation and residual around
-    it. Only traced, never run eagerly (the product is ``(M, N, K)`` before the sum)."""
+    it. Meant for tracing: run eagerly, it materialises the ``(M, N, K)`` product first."""
     x_MK = x.reshape(-1, x.shape[-1])
     if x_MK.shape[0] not in _ROWWISE_ROWS:
         return F.linear(x, weight, bias)
