@@ -31,9 +31,23 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+_ROW_BLOCK = 8
+"""Default rows per GEMM of ``invariant_linear``. Measured on the debug model (batch 8, 32-token
+prompts, 64 new tokens, 1 and 2 threads): 8-row GEMMs leave a decode step of 8 rows unpadded;
+with ``_KEY_BLOCK`` the mode cost 1.7-1.9x the default mode's time, against 1.9-2.0x for 16 rows
+and 64 keys."""
+
+_KEY_BLOCK = 32
+"""Default keys per block of ``invariant_attention``: 32-key blocks pad a short cache less than
+64 (measured with ``_ROW_BLOCK``, see there)."""
+
 
 def invariant_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, row_block: int = 8
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    row_block: int = _ROW_BLOCK,
 ) -> torch.Tensor:
     """``F.linear`` whose every output row is computed by the same fixed-shape GEMM."""
     x_MK = x.reshape(-1, x.shape[-1])
@@ -59,7 +73,7 @@ def invariant_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     *,
-    key_block: int = 32,
+    key_block: int = _KEY_BLOCK,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with a per-query reduction order fixed by key blocks.
 
@@ -124,13 +138,11 @@ class _BatchInvariantMode(TorchFunctionMode):
 
 
 @contextmanager
-def batch_invariant(*, row_block: int = 8, key_block: int = 32) -> Iterator[None]:
+def batch_invariant(*, row_block: int = _ROW_BLOCK, key_block: int = _KEY_BLOCK) -> Iterator[None]:
     """Run the enclosed model code in batch-invariant mode (see the module docstring).
 
-    The trainer and the generator must use the same blocks. The defaults were measured on the
-    debug model (batch 8, 32-token prompts, 64 new tokens, 1 and 2 threads): 8-row GEMMs leave
-    a decode step of 8 rows unpadded, and 32-key blocks pad a short cache less. Together they
-    cost 1.7-1.9x the default mode's time, against 1.9-2.0x for 16 rows and 64 keys.
+    The trainer and the generator must use the same blocks (defaults: 8 rows, 32 keys,
+    measured on the debug model; see ``_ROW_BLOCK``).
     """
     for name, value in (("row_block", row_block), ("key_block", key_block)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

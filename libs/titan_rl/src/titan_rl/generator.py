@@ -321,10 +321,10 @@ def _rowwise_linear(
 ) -> torch.Tensor:
     """``F.linear`` written as ``(x[:, None, :] * weight).sum(-1)`` when ``x`` has few rows.
 
-    At decode sizes a GEMM library call runs on one thread and packs the weight first; written
-    as a reduction over each weight row, Inductor emits a vectorised dot-product kernel that
-    splits the rows over the threads and fuses with the norm, activation and residual around
-    it. Meant for tracing: run eagerly, it materialises the ``(M, N, K)`` product first."""
+    At decode sizes a GEMM library call gains little from a second thread (the 29 GEMMs of a
+    debug-model step: 1.78 ms on 1 thread, 1.51 ms on 2); written as a reduction over each
+    weight row, Inductor emits a vectorised dot-product kernel that splits the rows over the
+    threads (0.87 ms on 2) and fuses with the norm, activation and residual around it. Meant for tracing: run eagerly, it materialises the ``(M, N, K)`` product first."""
     x_MK = x.reshape(-1, x.shape[-1])
     if x_MK.shape[0] not in _ROWWISE_ROWS:
         return F.linear(x, weight, bias)
