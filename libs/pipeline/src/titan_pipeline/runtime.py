@@ -655,20 +655,20 @@ def _stage_output_meta(
     holder = next(iter(local.values()))
     layout = schedule.stage_to_rank
     agreed = holder._agreed_shape.get(layout)
-    stale = agreed is None or (key is not None and key != agreed)
+    needs_shape = agreed is None or (key is not None and key != agreed)
     # problems (at most num_ranks) + (num_ranks + 1) * ranks that need the shape sent
-    flag = torch.tensor([int(problem is not None) + (schedule.num_ranks + 1) * int(stale)])
+    flag = torch.tensor([int(problem is not None) + (schedule.num_ranks + 1) * int(needs_shape)])
     if distributed:
         dist.all_reduce(flag, group=group)
     total = int(flag)
-    problems, stale = total % (schedule.num_ranks + 1), total // (schedule.num_ranks + 1)
+    ranks_needing_shape, problems = divmod(total, schedule.num_ranks + 1)
     if problems:
         messages = [problem]
         if distributed:
             messages = [None] * schedule.num_ranks
             dist.all_gather_object(messages, problem, group=group)
         raise ValueError("; ".join(p for p in messages if p is not None))
-    if not stale:
+    if not ranks_needing_shape:
         return holder._shape_cache[(layout, agreed)]
     code = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)  # [ndim, dtype code, shape...]
     if rank == first:
