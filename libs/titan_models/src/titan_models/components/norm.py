@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .init import ONES, Init
+
 
 def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
@@ -54,14 +56,14 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, *, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
+        self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _RMSNormFunction.apply(x, self.weight, self.eps)
 
-    def init_weights(self) -> None:
+    def param_init(self, *, std: float = 0.0, out_std: float = 0.0) -> dict[str, Init]:
         """Scale of one on every channel."""
-        nn.init.ones_(self.weight)
+        return {"weight": ONES}
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
