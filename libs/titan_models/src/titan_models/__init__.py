@@ -14,7 +14,7 @@ from .components import (
 from .decoding import greedy_generate
 from .deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from .flops import flops_per_token, matmul_params
-from .hf_io import from_hf, to_hf
+from .hf_io import from_hf, hf_model_config, load_hf_state, to_hf
 from .llama3 import Llama3, Llama3Config
 from .mtp import mtp_loss
 from .plan import ModelPlan, PipelineUnit, TensorParallelPlan, fqn_matches
@@ -50,8 +50,10 @@ __all__ = [
     "get_model",
     "get_plan",
     "greedy_generate",
+    "hf_model_config",
     "init_state",
     "list_models",
+    "load_hf_state",
     "matmul_params",
     "mtp_loss",
     "to_hf",
