@@ -310,6 +310,7 @@ def run(
     stage_kwargs: Sequence[dict[str, object]] | None = None,
     forward_only: bool = False,
     before_backward: Callable[[PipelineStage, int], None] | None = None,
+    stage_outputs: Sequence[tuple[tuple[int, ...], torch.dtype]] | None = None,
 ) -> list[torch.Tensor]:
     """Run one step of ``schedule`` on this rank's ``stages``; return the losses.
 
@@ -321,7 +322,10 @@ def run(
     backward. ``before_backward(stage, microbatch)`` is called before each action that produces
     parameter gradients (B, W); every built-in schedule runs them in increasing microbatch order
     per stage, so a data-parallel wrapper can turn its gradient reduction on for the last
-    microbatch only. Returns the detached, unscaled per-microbatch losses on the
+    microbatch only. ``stage_outputs``: every stage's output (shape, dtype) per microbatch,
+    when the caller knows them; the ranks then skip the first run's shape agreement (no
+    collective at all beyond the schedule's sends and receives; bad input raises on the rank
+    that has it). Returns the detached, unscaled per-microbatch losses on the
     rank of the last stage and ``[]`` elsewhere. Bad input raises ``ValueError`` on every
     rank before any activation is sent.
     """
@@ -359,7 +363,17 @@ def run(
             )
     except ValueError as e:
         problem = f"rank {rank}: {e}"
-    out_meta = _stage_output_meta(schedule, local, microbatches, rank, group, problem)
+    if stage_outputs is None:
+        out_meta = _stage_output_meta(schedule, local, microbatches, rank, group, problem)
+    elif problem is not None:
+        raise ValueError(problem)
+    elif len(stage_outputs) != schedule.num_stages:
+        raise ValueError(
+            f"stage_outputs must give the num_stages={schedule.num_stages} stages' outputs, got "
+            f"{len(stage_outputs)}"
+        )
+    else:
+        out_meta = [(tuple(shape), dtype) for shape, dtype in stage_outputs]
     scale = 1.0 / m if loss_scale is None else float(loss_scale)
     device = _device_of(stages)
     owner = schedule.stage_to_rank
@@ -627,23 +641,23 @@ def _stage_output_meta(
 ) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Shape and dtype of every stage's output, the same on every rank.
 
-    One one-element all-reduce per run shares whether any rank found a problem in its inputs
-    (so every rank raises the same ``ValueError`` instead of some waiting forever) and whether
-    every rank can reuse the microbatch shape agreed in the last run of this stage layout (the
-    first stage's rank compares its microbatches with it). Only when one cannot is the shape
-    broadcast from the first stage's rank; the first time a shape is seen, each stage in turn
-    runs its module on meta tensors and its owner broadcasts the result, or the error that
-    says the stages do not fit. One element because gloo all-reduces fewer elements than
-    ranks in one short exchange: 11 int64 took 4.3 ms on 4 ranks sharing 2 cores, 1 took
-    0.7 ms (2 ranks: 0.51 vs 0.27 ms), every step. The agreed shape is kept on this rank's
-    first stage object, so every rank's stages must have taken part in the same runs (they
-    do when each rank builds its stages once and calls ``run`` with them each step; a rank
-    with new stage objects asks for the shape).
+    In the first run of a stage layout, one one-element all-reduce shares whether any rank
+    found a problem in its inputs (so every rank raises the same ``ValueError`` instead of
+    some waiting forever); the shape is then broadcast from the first stage's rank, and each
+    stage in turn computes its output shape (its ``output_spec``, or its module on meta
+    tensors) and its owner broadcasts the result, or the error that says the stages do not
+    fit. The exchanged tensors live on the stages' device (NCCL needs that). Later runs with
+    the same microbatch shape reuse the agreed shapes with no collective and no host read; a
+    run with another shape agrees again, which needs every rank to see the change: pass the
+    microbatches on every rank when their shape can change between runs. The agreed shape is
+    kept on this rank's first stage object, so every rank's stages must take part in the
+    same runs (they do when each rank builds its stages once and calls ``run`` with them each
+    step).
     """
     distributed = dist.is_initialized() and schedule.num_ranks > 1
     first = schedule.stage_to_rank[0]
     key = None
-    if problem is None and rank == first:
+    if problem is None and microbatches and (rank == first or microbatches[0] is not None):
         mb = microbatches[0]
         if mb.dim() > _MAX_DIMS or mb.dtype not in _DTYPES:
             problem = (
@@ -655,9 +669,16 @@ def _stage_output_meta(
     holder = next(iter(local.values()))
     layout = schedule.stage_to_rank
     agreed = holder._agreed_shape.get(layout)
-    needs_shape = agreed is None or (key is not None and key != agreed)
-    # problems (at most num_ranks) + (num_ranks + 1) * ranks that need the shape sent
-    flag = torch.tensor([int(problem is not None) + (schedule.num_ranks + 1) * int(needs_shape)])
+    if agreed is not None and problem is None and key in (None, agreed):
+        # Steady state: the shapes agreed in an earlier run of this layout still hold for
+        # this rank's inputs (or it has none): no collective and no host read.
+        return holder._shape_cache[(layout, agreed)]
+    needs_shape = agreed is None or key != agreed
+    # problems (at most num_ranks) + (num_ranks + 1) * ranks that need the shape sent; on the
+    # stages' device, as NCCL needs
+    device = _device_of(list(local.values()))
+    code = int(problem is not None) + (schedule.num_ranks + 1) * int(needs_shape)
+    flag = torch.tensor([code], device=device)
     if distributed:
         dist.all_reduce(flag, group=group)
     total = int(flag)
@@ -670,14 +691,16 @@ def _stage_output_meta(
         raise ValueError("; ".join(p for p in messages if p is not None))
     if not ranks_needing_shape:
         return holder._shape_cache[(layout, agreed)]
-    code = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)  # [ndim, dtype code, shape...]
+    code = [0] * (2 + _MAX_DIMS)  # [ndim, dtype code, shape...]
     if rank == first:
         shape, dtype = key
         code[0], code[1] = len(shape), _DTYPES.index(dtype)
-        code[2 : 2 + len(shape)] = torch.tensor(shape)
+        code[2 : 2 + len(shape)] = shape
     if distributed:
-        dist.broadcast(code, src=_global(first, group), group=group)
-    key = (tuple(code[2 : 2 + int(code[0])].tolist()), _DTYPES[int(code[1])])
+        sent = torch.tensor(code, dtype=torch.int64, device=device)
+        dist.broadcast(sent, src=_global(first, group), group=group)
+        code = sent.tolist()
+    key = (tuple(code[2 : 2 + code[0]]), _DTYPES[code[1]])
 
     def share(obj: object, owner_rank: int) -> object:
         if not distributed:
