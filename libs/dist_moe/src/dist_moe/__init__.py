@@ -1,6 +1,6 @@
 """MoE routing, grouped experts, expert-parallel dispatch (local, all-to-all, symmetric memory), Triton kernels."""
 
-from dist_moe.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher, SymmMemDispatcher
+from dist_moe.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher
 from dist_moe.experts import GroupedExperts, SharedExperts, grouped_mm_available
 from dist_moe.kernels import combine_rows, expert_histogram, permute_rows
 from dist_moe.moe import MoE, MoEConfig, expert_parallel
@@ -21,6 +21,7 @@ from dist_moe.router import (
     expert_load,
     update_expert_biases,
 )
+from dist_moe.symm_mem import SymmMemDispatcher
 
 __version__ = "0.1.0"
 
