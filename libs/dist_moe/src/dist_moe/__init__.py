@@ -2,6 +2,7 @@
 
 from dist_moe.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher
 from dist_moe.experts import GroupedExperts, SharedExperts, grouped_mm_available
+from dist_moe.hf_interop import HFSparseMoeBlock, moe_from_hf_block, swap_hf_moe_blocks
 from dist_moe.kernels import combine_rows, expert_histogram, permute_rows
 from dist_moe.moe import MoE, MoEConfig, expert_parallel
 from dist_moe.permute import (
@@ -31,6 +32,7 @@ __all__ = [
     "ExpertLoad",
     "ExpertPlacement",
     "GroupedExperts",
+    "HFSparseMoeBlock",
     "LocalDispatcher",
     "MoE",
     "MoEConfig",
@@ -47,9 +49,11 @@ __all__ = [
     "expert_load",
     "expert_parallel",
     "grouped_mm_available",
+    "moe_from_hf_block",
     "permute",
     "permute_rows",
     "plan_permutation",
+    "swap_hf_moe_blocks",
     "unpermute",
     "unpermute_and_combine",
     "update_expert_biases",
