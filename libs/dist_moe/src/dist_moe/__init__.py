@@ -1,5 +1,6 @@
 """MoE routing, grouped experts, expert-parallel dispatch (local, all-to-all, symmetric memory), Triton kernels."""
 
+from dist_moe.cute_gemm import cute_available, cute_codegen, cute_grouped_mm
 from dist_moe.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher
 from dist_moe.experts import GroupedExperts, SharedExperts, grouped_mm_available
 from dist_moe.hf_interop import HFSparseMoeBlock, moe_from_hf_block, swap_hf_moe_blocks
@@ -45,6 +46,9 @@ __all__ = [
     "TopKRouter",
     "__version__",
     "combine_rows",
+    "cute_available",
+    "cute_codegen",
+    "cute_grouped_mm",
     "expert_histogram",
     "expert_load",
     "expert_parallel",
