@@ -13,7 +13,11 @@ capacity and overflow) on CPU tensors in shared-memory files between gloo ranks.
 * chunk ``c``'s expert GEMMs are issued before the wait for chunk ``c + 1``'s tokens;
 * the whole layer, forward and backward, issues no host synchronisation and allocates the
   same shapes whatever the routing (the all-to-all dropless path is the control that the
-  detector sees a sync).
+  detector sees a sync);
+* the Triton put kernel (one kernel per chunk into every peer's buffer, packing fused in),
+  run under ``TRITON_INTERPRET=1`` against the same emulated heap, equals the torch copies;
+* bad input (capacity below the worst case with ``overflow="error"``, a gloo group without
+  ``emulate``, more tokens than ``max_tokens``) fails before any communication.
 
 Bitwise comparisons need a GEMM whose rows do not depend on the other rows of the call;
 CPU fp32 ``mm`` at these sizes (D=16, I=8) is, for 4 rows or more (1-3 rows take another
@@ -259,18 +263,43 @@ def _no_host_sync():
     return out
 
 
+def _triton_puts():
+    """Triton put kernels (under the interpreter) vs the torch copies: max |diff| per value."""
+    e = 4 * dist.get_world_size()
+    x, g = _inputs([10] * 4, dist.get_rank())
+    res = {}
+    for layout, factor in (("dropless", None), ("capacity with drops", 0.5)):
+        steps = {}
+        for kernels in ("torch", "triton"):
+            cfg = PermuteConfig(alignment=4, capacity_factor=factor, kernels=kernels)
+            moe = _build(5, num_experts=e, top_k=2, permute=cfg)
+            expert_parallel(moe, dispatcher=SymmMemDispatcher(e, None, cfg, chunks=2, emulate=True))
+            steps[kernels] = _step(moe, x, g)
+        (o1, xg1, g1), (o2, xg2, g2) = steps["torch"], steps["triton"]
+        res[f"{layout} out"] = _max_err(o1, o2)
+        res[f"{layout} x.grad"] = _max_err(xg1, xg2)
+        res[f"{layout} grads"] = max(_max_err(g1[n], g2[n]) for n in g1)
+    return res
+
+
 def _all_checks():
     results = {n: _run_case(i, c) for i, (n, c) in enumerate(CASES.items())}
-    bad = _bad_input() if dist.get_world_size() == 2 else None
-    return results, _chunk_order(), _no_host_sync(), bad
+    two = dist.get_world_size() == 2
+    extra = (_bad_input(), _triton_puts()) if two else None
+    return results, _chunk_order(), _no_host_sync(), extra
 
 
 def _check(world_size):
-    per_rank = run_distributed(_all_checks, world_size, timeout=400)
+    env = {"TRITON_INTERPRET": "1"} if world_size == 2 else None
+    per_rank = run_distributed(_all_checks, world_size, timeout=400, env=env)
     drops = {n: 0 for n in CASES}
-    for rank, (results, log, sync, bad) in enumerate(per_rank):
-        if bad is not None:
+    for rank, (results, log, sync, extra) in enumerate(per_rank):
+        if extra is not None:
+            bad, triton_vs_torch = extra
             _check_bad_input(bad)
+            assert len(triton_vs_torch) == 6
+            for what, err in triton_vs_torch.items():  # row copies, fp32 sums in k order
+                assert err <= 1e-6, f"rank {rank} Triton puts vs torch copies, {what}: {err}"
         for case, res in results.items():
             drops[case] += res.pop("dropped")
             for what, v in res.items():
@@ -299,7 +328,7 @@ def _check(world_size):
             assert drops[case] == 0, f"{case}: {drops[case]} assignments dropped"
 
 
-def test_ep2_symm_mem_emulated_equals_one_process_and_all_to_all_and_rejects_bad_input():
+def test_ep2_symm_mem_emulated_equals_one_process_all_to_all_and_triton_puts():
     _check(2)
 
 

@@ -49,13 +49,26 @@ import torch
 import torch.distributed as dist
 
 from dist_moe.dispatch import _check_num_experts, _ExpertParallelDispatcher
-from dist_moe.permute import PermuteConfig, PermutePlan, permute, plan_permutation
+from dist_moe.kernels import combine_rows, permute_rows, put_rows_to_peers, resolve_backend
+from dist_moe.permute import PermuteConfig, PermutePlan, plan_permutation
 from dist_moe.permute import unpermute_and_combine as _unpermute_and_combine
 from dist_moe.symm_heap import _CudaSymmetricHeap, _SharedMemoryHeap, _SymmetricHeap
 
 __all__ = ["SymmMemDispatcher"]
 
 Overflow = Literal["drop", "error"]
+
+
+@dataclass(slots=True)
+class _PutIndex:
+    """Where each row of one chunk's put goes: a static map, built once per buffer."""
+
+    rows: torch.Tensor
+    """(n,) int64: source row of each put row."""
+    peer: torch.Tensor
+    """(n,) int32: destination rank."""
+    offset: torch.Tensor
+    """(n,) int64: element offset of the row in the destination's buffer."""
 
 
 @dataclass(slots=True)
@@ -68,6 +81,43 @@ class _Exchange:
     capacity: int
     dim: int
     chunks: list[tuple[int, int]]
+    kernels: Literal["torch", "triton"] = "torch"
+    """"triton": each chunk goes to every peer in one kernel (``put_rows_to_peers``)."""
+    to_owner_index: list[_PutIndex] | None = None
+    to_source_index: list[_PutIndex] | None = None
+    peer_table: torch.Tensor | None = None
+
+    def build_put_index(self, device: torch.device) -> None:
+        """The static row maps of both directions, and the table of peer buffer addresses."""
+        ep, local, cap, d, me = self.ep, self.local, self.capacity, self.dim, self.heap.rank
+        region = local * ep * cap * d
+        kw = dict(device=device, dtype=torch.int64)
+        self.to_owner_index, self.to_source_index = [], []
+        for j0, j1 in self.chunks:
+            # send row (q * L + j) * C + s  ->  rank q, to_owner[j, me, s]
+            q = torch.arange(ep, **kw)[:, None, None]
+            j = torch.arange(j0, j1, **kw)[None, :, None]
+            s = torch.arange(cap, **kw)[None, None, :]
+            shape = (ep, j1 - j0, cap)
+            self.to_owner_index.append(
+                _PutIndex(
+                    rows=((q * local + j) * cap + s).expand(shape).reshape(-1),
+                    peer=q.expand(shape).reshape(-1).to(torch.int32),
+                    offset=(((j * ep + me) * cap + s) * d).expand(shape).reshape(-1),
+                )
+            )
+            # chunk output row ((j - j0) * ep + q) * C + s  ->  rank q, to_source[me, j, s]
+            j, q = j.reshape(-1, 1, 1), q.reshape(1, -1, 1)
+            shape = (j1 - j0, ep, cap)
+            self.to_source_index.append(
+                _PutIndex(
+                    rows=torch.arange((j1 - j0) * ep * cap, **kw),
+                    peer=q.expand(shape).reshape(-1).to(torch.int32),
+                    offset=(region + ((me * local + j) * cap + s) * d).expand(shape).reshape(-1),
+                )
+            )
+        ptrs = [self.heap.peer_buffer(p).data_ptr() for p in range(ep)]
+        self.peer_table = torch.tensor(ptrs, **kw)
 
     def to_owner(self, rank: int) -> torch.Tensor:
         n = self.local * self.ep * self.capacity * self.dim
@@ -95,11 +145,22 @@ class _Exchange:
 # ---------------------------------------------------------------------------------------
 
 
-def _put_to_owners(st: _Exchange, send_ELCD: torch.Tensor) -> None:
+def _put_to_owners(
+    st: _Exchange, src: torch.Tensor, token_of_row: torch.Tensor | None = None
+) -> None:
+    """Send the (E * C, D) rows, chunk by chunk. With ``token_of_row`` (Triton only) row r
+    is ``src[token_of_row[r]]`` (zeros for -1): packing and sending in one pass."""
     me = st.heap.rank
     for c, (j0, j1) in enumerate(st.chunks):
+        if st.kernels == "triton":
+            idx = st.to_owner_index[c]
+            rows = idx.rows if token_of_row is None else token_of_row.index_select(0, idx.rows)
+            put_rows_to_peers(src, rows, idx.peer, idx.offset, st.peer_table)
+        else:
+            send = src.reshape(st.ep, st.local, st.capacity, st.dim)
+            for q in st.peers():
+                st.to_owner(q)[j0:j1, me].copy_(send[q, j0:j1])
         for q in st.peers():
-            st.to_owner(q)[j0:j1, me].copy_(send_ELCD[q, j0:j1])
             st.heap.put_signal(q, st.owner_channel(c))
 
 
@@ -113,9 +174,14 @@ def _take_chunk(st: _Exchange, c: int) -> torch.Tensor:
 def _put_chunk_to_sources(st: _Exchange, c: int, y_RD: torch.Tensor) -> None:
     j0, j1 = st.chunks[c]
     me = st.heap.rank
-    y = y_RD.reshape(j1 - j0, st.ep, st.capacity, st.dim)
+    if st.kernels == "triton":
+        idx = st.to_source_index[c]
+        put_rows_to_peers(y_RD, idx.rows, idx.peer, idx.offset, st.peer_table)
+    else:
+        y = y_RD.reshape(j1 - j0, st.ep, st.capacity, st.dim)
+        for q in st.peers():
+            st.to_source(q)[me, j0:j1].copy_(y[:, q])
     for q in st.peers():
-        st.to_source(q)[me, j0:j1].copy_(y[:, q])
         st.heap.put_signal(q, st.source_channel(c))
 
 
@@ -127,17 +193,26 @@ def _take_at_source(st: _Exchange) -> torch.Tensor:
 
 
 class _PutToOwners(torch.autograd.Function):
-    """Step 1; returns an empty token the chunk receives hang on. Backward: step 3."""
+    """Step 1 (pack and send); returns an empty token the chunk receives hang on.
+
+    Backward: step 3's receive, then the adjoint of the packing (sum each token's rows).
+    """
 
     @staticmethod
-    def forward(ctx, send_RD: torch.Tensor, st: _Exchange) -> torch.Tensor:
-        ctx.st = st
-        _put_to_owners(st, send_RD.reshape(st.ep, st.local, st.capacity, st.dim))
-        return send_RD.new_empty(0)
+    def forward(ctx, x_TD: torch.Tensor, st: _Exchange, plan: PermutePlan) -> torch.Tensor:
+        ctx.st, ctx.plan = st, plan
+        ra, k = plan.row_assignment, plan.top_k
+        if st.kernels == "triton":
+            _put_to_owners(st, x_TD, torch.where(ra >= 0, ra // k, -1))
+        else:
+            _put_to_owners(st, permute_rows(x_TD, ra, k, backend="torch"))
+        return x_TD.new_empty(0)
 
     @staticmethod
     def backward(ctx, _token_grad):
-        return _take_at_source(ctx.st), None
+        plan = ctx.plan
+        grad_rows = _take_at_source(ctx.st)
+        return combine_rows(grad_rows, plan.slot, plan.top_k, backend=ctx.st.kernels), None, None
 
 
 class _TakeChunk(torch.autograd.Function):
@@ -178,8 +253,7 @@ class _TakeAtSource(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_RD):
-        st = ctx.st
-        _put_to_owners(st, grad_RD.contiguous().reshape(st.ep, st.local, st.capacity, st.dim))
+        _put_to_owners(ctx.st, grad_RD.contiguous())
         return (None, *(grad_RD.new_empty(0) for _ in range(ctx.num_tokens)))
 
 
@@ -320,14 +394,18 @@ class SymmMemDispatcher(_ExpertParallelDispatcher):
                         f"SymmMemDispatcher: tensors must be on a CUDA device, got {x_TD.device}"
                     )
                 heap = _CudaSymmetricHeap(group, numel, x_TD.dtype, x_TD.device, channels)
-            self._exchanges[key] = _Exchange(
+            st = _Exchange(
                 heap=heap,
                 ep=self.placement.ep_size,
                 local=self.num_local_experts,
                 capacity=capacity,
                 dim=d,
                 chunks=self.chunks,
+                kernels=resolve_backend(self.config.kernels, x_TD.device),
             )
+            if st.kernels == "triton":
+                st.build_put_index(x_TD.device)
+            self._exchanges[key] = st
         return self._exchanges[key]
 
     # ---- the steps ----------------------------------------------------------------------
@@ -341,7 +419,7 @@ class SymmMemDispatcher(_ExpertParallelDispatcher):
             indices_TK, self.num_experts, self.config, counts=counts, capacity=cap
         )
         self.dropped = (plan.counts - cap).clamp(min=0).sum()
-        token = _PutToOwners.apply(permute(x_TD, plan), st)
+        token = _PutToOwners.apply(x_TD, st, plan)
         return _SymmContext(plan=plan, exchange=st, token=token)
 
     def _group_ends(self, num_experts: int, st: _Exchange, device: torch.device) -> torch.Tensor:
