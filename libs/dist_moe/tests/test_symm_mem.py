@@ -42,7 +42,7 @@ from dist_moe import (
     SymmMemDispatcher,
     expert_parallel,
 )
-from titan_testing import requires_gpus, run_distributed
+from titan_testing import cuda_device_count, requires_gpus, run_distributed
 
 DIM, HIDDEN = 16, 8
 
@@ -415,3 +415,67 @@ def test_ep2_symm_mem_on_cuda_matches_one_process():
         for case, errs in results.items():
             for what, err in errs.items():
                 assert err <= 1e-5, f"rank {rank} {case} {what}: {err}"
+
+
+def _graph_capture_checks():
+    """The whole layer (router, pack, dispatch, experts, combine) in one CUDA graph, bf16."""
+    torch.manual_seed(0)
+    results = {}
+    world = dist.get_world_size()
+    layouts = {
+        "local static_shapes": (PermuteConfig(static_shapes=True), None),
+        "local capacity": (PermuteConfig(capacity_factor=1.0), None),
+        "symm_mem dropless": (PermuteConfig(), "symm"),
+        "symm_mem capacity": (PermuteConfig(capacity_factor=1.0), "symm"),
+    }
+    for name, (cfg, kind) in layouts.items():
+        moe = MoE(
+            MoEConfig(
+                dim=256,
+                hidden_dim=128,
+                router=RouterConfig(num_experts=8, top_k=2),
+                shared_hidden_dim=128,
+                permute=cfg,
+                experts_impl="grouped_mm",
+            )
+        )
+        moe = moe.cuda().to(torch.bfloat16).eval()
+        if kind == "symm":
+            expert_parallel(moe, dispatcher=SymmMemDispatcher(8, None, cfg))
+        static_x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(side):
+            for _ in range(2):  # warm-up: buffers, Triton compilation, rendezvous
+                moe(static_x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph):
+            static_y = moe(static_x)
+        same = []
+        for seed in range(3):
+            x = torch.randn(
+                512,
+                256,
+                device="cuda",
+                dtype=torch.bfloat16,
+                generator=torch.Generator("cuda").manual_seed(seed + 10 * world),
+            )
+            static_x.copy_(x)
+            graph.replay()
+            with torch.no_grad():
+                eager = moe(x)
+            same.append(torch.equal(static_y, eager))
+        results[name] = same
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_moe_layer_captured_in_a_cuda_graph_replays_like_eager(world_size):
+    if cuda_device_count() < world_size:
+        pytest.skip(f"needs {world_size} CUDA device(s), found {cuda_device_count()}")
+    per_rank = run_distributed(_graph_capture_checks, world_size, backend="nccl", timeout=300)
+    for rank, results in enumerate(per_rank):
+        for name, same in results.items():
+            assert all(same), f"rank {rank} {name}: graph replays differ from eager: {same}"
