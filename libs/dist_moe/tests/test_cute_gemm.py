@@ -82,9 +82,14 @@ def test_cute_grouped_gemm_codegen_with_the_cutlass_extra_in_an_isolated_env():
     _check_ptx_counts(json.loads(line[len("RESULT ") :]))
 
 
-def test_cute_entry_points_reject_bad_input():
+def test_cute_entry_points_reject_bad_input(monkeypatch):
     with pytest.raises(ValueError, match="sm_90a"):
         cute_codegen("sm_80")
+    from dist_moe import cute_gemm
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    with pytest.raises(ValueError, match=r"SM90 \(Hopper\) or SM100 \(Blackwell\) GPU, got sm_86"):
+        cute_gemm._arch_of(torch.device("cuda", 0))
     x = torch.zeros(1, 128, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="CUDA tensor"):
         cute_grouped_mm(x, x)

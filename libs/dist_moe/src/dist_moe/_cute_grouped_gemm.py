@@ -30,7 +30,6 @@ import functools
 import os
 import tempfile
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils
@@ -141,9 +140,10 @@ def grouped_gemm(
     mW: cute.Tensor,
     mOut: cute.Tensor,
     mCounts: cute.Tensor,
-    stream: cuda.CUstream,
+    stream,
 ):
-    """Launch on ``stream``: grid (M / 128, N / 128, G), 128 threads, two smem stages."""
+    """Launch on ``stream`` (a ``CUstream``; unannotated, as the DSL infers it, so this file
+    needs only ``cutlass``): grid (M / 128, N / 128, G), 128 threads, two smem stages."""
     sX_layout = _smem_layout(TILE_M)
     sW_layout = _smem_layout(TILE_N)
     smem_bytes = cute.size_in_bytes(mX.element_type, sX_layout) + cute.size_in_bytes(

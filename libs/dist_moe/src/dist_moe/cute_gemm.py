@@ -109,14 +109,16 @@ def cute_grouped_mm(
             f"cute_grouped_mm: out must be a contiguous bfloat16 ({g}, {m}, {n}) tensor, got "
             f"{out.dtype} {tuple(out.shape)}"
         )
-    import cuda.bindings.driver as cuda
+    import cutlass.torch
 
+    with torch.cuda.device(x_GMK.device):
+        stream = cutlass.torch.current_stream()  # the CUstream torch is enqueuing on
     args = (
         _cute_tensor(x_GMK.contiguous(), (1, mod.TILE_M, mod.TILE_K)),
         _cute_tensor(w_GNK.contiguous(), (1, mod.TILE_N, mod.TILE_K)),
         _cute_tensor(out, (1, mod.TILE_M, mod.TILE_N)),
         _cute_tensor(counts_G.contiguous(), (1,)),
-        cuda.CUstream(torch.cuda.current_stream(x_GMK.device).cuda_stream),
+        stream,
     )
     if arch not in _RUNTIME_KERNELS:  # compiled once per architecture, for any shapes
         import cutlass.cute as cute
