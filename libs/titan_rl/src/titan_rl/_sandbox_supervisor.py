@@ -7,7 +7,7 @@ of the sandbox's overhead). Three processes, each with one job:
   below it): waits until the trainer has put it in the run's cgroup; as root, builds the
   program's view of the file system in a private mount namespace, then becomes ``nobody``;
   creates the user, mount, PID, network, IPC, UTS and cgroup namespaces (its uid is root
-  inside); forks init; enforces the wall-clock limit; writes the one report the trainer reads,
+  inside) and a new session keyring; forks init; enforces the wall-clock limit; writes the one report the trainer reads,
   on a pipe nothing else holds.
 - **init** (PID 1 of the new PID namespace): mounts that namespace's ``/proc`` in the view,
   pivots into it, forks the program, reaps orphans and sends the program's wait status to the
@@ -275,7 +275,9 @@ def _enter_root() -> None:
 def _become_program(cfg: dict, workdir: str) -> None:
     """In the forked program process: limits, no capabilities, then unwind to run the code."""
     try:
-        os.closerange(3, 1 << 16)  # keep stdin, stdout, stderr and nothing else
+        # Keep stdin, stdout, stderr and nothing else (the report pipe above all).
+        max_fd = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        os.closerange(3, 1 << 20 if max_fd == resource.RLIM_INFINITY else max_fd)
         if cfg["isolation"] == "none":
             os.setsid()
         os.chdir(workdir)
