@@ -241,6 +241,25 @@ def test_host_processes_cannot_be_signalled():
         bystander.wait()
 
 
+def test_host_sysv_ipc_is_unreachable():
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    key = 0x7174_0000 + secrets.randbelow(1 << 16)
+    segment = libc.shmget(key, 4096, 0o1000 | 0o666)  # IPC_CREAT, readable by anyone
+    assert segment >= 0
+    try:
+        code = (
+            "import ctypes\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            f"print(libc.shmget({key}, 0, 0), ctypes.get_errno())\n"
+        )
+        result = run_sandboxed(code, limits=LIMITS)
+        assert result.stdout == "-1 2\n"  # ENOENT: another IPC namespace
+    finally:
+        libc.shmctl(segment, 0, None)  # IPC_RMID
+
+
 def test_host_sockets_and_network_are_unreachable(tmp_path):
     path_server = socket.socket(socket.AF_UNIX)
     path_server.bind(str(tmp_path / "trainer.sock"))
