@@ -22,8 +22,9 @@ from ``C``, so the layer captures in a CUDA graph.
 Protocol of one forward (local experts cut into ``chunks`` contiguous runs; one signal
 channel per chunk and direction):
 
-1. dispatch: pack my tokens into (E, C, D) (``permute``); for each chunk, for each owner
-   ``q``: write my blocks of that chunk into ``q``'s ``to_owner[j0:j1, me]``, then signal ``q``;
+1. dispatch: pack my tokens into (E, C, D); for each chunk, for each owner ``q``: write my
+   blocks of that chunk into ``q``'s ``to_owner[j0:j1, me]``, then signal ``q`` (with Triton,
+   one kernel per chunk gathers the tokens and stores them into every peer: no staging);
 2. per chunk, as owner: wait for the chunk's signal from every source, copy the chunk's rows
    out of the buffer, run its experts (grouped GEMM), write each source's output blocks into
    its ``to_source[me, j0:j1]`` and signal it. Chunk ``c``'s GEMMs run while the peers are
@@ -33,10 +34,12 @@ channel per chunk and direction):
 
 Backward is the mirror image on the same buffers: the gradient of step 3 is step 1 on the
 output gradients, that of step 2's outputs is its receive, and so on (four autograd
-functions, each the adjoint of another). A rank writes a peer's block only after that peer
-signalled it in the current round, and it signals only after it has copied out everything
-the previous round left for it, so one buffer pair serves every forward and backward in
-sequence.
+functions, each the adjoint of another). One buffer pair serves every forward and backward
+in sequence: only rank ``p`` writes the ``[*, p]`` blocks of a peer's ``to_owner`` and the
+``[p, *]`` blocks of its ``to_source``; ``p`` starts a round only after the previous round
+returned everything from every peer, which each peer sent only after copying out what ``p``
+had put into its buffer; and ``put_signal`` waits until the peer consumed the flag's last
+value.
 """
 
 from __future__ import annotations
