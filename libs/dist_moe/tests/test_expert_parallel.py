@@ -179,11 +179,13 @@ def _check_cuda(dispatcher):
                 assert err <= 1e-5, f"rank {rank} {case} {what}: {err}"
 
 
+@pytest.mark.gpu
 @requires_gpus(2)
 def test_ep2_all_to_all_over_nccl_matches_single_process_moe():
     _check_cuda("all_to_all")
 
 
+@pytest.mark.gpu
 @requires_gpus(2)
 def test_ep2_symm_mem_matches_single_process_moe():
     _check_cuda("symm_mem")
