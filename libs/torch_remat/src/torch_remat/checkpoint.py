@@ -108,7 +108,7 @@ def _without_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
         "in backward would append to the cache a second time). Pass use_cache=False to the "
         "model when training to silence this.",
         UserWarning,
-        stacklevel=3,
+        stacklevel=1,  # one place: Python's default filter then says it once
     )
     return {**kwargs, **{k: (False if k == "use_cache" else None) for k in dropped}}
 
