@@ -22,7 +22,8 @@ def test_the_loop_measures_plans_and_trains_an_hf_llama(hf_remat):
 
 
 def test_every_policy_gives_the_no_remat_loss_and_gradients_bitwise(hf_remat):
-    report = hf_remat.compare()
+    with pytest.warns(UserWarning, match="key/value cache"):  # said again per test by pytest
+        report = hf_remat.compare()
     none = report.pop("none")["saved_bytes"]
     assert len(report) == 4
     for name, r in report.items():

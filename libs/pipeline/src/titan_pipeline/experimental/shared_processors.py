@@ -267,16 +267,16 @@ def _replay_shared(
     draw: Callable[[_Seg, int, bool, float], float] | None = None,
     latency: Callable[[], float] | None = None,
 ) -> Timeline:
-    """``_replay`` (simulation semantics) with the ranks sharing processors.
+    """``simulator._replay`` (simulation semantics) with the ranks sharing processors.
 
     Costs are then a rank's work on a processor of its own. Computing and posting need a
     processor; while ``n`` ranks do, each progresses at ``speed(n)`` (processor sharing, as
     an OS scheduler gives equal shares); waiting ranks need none. ``draw(segment, others,
-    cost)``, if given, sets each segment's work when it starts, knowing how many other ranks
-    are busy then (and, for a post, whether it sends to a rank waiting for that data);
-    ``latency()``, if given, each transfer's time instead of
-    ``costs.communication``. Event by event: the next event is the earliest end of a piece of work at the current
-    rates or the earliest arrival of data some rank waits for.
+    wakes, cost)``, if given, sets each segment's work when it starts, knowing how many other
+    ranks are busy then (and, for a post, whether it sends to a rank waiting for that data);
+    ``latency()``, if given, each transfer's time instead of ``costs.communication``. Event
+    by event: the next event is the earliest end of a piece of work at the current rates or
+    the earliest arrival of data some rank waits for.
     """
     segs = [_segments(acts) for acts in schedule.actions]
     wiring = _Wiring(schedule, segs, costs.communication, latency)
