@@ -33,15 +33,6 @@ from torch import nn
 import titan_models
 from titan_train.config import JobConfig
 
-PP_SCHEDULE_STAGES_PER_RANK = {
-    "gpipe": 1,
-    "1f1b": 1,
-    "zb_h1": 1,
-    "interleaved_1f1b": 2,
-    "zbv": 2,
-    "dualpipev": 2,
-}
-
 
 @dataclass(frozen=True, slots=True)
 class ParallelDims:
@@ -168,12 +159,14 @@ def check_plan(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:
                 "tensor-parallel style expresses yet (use parallel.tp=1)"
             )
     if dims.pp > 1:
-        if p.pp_schedule not in PP_SCHEDULE_STAGES_PER_RANK:
+        import titan_pipeline
+
+        if p.pp_schedule not in titan_pipeline.STAGES_PER_RANK:
             raise ValueError(
                 f"parallel.pp_schedule={p.pp_schedule!r} is not one of "
-                f"{sorted(PP_SCHEDULE_STAGES_PER_RANK)}"
+                f"{sorted(titan_pipeline.STAGES_PER_RANK)}"
             )
-        stages = dims.pp * PP_SCHEDULE_STAGES_PER_RANK[p.pp_schedule]
+        stages = dims.pp * titan_pipeline.STAGES_PER_RANK[p.pp_schedule]
         units = len(plan.pipeline_units)
         if stages > units:
             raise ValueError(
@@ -417,12 +410,8 @@ def _split_pipeline(pm: ParallelModel, model: nn.Module, plan: Any, cfg: JobConf
     import titan_pipeline
 
     p = cfg.parallel
-    per_rank = PP_SCHEDULE_STAGES_PER_RANK[p.pp_schedule]
     schedule = titan_pipeline.build_schedule(
-        p.pp_schedule,
-        num_ranks=pm.dims.pp,
-        num_microbatches=p.pp_microbatches,
-        stages_per_rank=per_rank,
+        p.pp_schedule, num_ranks=pm.dims.pp, num_microbatches=p.pp_microbatches
     )
     units = plan.pipeline_units
     ranges = titan_pipeline.balance([u.num_params for u in units], schedule.num_stages)
