@@ -127,10 +127,13 @@ def run_fake(
     stages = []
     for rank in _representative_ranks(dims):
         start = time.perf_counter()
-        row = _run_rank(cfg, dims, model_cls, config, rank, batches)
+        try:
+            row = _run_rank(cfg, dims, model_cls, config, rank, batches)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
         row["seconds"] = round(time.perf_counter() - start, 2)
         stages.append(row)
-        dist.destroy_process_group()
     with torch.device("meta"):
         total = sum(p.numel() for p in model_cls(config).parameters())
     report = {

@@ -86,12 +86,14 @@ def llama3_8b() -> JobConfig:
 @recipe
 def llama3_70b() -> JobConfig:
     """Llama 3.1 70B on 256 GPUs: TP 8 within a node, PP 4 (interleaved), FSDP 8."""
-    return _full_size(
+    cfg = _full_size(
         "llama3_70b",
         "llama3",
         "70B",
-        ParallelConfig(dp_shard=8, tp=8, pp=4, pp_schedule="interleaved_1f1b", pp_microbatches=16),
+        ParallelConfig(dp_shard=8, tp=8, pp=4, pp_schedule="interleaved_1f1b", pp_microbatches=8),
     )
+    cfg.training.batch_size = 8
+    return cfg
 
 
 @recipe

@@ -48,6 +48,12 @@ def _local_grad(p: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     if isinstance(g, DTensor):
+        if isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
+            # A replicated parameter applied to sharded activations (tensor-parallel QK-norm)
+            # gets a partial gradient: sum it now, so the norm, the clip and the optimizer
+            # all see the full gradient, the same on every rank.
+            g = g.redistribute(p.device_mesh, p.placements)
+            p.grad = g
         g = g.to_local()
     return g
 
@@ -84,24 +90,19 @@ def global_grad_norm(
     # Every rank must issue the same collectives, even one holding no gradient of a group
     # (an Owned parameter's non-owner): groups come from placements, in parameter order.
     inf = math.isinf(norm_type)
-    contrib: dict[tuple, torch.Tensor] = {}
+    by_key: dict[tuple, list[torch.Tensor]] = {}
     device = None
     for p in params:
         if p.grad is None:
             continue
         g = _local_grad(p)
         device = g.device
-        if g.numel() == 0:
-            v = torch.zeros((), dtype=torch.float32, device=g.device)
-        elif inf:
-            v = g.detach().abs().max().float()
-        else:
-            v = torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type
-        key = _reduce_groups(p, by_id)
-        if key in contrib:
-            contrib[key] = torch.maximum(contrib[key], v) if inf else contrib[key] + v
-        else:
-            contrib[key] = v
+        if g.numel():
+            by_key.setdefault(_reduce_groups(p, by_id), []).append(g.detach())
+    contrib: dict[tuple, torch.Tensor] = {}
+    for key, grads in by_key.items():  # one fused norm kernel per group of gradients
+        norms = torch.stack([n.float() for n in torch._foreach_norm(grads, norm_type)])
+        contrib[key] = norms.max() if inf else norms.pow(norm_type).sum()
     keys = list(dict.fromkeys(_reduce_groups(p, by_id) for p in params))
     if device is None:
         device = params[0].device if params else torch.device("cpu")
@@ -147,8 +148,7 @@ def clip_grad_norm_(
             f"({total.item()}); set error_if_nonfinite=False to clip anyway"
         )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in params:
-        if p.grad is not None:
-            g = _local_grad(p)
-            g.mul_(coef.to(g.device, g.dtype))
+    grads = [_local_grad(p) for p in params if p.grad is not None]
+    for dtype in {g.dtype for g in grads}:
+        torch._foreach_mul_([g for g in grads if g.dtype == dtype], coef.to(dtype=dtype))
     return total
