@@ -126,3 +126,15 @@ def test_full_size_recipe_runs_two_fake_steps_in_little_memory(tmp_path, recipe)
     assert per_stage_ranks % shards == 0
     total = sum(row["params_bytes"] for row in report["stages"]) * shards
     assert total == pytest.approx(report["parameters"] * 4, rel=0.01)
+
+
+def test_a_real_run_that_cannot_hold_its_shard_fails_before_allocating(capsys):
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    argv = ["--recipe", "llama3_70b", "--parallel.dp-shard", "1", "--parallel.tp", "1",
+            "--parallel.pp", "1", "--training.device", "cpu"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs" in err[0] and "GiB are free" in err[0], err
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 512 * 1024  # KiB
