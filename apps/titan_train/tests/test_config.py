@@ -82,4 +82,4 @@ def test_dry_run_rejects_a_tp_degree_that_does_not_divide_the_heads(capsys):
         )
         == 2
     )
-    assert "parallel.tp=3 must divide num_heads=32" in capsys.readouterr().err
+    assert "parallel.tp=3 must divide the model's num_heads=32" in capsys.readouterr().err

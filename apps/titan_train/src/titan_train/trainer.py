@@ -429,6 +429,8 @@ def prepare(
         tokenizer = build_tokenizer(cfg.data.tokenizer)
         model_cls, config = model_config(cfg, tokenizer)
         check_plan(cfg, dims, config)
+        with torch.device("meta"):  # overrides checked on a model that allocates nothing
+            apply_overrides(model_cls(config), cfg.model.overrides)
         _loaders(cfg, tokenizer)  # checks data files and fields
         if not fake:
             resolve_device(cfg.training.device)
