@@ -1,11 +1,20 @@
 """Model zoo (Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3), Hugging Face interop, KV-cache decoding,
 declarative plans."""
 
-from .components import KVCache, RopeConfig, Transformer, TransformerConfig
+from .components import (
+    Constant,
+    Init,
+    KVCache,
+    Normal,
+    RopeConfig,
+    Transformer,
+    TransformerConfig,
+    init_state,
+)
 from .decoding import greedy_generate
 from .deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from .flops import flops_per_token, matmul_params
-from .hf_io import from_hf, to_hf
+from .hf_io import from_hf, hf_model_config, load_hf_state, to_hf
 from .llama3 import Llama3, Llama3Config
 from .mtp import mtp_loss
 from .plan import ModelPlan, PipelineUnit, TensorParallelPlan, fqn_matches
@@ -16,12 +25,15 @@ from .registry import get_model, get_plan, list_models
 __version__ = "0.1.0"
 
 __all__ = [
+    "Constant",
     "DeepSeekV3",
     "DeepSeekV3Config",
+    "Init",
     "KVCache",
     "Llama3",
     "Llama3Config",
     "ModelPlan",
+    "Normal",
     "PipelineUnit",
     "Qwen3",
     "Qwen3Config",
@@ -38,7 +50,10 @@ __all__ = [
     "get_model",
     "get_plan",
     "greedy_generate",
+    "hf_model_config",
+    "init_state",
     "list_models",
+    "load_hf_state",
     "matmul_params",
     "mtp_loss",
     "to_hf",

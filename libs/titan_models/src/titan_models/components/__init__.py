@@ -2,6 +2,7 @@
 
 from .attention import Attention, attention_inputs, positions_from_document_ids
 from .feedforward import FeedForward
+from .init import Constant, Init, Normal, init_state, local_chunks
 from .kv_cache import KVCache, LayerKVCache
 from .mla import MultiHeadLatentAttention
 from .moe import MoEFeedForward
@@ -24,12 +25,15 @@ from .transformer import (
 
 __all__ = [
     "Attention",
+    "Constant",
     "FeedForward",
+    "Init",
     "KVCache",
     "LayerKVCache",
     "Llama3RopeScaling",
     "MoEFeedForward",
     "MultiHeadLatentAttention",
+    "Normal",
     "RMSNorm",
     "RopeConfig",
     "RotaryEmbedding",
@@ -41,6 +45,8 @@ __all__ = [
     "attention_inputs",
     "dense_blocks",
     "gqa_attention",
+    "init_state",
+    "local_chunks",
     "positions_from_document_ids",
     "rope_frequencies",
 ]

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .init import Init, Normal, prefixed
 from .kv_cache import KVCache, LayerKVCache
 from .norm import RMSNorm
 from .rope import apply_rotary
@@ -72,14 +73,14 @@ class Attention(nn.Module):
         )
         return self.wo(o_BHSE.transpose(1, 2).reshape(B, S, -1))
 
-    def init_weights(self, *, std: float, out_std: float, generator: torch.Generator) -> None:
+    def param_init(self, *, std: float, out_std: float) -> dict[str, Init]:
         """Normal ``std`` for q/k/v, ``out_std`` for the residual output ``wo``; norms to one."""
-        for linear in (self.wq, self.wk, self.wv):
-            nn.init.normal_(linear.weight, std=std, generator=generator)
-        nn.init.normal_(self.wo.weight, std=out_std, generator=generator)
-        for norm in (self.q_norm, self.k_norm):
-            if norm is not None:
-                norm.init_weights()
+        inits: dict[str, Init] = {f"{n}.weight": Normal(std) for n in ("wq", "wk", "wv")}
+        inits["wo.weight"] = Normal(out_std)
+        for name in ("q_norm", "k_norm"):
+            if getattr(self, name) is not None:
+                inits |= prefixed(name, getattr(self, name).param_init())
+        return inits
 
 
 def positions_from_document_ids(document_ids_BS: torch.Tensor) -> torch.Tensor:

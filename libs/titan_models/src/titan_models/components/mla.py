@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .init import Init, Normal, prefixed
 from .kv_cache import LayerKVCache
 from .norm import RMSNorm
 from .rope import apply_rotary
@@ -120,15 +121,18 @@ class MultiHeadLatentAttention(nn.Module):
         o_BHSC = _attention(q_BHSX, k_B1LX, latent_B1LC, mask, self.softmax_scale)
         return torch.einsum("bhsc,hvc->bshv", o_BHSC, w_uv_HVC)
 
-    def init_weights(self, *, std: float, out_std: float, generator: torch.Generator) -> None:
+    def param_init(self, *, std: float, out_std: float) -> dict[str, Init]:
         """Normal ``std`` for the projections into the heads/latents, ``out_std`` for ``wo``."""
-        for linear in (self.wq, self.wq_a, self.wq_b, self.wkv_a, self.wkv_b):
-            if linear is not None:
-                nn.init.normal_(linear.weight, std=std, generator=generator)
-        nn.init.normal_(self.wo.weight, std=out_std, generator=generator)
-        for norm in (self.q_norm, self.kv_norm):
-            if norm is not None:
-                norm.init_weights()
+        inits: dict[str, Init] = {
+            f"{name}.weight": Normal(std)
+            for name in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b")
+            if getattr(self, name) is not None
+        }
+        inits["wo.weight"] = Normal(out_std)
+        for name in ("q_norm", "kv_norm"):
+            if getattr(self, name) is not None:
+                inits |= prefixed(name, getattr(self, name).param_init())
+        return inits
 
 
 def _attention(

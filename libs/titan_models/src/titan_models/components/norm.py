@@ -1,67 +1,35 @@
-"""RMSNorm with a hand-written backward (fewer passes over the activations than autograd's)."""
+"""RMSNorm through torch's fused ``F.rms_norm``, rounded as Hugging Face rounds."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-
-def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()
-
-
-class _RMSNormFunction(torch.autograd.Function):
-    """``weight * (x * rsqrt(mean(x²) + eps))``, statistics in fp32, rounded as HF rounds.
-
-    Autograd of the composite formula saves four activations and runs about ten elementwise
-    kernels backward. Here the forward reads ``x`` once for the statistics (``vector_norm``)
-    and once for the output; only ``x`` and the per-row ``rstd`` are saved. The backward is the
-    closed form ``dx = rstd · g·w − x · rstd³ · Σ(g·w·x) / D`` with both reductions over
-    ``g·x`` done as matrix-vector products (``Σ_rows g·x·rstd`` for the weight, ``(g·x)·w`` per
-    row): six full passes instead of autograd's ten. On a busy CPU every pass costs a thread
-    wake-up, so the pass count, not the bytes, is what the step time follows.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        x32 = _at_least_fp32(x)
-        sum_sq = torch.linalg.vector_norm(x32, dim=-1, keepdim=True).square_()
-        rstd = sum_sq.div_(x.shape[-1]).add_(eps).rsqrt_()
-        ctx.save_for_backward(x, weight, rstd)
-        y = torch.mul(x32, rstd).to(x.dtype)  # the cast is a no-op in fp32
-        return y.mul_(weight) if weight.dtype == y.dtype else weight * y
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, weight, rstd = ctx.saved_tensors
-        dim = x.shape[-1]
-        grad32, x32, weight32 = _at_least_fp32(grad), _at_least_fp32(x), _at_least_fp32(weight)
-        gx_ND = (grad32 * x32).reshape(-1, dim)
-        rstd_N = rstd.reshape(-1)
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = torch.mv(gx_ND.t(), rstd_N).to(weight.dtype)
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            coef = torch.mv(gx_ND, weight32).reshape(rstd.shape).mul_(rstd.pow(3)).div_(dim)
-            grad_x = (grad32 * weight32).mul_(rstd).addcmul_(x32, coef, value=-1).to(x.dtype)
-        return grad_x, grad_weight, None
+from .init import ONES, Init
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm over the last dimension (Zhang & Sennrich, 2019)."""
+    """Root-mean-square layer norm over the last dimension (Zhang & Sennrich, 2019).
+
+    ``weight * rms_norm(x)``: the statistics and the normalisation in at least fp32 (torch's
+    fused kernel, forward and backward), the result cast back to ``x``'s dtype before the
+    weight multiplies it, as ``transformers`` does; so bf16 outputs match HF's bit for bit.
+    Works on DTensors (tensor-parallel QK-norm over local heads).
+    """
 
     def __init__(self, dim: int, *, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
+        self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        x32 = x if x.dtype in (torch.float32, torch.float64) else x.float()
+        return self.weight * F.rms_norm(x32, (x.shape[-1],), eps=self.eps).to(x.dtype)
 
-    def init_weights(self) -> None:
+    def param_init(self, *, std: float = 0.0, out_std: float = 0.0) -> dict[str, Init]:
         """Scale of one on every channel."""
-        nn.init.ones_(self.weight)
+        return {"weight": ONES}
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

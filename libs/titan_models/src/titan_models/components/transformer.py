@@ -17,6 +17,7 @@ from torch import nn
 
 from .attention import Attention, attention_inputs
 from .feedforward import FeedForward
+from .init import Constant, Init, Normal, init_state, prefixed
 from .kv_cache import KVCache, LayerKVCache
 from .norm import RMSNorm
 from .rope import RopeConfig, RotaryEmbedding
@@ -119,11 +120,11 @@ class TransformerBlock(nn.Module):
         h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope, mask, kv_cache)
         return h_BSD + self.feed_forward(self.ffn_norm(h_BSD))
 
-    def init_weights(self, *, std: float, out_std: float, generator: torch.Generator) -> None:
-        self.attention_norm.init_weights()
-        self.ffn_norm.init_weights()
-        self.attention.init_weights(std=std, out_std=out_std, generator=generator)
-        self.feed_forward.init_weights(std=std, out_std=out_std, generator=generator)
+    def param_init(self, *, std: float, out_std: float) -> dict[str, Init]:
+        inits: dict[str, Init] = {}
+        for name in ("attention_norm", "ffn_norm", "attention", "feed_forward"):
+            inits |= prefixed(name, getattr(self, name).param_init(std=std, out_std=out_std))
+        return inits
 
 
 def gqa_attention(config: TransformerConfig, *, qk_norm: bool) -> Attention:
@@ -165,7 +166,8 @@ class Transformer(nn.Module):
         extra_modules: dict[str, nn.Module] | None = None,
     ) -> None:
         """``extra_modules``: a family's modules beside the stack (DeepSeek-V3's ``mtp``),
-        registered after ``output`` and initialised by the family's ``_init_extra_weights``."""
+        registered after ``output`` and initialised as the family's ``_extra_param_inits``
+        says."""
         super().__init__()
         if len(blocks) != config.num_layers:
             raise ValueError(f"got {len(blocks)} blocks for num_layers={config.num_layers}")
@@ -254,38 +256,47 @@ class Transformer(nn.Module):
     ) -> Transformer:
         """Materialise (if on meta) and initialise every weight; returns ``self``.
 
-        Scheme (GPT-2 / Megatron "scaled init"): with ``std = config.init_std``, the token
-        embedding, the output head and every projection into a residual branch (q, k, v, w1,
-        w3; MLA's latent projections; a router gate and the experts' gate/up) are drawn from
-        N(0, std²); the projections out of a residual branch (``wo``, ``w2``, the experts'
-        down projections) from N(0, (std / √(2·num_layers))²), so the residual stream's
-        variance stays flat in depth; every RMSNorm weight is 1, a router's selection bias 0.
-        Deterministic for a given ``seed`` and device.
+        The values are those ``param_inits`` describes, drawn by ``init_state`` as a function
+        of (seed, FQN, index): a sharded copy of this model initialised with ``init_state``
+        holds, bit for bit, the same weights on the same device type.
         """
         if dtype is not None:
             self.to(dtype=dtype)  # before materialising: a cast on meta allocates nothing
         if device is not None or any(p.is_meta for p in self.parameters()):
             self.to_empty(device=device if device is not None else "cpu")
             self._tie()
-        target = next(self.parameters()).device
-        generator = torch.Generator(device=target).manual_seed(seed)
-        std = self.config.init_std
-        out_std = std / math.sqrt(2 * self.config.num_layers)
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, std=std, generator=generator)
-        for layer in self.layers.values():
-            layer.init_weights(std=std, out_std=out_std, generator=generator)
-        if self.norm is not None:
-            self.norm.init_weights()
-        if self.output is not None and not self.config.tie_embeddings:
-            nn.init.normal_(self.output.weight, std=std, generator=generator)
-        self._init_extra_weights(std=std, out_std=out_std, generator=generator)
+        state = dict(self.named_parameters()) | dict(self.named_buffers())  # unsaved buffers too
+        init_state(state, self.param_inits(), seed=seed)
         return self
 
-    def _init_extra_weights(
-        self, *, std: float, out_std: float, generator: torch.Generator
-    ) -> None:
+    def param_inits(self) -> dict[str, Init]:
+        """How every parameter and buffer of this model (or pipeline stage) starts, by FQN.
+
+        Scheme (GPT-2 / Megatron "scaled init"): with ``std = config.init_std``, the token
+        embedding, the output head and every projection into a residual branch (q, k, v, w1,
+        w3; MLA's latent projections; a router gate and the experts' gate/up) are drawn from
+        N(0, std²); the projections out of a residual branch (``wo``, ``w2``, the experts'
+        down projections) from N(0, (std / √(2·num_layers))²), so the residual stream's
+        variance stays flat in depth; every RMSNorm weight is 1; buffers (a router's selection
+        bias) start at 0.
+        """
+        std = self.config.init_std
+        out_std = std / math.sqrt(2 * self.config.num_layers)
+        inits: dict[str, Init] = {}
+        if self.tok_embeddings is not None:
+            inits["tok_embeddings.weight"] = Normal(std)
+        for index, layer in self.layers.items():
+            inits |= prefixed(f"layers.{index}", layer.param_init(std=std, out_std=out_std))
+        if self.norm is not None:
+            inits |= prefixed("norm", self.norm.param_init())
+        if self.output is not None and not self.config.tie_embeddings:
+            inits["output.weight"] = Normal(std)
+        inits |= self._extra_param_inits(std=std, out_std=out_std)
+        return inits | {name: Constant(0.0) for name, _ in self.named_buffers()}
+
+    def _extra_param_inits(self, *, std: float, out_std: float) -> dict[str, Init]:
         """Hook for modules a family adds beside the blocks (DeepSeek-V3's MTP modules)."""
+        return {}
 
     def new_kv_cache(
         self,

@@ -27,6 +27,7 @@ from ..components import (
     TransformerBlock,
     YarnRopeScaling,
 )
+from ..components.init import Init, Normal, prefixed
 from ..components.mla import MultiHeadLatentAttention
 from ..components.moe import MoEFeedForward
 from ..components.rope import yarn_mscale
@@ -108,11 +109,11 @@ class MTPModule(TransformerBlock):
         x_BSD = self.eh_proj(torch.cat([self.enorm(emb_BSD), self.hnorm(h_BSD)], dim=-1))
         return super().forward(x_BSD, rope, mask)
 
-    def init_weights(self, *, std: float, out_std: float, generator: torch.Generator) -> None:
-        super().init_weights(std=std, out_std=out_std, generator=generator)
-        for norm in (self.enorm, self.hnorm, self.norm):
-            norm.init_weights()
-        nn.init.normal_(self.eh_proj.weight, std=std, generator=generator)
+    def param_init(self, *, std: float, out_std: float) -> dict[str, Init]:
+        inits = super().param_init(std=std, out_std=out_std)
+        for name in ("enorm", "hnorm", "norm"):
+            inits |= prefixed(name, getattr(self, name).param_init())
+        return inits | {"eh_proj.weight": Normal(std)}
 
 
 class DeepSeekV3(Transformer):
@@ -178,11 +179,11 @@ class DeepSeekV3(Transformer):
         ``qk_rope_head_dim`` rope key, not per-head keys and values."""
         return 1, self.config.kv_lora_rank, self.config.qk_rope_head_dim
 
-    def _init_extra_weights(
-        self, *, std: float, out_std: float, generator: torch.Generator
-    ) -> None:
-        for module in (self.mtp or {}).values():
-            module.init_weights(std=std, out_std=out_std, generator=generator)
+    def _extra_param_inits(self, *, std: float, out_std: float) -> dict[str, Init]:
+        inits: dict[str, Init] = {}
+        for index, module in (self.mtp or {}).items():
+            inits |= prefixed(f"mtp.{index}", module.param_init(std=std, out_std=out_std))
+        return inits
 
 
 __all__ = ["DeepSeekV3", "MTPModule", "router_config", "softmax_scale"]
