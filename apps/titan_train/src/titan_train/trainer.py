@@ -82,6 +82,8 @@ def build_model(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device) -> n
     """The recipe's model: from an HF folder, or built on meta and initialised on ``device``."""
     if cfg.checkpoint.init_from_hf:
         model = titan_models.from_hf(cfg.checkpoint.init_from_hf, device=str(device))
+        backend = cfg.model.attention_backend
+        model.config = dataclasses.replace(model.config, attention_backend=backend)
         vocab = model.config.vocab_size
         if vocab < tokenizer.vocab_size:
             raise ValueError(
@@ -98,7 +100,10 @@ def build_model(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device) -> n
 
 
 def _model_config(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[type, Any]:
-    overrides = {"vocab_size": cfg.model.vocab_size or tokenizer.vocab_size}
+    overrides = {
+        "vocab_size": cfg.model.vocab_size or tokenizer.vocab_size,
+        "attention_backend": cfg.model.attention_backend,
+    }
     return titan_models.get_model(cfg.model.family, cfg.model.flavor, **overrides)
 
 

@@ -1,7 +1,16 @@
 """Model zoo (Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3), Hugging Face interop, KV-cache decoding,
 declarative plans."""
 
-from .components import KVCache, RopeConfig, Transformer, TransformerConfig
+from .components import (
+    AttentionMetadata,
+    KVCache,
+    RopeConfig,
+    Transformer,
+    TransformerConfig,
+    attend,
+    attention_backends,
+    register_attention_backend,
+)
 from .decoding import greedy_generate
 from .deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from .flops import flops_per_token, matmul_params
@@ -16,6 +25,7 @@ from .registry import get_model, get_plan, list_models
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionMetadata",
     "DeepSeekV3",
     "DeepSeekV3Config",
     "KVCache",
@@ -32,6 +42,8 @@ __all__ = [
     "Transformer",
     "TransformerConfig",
     "__version__",
+    "attend",
+    "attention_backends",
     "flops_per_token",
     "fqn_matches",
     "from_hf",
@@ -41,5 +53,6 @@ __all__ = [
     "list_models",
     "matmul_params",
     "mtp_loss",
+    "register_attention_backend",
     "to_hf",
 ]
