@@ -53,53 +53,59 @@ def _lengths(rng: random.Random, S: int, max_docs: int) -> list[int]:
     return lengths
 
 
+# Every combination of window (none, shorter and longer than some documents), sinks and
+# softcap over random packed rows; then a 1-token window, a window wider than the row and
+# single-document rows.
+GRID = [(w, sinks, cap) for cap in (None, 2.0) for sinks in (False, True) for w in (None, 3, 7)]
+EXTRA = [(1, True, None, [[40], [40]]), (64, False, 2.0, None), (None, False, None, [[40], [40]])]
+SEEDS = range(len(GRID) + len(EXTRA))
+
+
 def _case(seed: int):
     rng = random.Random(seed)
     B, S, H, K, E = 2, 40, 4, 2, 8
     V = rng.choice([8, 6])  # a narrower value width, as MLA's
     lengths = [_lengths(rng, S, 6) for _ in range(B)]
-    if seed % 4 == 0:
-        lengths = [[S] for _ in range(B)]  # one document per row
+    if seed < len(GRID):
+        window, with_sinks, softcap = GRID[seed]
+    else:
+        window, with_sinks, softcap, rows = EXTRA[seed - len(GRID)]
+        lengths = rows or lengths
     g = torch.Generator().manual_seed(seed)
     q, k = torch.randn(B, S, H, E, generator=g), torch.randn(B, S, K, E, generator=g)
     v = torch.randn(B, S, K, V, generator=g)
     options = dict(
-        window=rng.choice([None, 1, 3, 7, 64]),
-        sinks=torch.randn(H, generator=g) if rng.random() < 0.5 else None,
+        window=window,
+        sinks=torch.randn(H, generator=g) if with_sinks else None,
         scale=rng.choice([None, 0.3]),
-        softcap=rng.choice([None, None, 2.0]),
+        softcap=softcap,
     )
     return lengths, (q, k, v), options
 
 
-def _check(backend: str, seed: int, *, grads: bool) -> None:
+def _check(backend: str, seed: int, *, grads: bool, device: str = "cpu") -> None:
     lengths, (q, k, v), options = _case(seed)
-    meta = AttentionMetadata.from_lengths(lengths, q.shape[1], "cpu", backend=backend)
+    meta = AttentionMetadata.from_lengths(lengths, q.shape[1], device, backend=backend)
     ids = torch.stack(
         [torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in lengths]
     )
     scale = options["scale"] or q.shape[-1] ** -0.5
-    inputs = [t.clone().requires_grad_(grads) for t in (q, k, v)]
-    sinks = options["sinks"]
-    if sinks is not None:
-        sinks = sinks.clone().requires_grad_(grads)
-        inputs.append(sinks)
+    cpu_inputs = [q, k, v] + ([options["sinks"]] if options["sinks"] is not None else [])
+    inputs = [t.to(device, copy=True).requires_grad_(grads) for t in cpu_inputs]
+    sinks = inputs[3] if len(inputs) == 4 else None
     out = attend(*inputs[:3], meta, **{**options, "sinks": sinks})
-    ref_inputs = [t.detach().double().requires_grad_(grads) for t in inputs]
+    ref_inputs = [t.double().requires_grad_(grads) for t in cpu_inputs]
     ref_sinks = ref_inputs[3] if sinks is not None else None
     ref = reference(*ref_inputs[:3], ids, **{**options, "sinks": ref_sinks, "scale": scale})
     assert out.shape == ref.shape
-    assert (out.double() - ref).abs().max().item() <= TOL, (lengths, options)
+    assert (out.double().cpu() - ref).abs().max().item() <= TOL, (lengths, options)
     if grads:
         weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
-        (out * weight).sum().backward()
+        (out * weight.to(device)).sum().backward()
         (ref * weight.double()).sum().backward()
         for name, a, b in zip("qkvs", inputs, ref_inputs, strict=False):
-            diff = (a.grad.double() - b.grad).abs().max().item()
+            diff = (a.grad.double().cpu() - b.grad).abs().max().item()
             assert diff <= TOL, (name, diff, lengths, options)
-
-
-SEEDS = range(12)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -114,6 +120,7 @@ def eager_flex(monkeypatch):
     monkeypatch.setattr(flex, "_EAGER_FLEX", True)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("seed", SEEDS)
 def test_flex_forward_equals_the_reference(eager_flex, seed):
     with torch.no_grad():
@@ -124,12 +131,20 @@ def test_flex_forward_equals_the_reference(eager_flex, seed):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("seed", range(4))
 def test_flex_and_varlen_forward_and_gradients_on_cuda(seed):
-    torch.set_default_device("cuda")
-    try:
-        _check("flex", seed, grads=True)
-        _check("varlen", seed, grads=True)
-    finally:
-        torch.set_default_device("cpu")
+    _check("flex", seed, grads=True, device="cuda")  # compiled FlexAttention
+    _check("varlen", seed, grads=True, device="cuda")  # fp32: the tile path on CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_varlen_uses_torch_flash_varlen_in_bf16_on_cuda():
+    lengths, (q, k, v), options = _case(1)
+    meta = AttentionMetadata.from_lengths(lengths, q.shape[1], "cuda", backend="varlen")
+    dense = AttentionMetadata.from_lengths(lengths, q.shape[1], "cuda", backend="sdpa")
+    q, k, v = (t.cuda().bfloat16() for t in (q, k, v))
+    kw = {"window": options["window"]}
+    diff = (attend(q, k, v, meta, **kw) - attend(q, k, v, dense, **kw)).abs().max().item()
+    assert diff <= 2e-2  # bf16 rounding
 
 
 def test_varlen_tiles_a_long_document_into_band_pieces():

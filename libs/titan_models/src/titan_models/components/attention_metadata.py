@@ -48,8 +48,8 @@ class CacheStep:
 class AttentionMetadata:
     """Per-batch inputs of every attention layer (see the module docstring).
 
-    Build it with ``from_document_ids``, ``from_lengths`` or ``causal`` (``build`` is the
-    model's entry point, KV cache included). Backends memoise what they derive from it per
+    Build it with ``from_document_ids``, ``from_lengths``, ``causal`` or ``for_cache_step``
+    (``build_attention_metadata`` is the model's entry point, KV cache included). Backends memoise what they derive from it per
     window (``prepared``), so a structure is built once per batch however many layers use it.
     """
 
@@ -198,11 +198,6 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         """T = B·S."""
         return self.batch_size * self.seq_len
-
-    @property
-    def has_documents(self) -> bool:
-        """Whether some row holds more than one document (training forwards)."""
-        return self.starts is not None and self.cache is None
 
     def document_lengths(self) -> list[int]:
         """Host list of the documents' lengths in flattened order (empty ones included);

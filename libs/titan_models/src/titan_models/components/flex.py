@@ -60,8 +60,23 @@ def prepare(meta: AttentionMetadata, window: int | None) -> Any:
     return create_block_mask(mask_mod, rows, None, S, S, device=meta.positions.device)
 
 
-def forward(q_BSHE, k_BLKE, v_BLKV, meta, block_mask, *, window, sinks, scale, softcap):
+def forward(
+    q_BSHE: torch.Tensor,
+    k_BLKE: torch.Tensor,
+    v_BLKV: torch.Tensor,
+    meta: AttentionMetadata,
+    block_mask: Any,
+    *,
+    window: int | None,
+    sinks: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """The ``flex`` backend's forward over ``prepare``'s ``BlockMask`` (which holds the
+    window already)."""
     from torch.nn.attention.flex_attention import AuxRequest
+
+    del meta, window  # both are in the BlockMask
 
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q_BSHE, k_BLKE, v_BLKV, sinks)
