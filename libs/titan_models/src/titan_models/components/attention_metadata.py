@@ -114,12 +114,13 @@ class AttentionMetadata:
         if positions is None:
             positions = torch.arange(S, device=ids.device) - starts
         _check_shape("positions", positions, (B, S))
+        cu = _cu_seqlens(starts)
         return cls(
             batch_size=B,
             seq_len=S,
             positions=positions,
-            starts=starts,
-            cu_seqlens=_cu_seqlens(starts),
+            starts=None if cu.numel() == B + 1 else starts,  # one document per row: plain causal
+            cu_seqlens=cu,
             backend=backend,
         )
 
@@ -154,11 +155,12 @@ class AttentionMetadata:
             positions = torch.arange(seq_len, device=ids.device) - starts
         _check_shape("positions", positions, (B, seq_len))
         cu = torch.cat([flat.new_zeros(1), flat.cumsum(0)]).to(torch.int32)
+        single = all(sum(n > 0 for n in row) == 1 for row in rows)  # plain causal per row
         return cls(
             batch_size=B,
             seq_len=seq_len,
             positions=positions,
-            starts=starts,
+            starts=None if single else starts,
             cu_seqlens=cu.to(device),
             backend=backend,
         )
