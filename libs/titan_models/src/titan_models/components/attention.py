@@ -11,12 +11,7 @@ import torch
 from torch import nn
 
 from .attention_metadata import AttentionMetadata
-from .backends import (
-    attend,
-    check_attention_backend,
-    prepare_attention,
-    resolve_attention_backend,
-)
+from .backends import attend, prepare_attention, resolve_attention_backend
 from .kv_cache import KVCache, LayerKVCache
 from .norm import RMSNorm
 from .rope import apply_rotary
@@ -128,7 +123,6 @@ def build_attention_metadata(
       positions restart at 0 in every document unless given.
     - neither: plain causal attention over ``0 .. S-1``.
     """
-    check_attention_backend(backend)
     name = resolve_attention_backend(backend, device)
     if kv_cache is not None:
         if kv_cache.batch_size != batch_size:
