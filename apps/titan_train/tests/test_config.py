@@ -35,6 +35,10 @@ def test_cli_overrides_nested_fields_with_both_spellings():
         (["--training.batch_size", "3", "--training.grad_accum", "2"], "divisible"),
         (["--parallel.cp", "2"], "not supported yet"),
         (["--optimizer.lr", "-1"], "optimizer.lr"),
+        (
+            ["--model.attention_backend", "dense"],
+            "model.attention_backend='dense' is not one of ['auto', 'flex', 'sdpa', 'varlen']",
+        ),
     ],
 )
 def test_bad_config_is_one_clear_error_line(argv, message, capsys):

@@ -22,6 +22,9 @@ class ModelConfig:
     overrides: tuple[str, ...] = ()
     """Component overrides, ``"module-glob=replacement"`` (see titan_train.components), e.g.
     ``output=chunked_cross_entropy`` or ``layers.*.ffn_norm=torch_rms_norm``."""
+    attention_backend: str = "auto"
+    """titan_models attention backend: auto (flex on CUDA, varlen elsewhere), flex, varlen, or
+    sdpa (dense mask: reference and short sequences)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -246,6 +249,14 @@ def validate(cfg: JobConfig) -> None:
         raise ValueError(f"data.validation_fraction={d.validation_fraction} must be in [0, 1)")
     if not 0.0 <= d.arithmetic_slip_rate <= 1.0:
         raise ValueError(f"data.arithmetic_slip_rate={d.arithmetic_slip_rate} must be in [0, 1]")
+    if cfg.model.attention_backend not in _BUILTIN_ATTENTION_BACKENDS:
+        import titan_models  # torch: only for a backend registered beyond the built-in ones
+
+        backends = ["auto", *titan_models.attention_backends()]
+        if cfg.model.attention_backend not in backends:
+            raise ValueError(
+                f"model.attention_backend={cfg.model.attention_backend!r} is not one of {backends}"
+            )
     p = cfg.parallel
     for name in ("dp_replicate", "tp", "pp", "ep", "cp"):
         _positive(f"parallel.{name}", getattr(p, name))
@@ -269,6 +280,10 @@ def validate(cfg: JobConfig) -> None:
         )
     if not cfg.name or "/" in cfg.name or cfg.name in (".", ".."):
         raise ValueError(f"name={cfg.name!r} must be a non-empty folder name without '/'")
+
+
+_BUILTIN_ATTENTION_BACKENDS = ("auto", "flex", "sdpa", "varlen")
+"""titan_models' own attention backends (checked without importing torch)."""
 
 
 def _positive(name: str, value: int) -> None:

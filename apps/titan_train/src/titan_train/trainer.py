@@ -90,13 +90,17 @@ def model_config(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[type, Any]:
     family's flavour (vocabulary from the tokenizer unless set)."""
     if cfg.checkpoint.init_from_hf:
         model_cls, config = titan_models.hf_model_config(cfg.checkpoint.init_from_hf)
+        config = dataclasses.replace(config, attention_backend=cfg.model.attention_backend)
         if config.vocab_size < tokenizer.vocab_size:
             raise ValueError(
                 f"checkpoint.init_from_hf model has vocab_size={config.vocab_size}, smaller than "
                 f"the tokenizer's {tokenizer.vocab_size} (data.tokenizer={cfg.data.tokenizer!r})"
             )
         return model_cls, config
-    overrides = {"vocab_size": cfg.model.vocab_size or tokenizer.vocab_size}
+    overrides = {
+        "vocab_size": cfg.model.vocab_size or tokenizer.vocab_size,
+        "attention_backend": cfg.model.attention_backend,
+    }
     if cfg.model.num_mtp_modules >= 0:
         overrides["num_mtp_modules"] = cfg.model.num_mtp_modules
     return titan_models.get_model(cfg.model.family, cfg.model.flavor, **overrides)
@@ -107,6 +111,8 @@ def build_model(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device) -> n
     parallel layouts are compared with: they hold pieces of exactly these weights)."""
     if cfg.checkpoint.init_from_hf:
         model = titan_models.from_hf(cfg.checkpoint.init_from_hf, device=device)
+        backend = cfg.model.attention_backend
+        model.config = dataclasses.replace(model.config, attention_backend=backend)
     else:
         model_cls, config = model_config(cfg, tokenizer)
         with torch.device("meta"):

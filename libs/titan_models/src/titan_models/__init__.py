@@ -2,6 +2,7 @@
 declarative plans."""
 
 from .components import (
+    AttentionMetadata,
     Constant,
     Init,
     KVCache,
@@ -9,7 +10,10 @@ from .components import (
     RopeConfig,
     Transformer,
     TransformerConfig,
+    attend,
+    attention_backends,
     init_state,
+    register_attention_backend,
 )
 from .decoding import greedy_generate
 from .deepseek_v3 import DeepSeekV3, DeepSeekV3Config
@@ -25,6 +29,7 @@ from .registry import get_model, get_plan, list_models
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionMetadata",
     "Constant",
     "DeepSeekV3",
     "DeepSeekV3Config",
@@ -44,6 +49,8 @@ __all__ = [
     "Transformer",
     "TransformerConfig",
     "__version__",
+    "attend",
+    "attention_backends",
     "flops_per_token",
     "fqn_matches",
     "from_hf",
@@ -56,5 +63,6 @@ __all__ = [
     "load_hf_state",
     "matmul_params",
     "mtp_loss",
+    "register_attention_backend",
     "to_hf",
 ]

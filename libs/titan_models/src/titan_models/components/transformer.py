@@ -1,8 +1,9 @@
 """The decoder-only language model every family builds on: embedding → blocks → norm → head.
 
 A family supplies its config (a ``TransformerConfig`` subclass with its flavours) and the
-blocks; everything else — the forward pass, packed documents, the KV cache, meta-device
-construction and the initialisation scheme — lives here once.
+blocks; everything else — the forward pass, the per-batch attention metadata (packed
+documents, positions, the KV cache step), meta-device construction and the initialisation
+scheme — lives here once.
 
 Shapes: B batch, S sequence, D model dim, V vocabulary.
 """
@@ -15,7 +16,9 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from .attention import Attention, attention_inputs
+from .attention import Attention, build_attention_metadata
+from .attention_metadata import AttentionMetadata
+from .backends import check_attention_backend
 from .feedforward import FeedForward
 from .init import Constant, Init, Normal, init_state, prefixed
 from .kv_cache import KVCache, LayerKVCache
@@ -51,6 +54,14 @@ class TransformerConfig:
     """Share the output head's weight with the token embedding."""
     init_std: float = 0.02
     """Standard deviation of the weight initialisation (see ``Transformer.init_weights``)."""
+    sliding_window: int | None = None
+    """Window W of the sliding-window layers: a query sees itself and the W - 1 tokens before
+    it (inside its document); ``None``: every layer attends to the whole causal prefix."""
+    sliding_window_layers: tuple[int, ...] | None = None
+    """Indices of the layers that use ``sliding_window`` (``None``: all of them, Mistral)."""
+    attention_backend: str = "auto"
+    """Attention backend of a forward (``titan_models.attention_backends()``): ``sdpa``
+    (dense reference), ``flex``, ``varlen``; ``auto`` = flex on CUDA, varlen elsewhere."""
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim")
@@ -74,11 +85,25 @@ class TransformerConfig:
                 raise ValueError(
                     f"{type(self).__name__}.{name} must be > 0, got {getattr(self, name)!r}"
                 )
+        _check_windows(self)
+        check_attention_backend(self.attention_backend, f"{type(self).__name__}.attention_backend")
 
     @classmethod
     def field_names(cls) -> list[str]:
         """The names ``dataclasses.replace`` accepts."""
         return [f.name for f in fields(cls)]
+
+    def layer_window(self, index: int) -> int | None:
+        """Sliding window of layer ``index`` (``None``: full causal attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_window_layers is None or index in self.sliding_window_layers:
+            return self.sliding_window
+        return None
+
+    def attention_windows(self) -> tuple[int | None, ...]:
+        """The distinct windows of the layers (``None`` = full attention)."""
+        return tuple(dict.fromkeys(self.layer_window(i) for i in range(self.num_layers)))
 
     @property
     def rotary_dim(self) -> int:
@@ -114,10 +139,10 @@ class TransformerBlock(nn.Module):
         self,
         x_BSD: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        meta: AttentionMetadata,
         kv_cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
-        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope, mask, kv_cache)
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope, meta, kv_cache)
         return h_BSD + self.feed_forward(self.ffn_norm(h_BSD))
 
     def param_init(self, *, std: float, out_std: float) -> dict[str, Init]:
@@ -127,14 +152,16 @@ class TransformerBlock(nn.Module):
         return inits
 
 
-def gqa_attention(config: TransformerConfig, *, qk_norm: bool) -> Attention:
-    """The GQA attention of the Llama 3 / Qwen3 blocks (with per-head QK-norm for Qwen3)."""
+def gqa_attention(config: TransformerConfig, *, qk_norm: bool, layer: int = 0) -> Attention:
+    """The GQA attention of the Llama 3 / Qwen3 blocks (with per-head QK-norm for Qwen3) for
+    layer index ``layer`` (its sliding window)."""
     return Attention(
         dim=config.dim,
         num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
         qk_norm_eps=config.norm_eps if qk_norm else None,
+        window=config.layer_window(layer),
     )
 
 
@@ -144,10 +171,10 @@ def dense_blocks(config: TransformerConfig, *, qk_norm: bool) -> list[Transforme
         TransformerBlock(
             dim=config.dim,
             norm_eps=config.norm_eps,
-            attention=gqa_attention(config, qk_norm=qk_norm),
+            attention=gqa_attention(config, qk_norm=qk_norm, layer=i),
             feed_forward=FeedForward(dim=config.dim, hidden_dim=config.ffn_hidden_dim),
         )
-        for _ in range(config.num_layers)
+        for i in range(config.num_layers)
     ]
 
 
@@ -221,25 +248,33 @@ class Transformer(nn.Module):
         document_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         input_lengths: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]]:
+    ) -> tuple[torch.Tensor, tuple[tuple[torch.Tensor, torch.Tensor], AttentionMetadata]]:
         """Embedding and blocks: the residual stream ``(B, S, D)`` before the final norm, and
-        the ``(rope, mask)`` the blocks used (a family's extra heads reuse them)."""
+        the ``(rope, attention metadata)`` the blocks used (a family's extra heads reuse them)."""
         B, S = tokens.shape[:2]
         _check_shape("positions", positions, (B, S))
         if input_lengths is not None:
             _check_input_lengths(input_lengths, B, S, kv_cache)
-        positions_BS, mask = attention_inputs(
-            B, S, tokens.device, positions=positions, document_ids=document_ids, kv_cache=kv_cache
+        meta = build_attention_metadata(
+            B,
+            S,
+            tokens.device,
+            positions=positions,
+            document_ids=document_ids,
+            kv_cache=kv_cache,
+            input_lengths=input_lengths,
+            backend=self.config.attention_backend,
+            windows=self.config.attention_windows(),
         )
 
         h_BSD = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = self.rope(positions_BS, h_BSD.dtype)
+        rope = self.rope(meta.positions, h_BSD.dtype)
         for index, layer in self.layers.items():
             layer_cache = kv_cache.layers[int(index)] if kv_cache is not None else None
-            h_BSD = layer(h_BSD, rope, mask, layer_cache)
+            h_BSD = layer(h_BSD, rope, meta, layer_cache)
         if kv_cache is not None:
             kv_cache.end(input_lengths)
-        return h_BSD, (rope, mask)
+        return h_BSD, (rope, meta)
 
     def head(self, h_BSD: torch.Tensor) -> torch.Tensor:
         """Final norm and output head (each skipped on a pipeline stage that lacks it)."""
@@ -318,6 +353,7 @@ class Transformer(nn.Module):
             value_dim=value_dim,
             dtype=dtype or weight.dtype,
             device=device or weight.device,
+            windows={int(i): self.config.layer_window(int(i)) for i in self.layers},
         )
 
     def kv_cache_widths(self) -> tuple[int, int, int]:
@@ -338,6 +374,28 @@ class Transformer(nn.Module):
 def _check_shape(name: str, tensor: torch.Tensor | None, shape: tuple[int, ...]) -> None:
     if tensor is not None and tuple(tensor.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
+
+
+def _check_windows(config: TransformerConfig) -> None:
+    name = type(config).__name__
+    window = config.sliding_window
+    if window is not None and (
+        not isinstance(window, int) or isinstance(window, bool) or window < 1
+    ):
+        raise ValueError(
+            f"{name}.sliding_window must be an int >= 1 (a query sees itself and the window - 1 "
+            f"tokens before it) or None, got {window!r}"
+        )
+    layers = config.sliding_window_layers
+    if layers is not None:
+        if window is None:
+            raise ValueError(f"{name}.sliding_window_layers={layers!r} needs a sliding_window")
+        bad = [i for i in layers if not isinstance(i, int) or not 0 <= i < config.num_layers]
+        if bad:
+            raise ValueError(
+                f"{name}.sliding_window_layers has {bad}: layer indices lie in "
+                f"[0, {config.num_layers})"
+            )
 
 
 def _check_input_lengths(

@@ -20,6 +20,7 @@ from torch import nn
 from dist_moe import RouterConfig
 
 from ..components import (
+    AttentionMetadata,
     FeedForward,
     KVCache,
     RMSNorm,
@@ -81,6 +82,7 @@ def _block(config: DeepSeekV3Config, index: int, cls: type[TransformerBlock]) ->
         v_head_dim=c.v_head_dim,
         latent_norm_eps=c.latent_norm_eps,
         softmax_scale=softmax_scale(c),
+        window=c.layer_window(index),
     )
     return cls(dim=c.dim, norm_eps=c.norm_eps, attention=attention, feed_forward=feed_forward)
 
@@ -103,11 +105,11 @@ class MTPModule(TransformerBlock):
         h_BSD: torch.Tensor,
         emb_BSD: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         """The next depth's hidden state from the previous one and the shifted embeddings."""
         x_BSD = self.eh_proj(torch.cat([self.enorm(emb_BSD), self.hnorm(h_BSD)], dim=-1))
-        return super().forward(x_BSD, rope, mask)
+        return super().forward(x_BSD, rope, meta)
 
     def param_init(self, *, std: float, out_std: float) -> dict[str, Init]:
         inits = super().param_init(std=std, out_std=out_std)
@@ -155,7 +157,7 @@ class DeepSeekV3(Transformer):
                 "return_mtp=True needs token ids and a model holding tok_embeddings and output "
                 "(MTP is not supported on a pipeline stage)"
             )
-        h_BSD, (rope, mask) = self.run_blocks(
+        h_BSD, (rope, meta) = self.run_blocks(
             tokens,
             positions=positions,
             document_ids=document_ids,
@@ -170,7 +172,7 @@ class DeepSeekV3(Transformer):
             # Token i + k at position i; the k positions past the end get id 0 (their targets
             # fall past the row, so mtp_loss ignores them; causality keeps them from the rest).
             ahead_BS = F.pad(tokens[:, k:], (0, k))
-            h_BSD = module(h_BSD, self.tok_embeddings(ahead_BS), rope, mask)
+            h_BSD = module(h_BSD, self.tok_embeddings(ahead_BS), rope, meta)
             mtp_logits.append(self.output(module.norm(h_BSD)))
         return logits_BSV, tuple(mtp_logits)
 
