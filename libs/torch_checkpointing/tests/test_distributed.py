@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from titan_testing import run_distributed
 from torch_checkpointing import (
     CheckpointError,
     CheckpointManager,
+    CheckpointWarning,
     PerRank,
     load_hf,
     save_hf,
@@ -320,7 +322,7 @@ def _four_rank_save(root: str) -> dict:
 def _four_rank_load(root: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = _mesh()
-    mgr = CheckpointManager(Path(root) / "ckpt2", async_mode="off")
+    mgr = CheckpointManager(Path(root) / "ckpt2", read_only=True)
     meta: dict = {}
     reload_all(mgr, mesh, rank, world, "2->4", {"meta": meta})
     assert meta["who"] == "two"
@@ -397,6 +399,24 @@ def _two_rank(root: str) -> dict:
     check_layout(owned2["emb"], full["w1"], "owned emb")
     mgr.load({"model": model2}, 5)
     assert same(local_snapshot(model2.state_dict()), snaps[5][0])
+    # -- damage that only rank 1 reads: with fallback=True both ranks load step 5, not just 1.
+    folder6 = next((root_p / "train").glob("step-000000000006.*"))
+    dist.barrier()
+    if rank == 1:
+        f = folder6 / "model-00001.safetensors"
+        data = bytearray(f.read_bytes())
+        data[-5] ^= 0x10
+        f.write_bytes(bytes(data))
+    dist.barrier()
+    model3 = build_model(mesh, seed=11)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert mgr.load({"model": model3}, fallback=True) == 5
+    assert same(local_snapshot(model3.state_dict()), snaps[5][0])
+    said = " ".join(str(w.message) for w in caught if w.category is CheckpointWarning)
+    assert "loaded step 5" in said and folder6.name in said, said
+    assert ("model-00001.safetensors" if rank == 1 else "ranks [1] found it damaged") in said
+    assert folder6.exists()  # left in place
     mgr.close()
 
     # -- async and sync writers produce identical data files.
@@ -410,7 +430,7 @@ def _two_rank(root: str) -> dict:
 
     # -- 4 -> 2 resharding, reading only the files that hold needed bytes.
     storage = CountingStorage(root_p / "ckpt4")
-    mgr4 = CheckpointManager(None, storage=storage, async_mode="off")
+    mgr4 = CheckpointManager(None, storage=storage, read_only=True)
     meta: dict = {}
     reload_all(mgr4, mesh, rank, world, "4->2", {"meta": meta})
     assert meta == {"step": 6, "who": "four"}
@@ -491,7 +511,7 @@ def test_four_ranks_load_two_rank_checkpoint(shared, two_ran):
 def test_one_process_loads_both_and_hf_files_are_standard(shared, two_ran, four_saved):
     full = global_tensors()
     for name in ("ckpt2", "ckpt4"):
-        mgr = CheckpointManager(shared / name, async_mode="off")
+        mgr = CheckpointManager(shared / name, read_only=True)
         for layouts in (
             dict.fromkeys(full, "plain"),
             {"w1": "rows", "w2": "tiles", "w3": "owned", "e": "rows", "s": "plain"},

@@ -43,6 +43,7 @@ META_KEY = "torch_checkpointing"
 
 _DIR_RE = re.compile(r"^step-(\d{12})\.([0-9a-f]{12})-(\d+)$")
 _TMP_PREFIX = ".tmp-"
+_LOCK_PREFIX = ".lock-"
 
 # dtype name -> (item size, safetensors code or None when safetensors has no code for it)
 DTYPES: dict[str, tuple[int, str | None]] = {
@@ -89,6 +90,10 @@ def item_file(item: str, rank: int) -> str:
 
 def marker_file(rank: int) -> str:
     return f"done-{rank:05d}.json"
+
+
+def lock_file(rank: int) -> str:
+    return f"{_LOCK_PREFIX}{rank:05d}.json"
 
 
 def tmp_name(path: str, tag: str) -> str:

@@ -1,0 +1,242 @@
+"""One live manager per checkpoint root: a lock file per rank, naming its holder.
+
+Two managers saving under one root would each apply retention to the other's checkpoints and
+interleave their saves. Each rank of a manager therefore holds ``.lock-<rank>.json`` in the
+root for as long as it is open; a second manager's rank with the same number fails with a
+``CheckpointLockedError`` naming the holder (pid, host, start time, rank).
+
+On a local or network filesystem (``FileSystemStorage``) the lock is an ``flock`` on that
+file: the kernel releases it when the holder dies, so a lock left by a crashed process is
+simply taken over (the writer process inherits the descriptor, so an orphaned writer still
+finishing a file keeps the root locked until it exits). Other storages have no such
+primitive; there the lock file is written through the storage and judged stale only when its
+holder ran on this host and is gone (another host's holder cannot be checked: the error says
+which file to delete once that job is known to be dead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import secrets
+import socket
+import sys
+import time
+import warnings
+from typing import Any
+
+from . import _format as fmt
+from ._errors import CheckpointError, CheckpointLockedError, CheckpointWarning
+from .storage import FileSystemStorage, PrefixedStorage
+
+_held_tokens: set[str] = set()  # locks held by managers of this process (generic storages)
+_ORPHAN_WAIT_S = 5.0  # how long a dead holder's writer process may keep an flock
+
+
+def _local_path(storage: Any, rel: str) -> str | None:
+    """The OS path of ``rel`` when ``storage`` is a local folder (flock works there)."""
+    if isinstance(storage, PrefixedStorage):
+        return _local_path(storage.inner, f"{storage.prefix}/{rel}" if storage.prefix else rel)
+    if isinstance(storage, FileSystemStorage):
+        return storage.full_path(rel)
+    return None
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _proc_start(pid: int) -> int | None:
+    """Start time of process ``pid`` in clock ticks since boot (tells a reused pid apart)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(holder: dict[str, Any]) -> bool | None:
+    """Whether the holder still runs: True / False, or None when this host cannot tell."""
+    if holder.get("host") != socket.gethostname() or holder.get("boot_id") != _boot_id():
+        return None if holder.get("host") != socket.gethostname() else False
+    pid = holder.get("pid")
+    if not isinstance(pid, int):
+        return False
+    if pid == os.getpid():
+        return holder.get("token") in _held_tokens
+    start = _proc_start(pid)
+    return start is not None and start == holder.get("proc_start")
+
+
+def describe(holder: dict[str, Any]) -> str:
+    since = holder.get("time")
+    when = (
+        time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(since))
+        if isinstance(since, int | float)
+        else "an unknown time"
+    )
+    return (
+        f"pid {holder.get('pid')} on host {holder.get('host')!r}, started {when}, rank "
+        f"{holder.get('rank')} of {holder.get('world_size')} ({holder.get('argv', '?')})"
+    )
+
+
+def _parse(data: bytes) -> dict[str, Any]:
+    try:
+        holder = json.loads(data)
+    except ValueError:
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+class RootLock:
+    """This rank's exclusive use of a checkpoint root (see the module docstring)."""
+
+    def __init__(self, storage: Any, rank: int, world_size: int) -> None:
+        self.storage = storage
+        self.name = fmt.lock_file(rank)
+        self.path = _local_path(storage, self.name)
+        self.fd: int | None = None
+        self.holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "boot_id": _boot_id(),
+            "proc_start": _proc_start(os.getpid()),
+            "time": time.time(),
+            "rank": rank,
+            "world_size": world_size,
+            "argv": " ".join(sys.argv[:3])[:200],
+            "token": secrets.token_hex(8),
+        }
+        self.held = False
+
+    def __repr__(self) -> str:
+        return f"RootLock({self.storage!r}/{self.name})"
+
+    def acquire(self) -> None:
+        if self.path is not None:
+            self._acquire_flock()
+        else:
+            self._acquire_generic()
+        self.held = True
+        _held_tokens.add(self.holder["token"])
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        _held_tokens.discard(self.holder["token"])
+        if self.fd is not None:
+            # Unlink while still holding the flock, then close: a process that opened the old
+            # file sees on locking that it is no longer the one at the path, and retries.
+            assert self.path is not None
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            os.close(self.fd)
+            self.fd = None
+            return
+        with contextlib.suppress(Exception):
+            if _parse(self.storage.read(self.name)).get("token") == self.holder["token"]:
+                self.storage.delete(self.name)
+
+    # -- filesystem: flock
+    def _acquire_flock(self) -> None:
+        assert self.path is not None
+        deadline = time.monotonic() + _ORPHAN_WAIT_S
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise self._unwritable(e) from e
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = _parse(os.pread(fd, 1 << 16, 0))
+                os.close(fd)
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise CheckpointError(f"cannot lock {self.path}: {e}") from e
+                # A holder that died may leave its writer process finishing a file for a
+                # moment (it exits within 0.2 s of its parent): wait for it, briefly.
+                if _alive(holder) is False and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                raise self._locked(holder, self.path) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # the previous holder unlinked it on release: lock the new file
+                os.close(fd)
+                continue
+            previous = _parse(os.pread(fd, 1 << 16, 0))
+            data = json.dumps(self.holder).encode()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data, 0)
+            self.fd = fd
+            if previous:
+                self._stale(previous)
+            return
+
+    # -- any storage: a lock file written through it
+    def _acquire_generic(self) -> None:
+        try:
+            previous = (
+                _parse(self.storage.read(self.name)) if self.storage.exists(self.name) else {}
+            )
+        except FileNotFoundError:
+            previous = {}
+        if previous and _alive(previous) is not False:
+            raise self._locked(previous, f"{self.storage!r}/{self.name}")
+        try:
+            self.storage.write(self.name, [json.dumps(self.holder).encode()])
+            mine = _parse(self.storage.read(self.name)).get("token") == self.holder["token"]
+        except OSError as e:
+            raise self._unwritable(e) from e
+        if not mine:
+            raise CheckpointLockedError(
+                f"{self.storage!r}: another manager took the lock {self.name} at the same time",
+                _parse(self.storage.read(self.name)),
+            )
+        if previous:
+            self._stale(previous)
+
+    # -- messages
+    def _locked(self, holder: dict[str, Any], where: str) -> CheckpointLockedError:
+        alive = _alive(holder)
+        hint = (
+            "close that manager first, or use another root (a manager that only loads can "
+            "pass read_only=True)"
+        )
+        if alive is None:
+            hint += (
+                f"; it runs on another host, so this host cannot tell whether it is still "
+                f"alive: if that job is gone, delete {where}"
+            )
+        return CheckpointLockedError(
+            f"CheckpointManager: the checkpoint root {self.storage!r} is in use by another live "
+            f"manager: {describe(holder) if holder else 'unknown holder'} holds {where}. Two "
+            f"managers saving to one root would delete each other's checkpoints; {hint}",
+            holder,
+        )
+
+    def _unwritable(self, e: OSError) -> CheckpointError:
+        return CheckpointError(
+            f"CheckpointManager: cannot create the lock file {self.name} in the checkpoint root "
+            f"{self.storage!r} ({e.strerror or e}): a manager that saves needs a writable root; "
+            "pass read_only=True to only load from it"
+        )
+
+    def _stale(self, previous: dict[str, Any]) -> None:
+        warnings.warn(
+            f"torch_checkpointing: took over the lock of {self.storage!r} left by "
+            f"{describe(previous)}, which is no longer running",
+            CheckpointWarning,
+            stacklevel=4,
+        )
