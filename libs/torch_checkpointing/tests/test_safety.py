@@ -104,6 +104,14 @@ def test_second_live_manager_fails_naming_the_holder_and_touches_nothing(tmp_pat
     assert load_into(CheckpointManager(tmp_path, read_only=True))[0] == 2
     with CheckpointManager(tmp_path, keep_last=1) as second:  # free again once closed
         second.save(3, state_of(3)).wait()
+    # Opening a manager writes nothing; one that has not saved yet is named all the same.
+    stamps = {p: p.stat().st_mtime_ns for p in [tmp_path, *tmp_path.rglob("*")]}
+    with (
+        CheckpointManager(tmp_path, async_mode="off"),
+        pytest.raises(CheckpointLockedError, match=rf"pid {os.getpid()} on host"),
+    ):
+        CheckpointManager(tmp_path)
+    assert {p: p.stat().st_mtime_ns for p in [tmp_path, *tmp_path.rglob("*")]} == stamps
 
 
 def test_lock_on_a_storage_without_file_locks_and_a_dropped_manager(tmp_path):

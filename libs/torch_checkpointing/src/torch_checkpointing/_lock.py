@@ -1,17 +1,23 @@
-"""One live manager per checkpoint root: a lock file per rank, naming its holder.
+"""One live manager per checkpoint root: a lock per rank, naming its holder.
 
 Two managers saving under one root would each apply retention to the other's checkpoints and
-interleave their saves. Each rank of a manager therefore holds ``.lock-<rank>.json`` in the
-root for as long as it is open; a second manager's rank with the same number fails with a
+interleave their saves. Each rank of a manager therefore holds the lock ``.lock-<rank>.json``
+of the root while it is open; a second manager's rank with the same number fails with a
 ``CheckpointLockedError`` naming the holder (pid, host, start time, rank).
 
 On a local or network filesystem (``FileSystemStorage``) the lock is an ``flock`` on that
-file: the kernel releases it when the holder dies, so a lock left by a crashed process is
-simply taken over (the writer process inherits the descriptor, so an orphaned writer still
-finishing a file keeps the root locked until it exits). Other storages have no such
-primitive; there the lock file is written through the storage and judged stale only when its
-holder ran on this host and is gone (another host's holder cannot be checked: the error says
-which file to delete once that job is known to be dead).
+file, which stays in the root once created. The kernel releases it when the holder dies, so a
+lock left by a crashed process is simply taken over (the writer process inherits the
+descriptor: an orphaned writer still finishing a file keeps the root locked until it exits).
+Opening a manager writes nothing: the holder writes who it is into the file at its first save
+(and empties it on close); before that, a contender finds the holder's pid in the kernel's
+lock table (``/proc/locks``, same host). A file left non-empty by a holder that is gone tells
+the next manager it takes over from a crash.
+
+Other storages have no such primitive: there the lock file is written through the storage on
+open and deleted on close, and judged stale only when its holder ran on this host and is gone
+(another host's holder cannot be checked: the error says which file to delete once that job
+is known to be dead).
 """
 
 from __future__ import annotations
@@ -70,9 +76,47 @@ def _alive(holder: dict[str, Any]) -> bool | None:
     if not isinstance(pid, int):
         return False
     if pid == os.getpid():
-        return holder.get("token") in _held_tokens
+        return "token" not in holder or holder["token"] in _held_tokens
     start = _proc_start(pid)
     return start is not None and start == holder.get("proc_start")
+
+
+def _kernel_holder(fd: int) -> dict[str, Any]:
+    """The process holding an flock on ``fd``'s file, from the kernel's lock table."""
+    st = os.fstat(fd)
+    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            rows = [line.split() for line in f]
+    except OSError:
+        return {}
+    for row in rows:
+        if len(row) >= 6 and row[1] == "FLOCK" and row[5] == ident and row[4].isdigit():
+            pid = int(row[4])
+            holder: dict[str, Any] = {
+                "pid": pid,
+                "host": socket.gethostname(),
+                "boot_id": _boot_id(),
+                "proc_start": _proc_start(pid),
+            }
+            start = holder["proc_start"]
+            if start is not None:
+                holder["time"] = _boot_time() + start / os.sysconf("SC_CLK_TCK")
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as c:
+                holder["argv"] = c.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+            return holder
+    return {}
+
+
+def _boot_time() -> float:
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("btime "):
+                    return float(line.split()[1])
+    except OSError:
+        pass
+    return 0.0
 
 
 def describe(holder: dict[str, Any]) -> str:
@@ -82,9 +126,10 @@ def describe(holder: dict[str, Any]) -> str:
         if isinstance(since, int | float)
         else "an unknown time"
     )
+    rank = f", rank {holder['rank']} of {holder.get('world_size')}" if "rank" in holder else ""
     return (
-        f"pid {holder.get('pid')} on host {holder.get('host')!r}, started {when}, rank "
-        f"{holder.get('rank')} of {holder.get('world_size')} ({holder.get('argv', '?')})"
+        f"pid {holder.get('pid')} on host {holder.get('host')!r}, started {when}{rank} "
+        f"({holder.get('argv', '?')})"
     )
 
 
@@ -116,6 +161,7 @@ class RootLock:
             "token": secrets.token_hex(8),
         }
         self.held = False
+        self._announced = False
 
     def __repr__(self) -> str:
         return f"RootLock({self.storage!r}/{self.name})"
@@ -128,17 +174,24 @@ class RootLock:
         self.held = True
         _held_tokens.add(self.holder["token"])
 
+    def announce(self) -> None:
+        """Write who holds the lock into the lock file (at the first save: opening a manager
+        writes nothing)."""
+        if self.fd is not None and not self._announced:
+            data = json.dumps(self.holder).encode()
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, data, 0)
+            self._announced = True
+
     def release(self) -> None:
         if not self.held:
             return
         self.held = False
         _held_tokens.discard(self.holder["token"])
         if self.fd is not None:
-            # Unlink while still holding the flock, then close: a process that opened the old
-            # file sees on locking that it is no longer the one at the path, and retries.
-            assert self.path is not None
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
+            if self._announced:  # an empty file: closed cleanly
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self.fd, 0)
             os.close(self.fd)
             self.fd = None
             return
@@ -159,6 +212,8 @@ class RootLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
                 holder = _parse(os.pread(fd, 1 << 16, 0))
+                if _alive(holder) is not True:  # not written yet, or a previous holder's
+                    holder = _kernel_holder(fd) or holder
                 os.close(fd)
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise CheckpointError(f"cannot lock {self.path}: {e}") from e
@@ -172,15 +227,12 @@ class RootLock:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
                 same = False
-            if not same:  # the previous holder unlinked it on release: lock the new file
+            if not same:  # someone deleted the file meanwhile: lock the one at the path now
                 os.close(fd)
                 continue
-            previous = _parse(os.pread(fd, 1 << 16, 0))
-            data = json.dumps(self.holder).encode()
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, data, 0)
             self.fd = fd
-            if previous:
+            previous = _parse(os.pread(fd, 1 << 16, 0))
+            if previous:  # a holder that saved and never closed
                 self._stale(previous)
             return
 
@@ -236,7 +288,8 @@ class RootLock:
     def _stale(self, previous: dict[str, Any]) -> None:
         warnings.warn(
             f"torch_checkpointing: took over the lock of {self.storage!r} left by "
-            f"{describe(previous)}, which is no longer running",
+            f"{describe(previous)}, which is no longer running (it was killed or crashed "
+            "without closing its manager)",
             CheckpointWarning,
             stacklevel=4,
         )

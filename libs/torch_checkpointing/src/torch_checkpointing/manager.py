@@ -256,6 +256,8 @@ class CheckpointManager:
         if step >= 10**12:
             raise ValueError(f"save: step must be < 10**12, got {step}")
         _check_state(state, "save")
+        if self._lock is not None:
+            self._lock.announce()
         with self._mutex, torch.no_grad():
             flats = {item: tr.flatten(item, value) for item, value in state.items()}
             digest, summary = ex.digest(flats, self.world_size, self.policy.block_size)
