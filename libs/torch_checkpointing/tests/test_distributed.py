@@ -98,6 +98,25 @@ def count_module_collectives():
             setattr(dist, name, fn)
 
 
+@contextlib.contextmanager
+def count_offset_computations():
+    """Count calls of torch's DTensor offset computation (an arange over the sharded dim)."""
+    import torch.distributed.tensor._utils as dt_utils
+
+    calls: list[int] = []
+    real = dt_utils.compute_local_shape_and_global_offset
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dt_utils.compute_local_shape_and_global_offset = counted
+    try:
+        yield calls
+    finally:
+        dt_utils.compute_local_shape_and_global_offset = real
+
+
 class Progress:
     """A replicated custom stateful object."""
 
@@ -361,10 +380,13 @@ def _two_rank(root: str) -> dict:
         mgr = CheckpointManager(
             root_p / "train", process_group=pg, async_mode="process", keep_last=2
         )
+        out["offset_calls"] = []
         for step in range(1, 7):
             progress.tokens += 100
             progress.history.append(step)
-            mgr.save(step, state)
+            with count_offset_computations() as calls:
+                mgr.save(step, state)
+            out["offset_calls"].append(len(calls))
             snaps[step] = (local_snapshot(model.state_dict()), local_snapshot(opt.state_dict()))
             expected_draw = torch.rand(3)  # what the restored RNG must produce next
             fake_step(model, opt, seed=step)  # mutate right after save() returned
@@ -492,6 +514,8 @@ def test_two_ranks_round_trip_counts_and_4_to_2(two_ran):
     for r in two_ran:
         assert r["first"] == ["allgather"] and r["six"] == ["allgather"]
         assert r["module"] == []
+        # Shard offsets depend only on the layout: computed at the first save, never again.
+        assert r["offset_calls"][0] > 0 and r["offset_calls"][1:] == [0] * 5, r["offset_calls"]
     for rank, r in enumerate(two_ran):
         # Rank r needs rows [128 r, 128 r + 128): the files of saved ranks 2r and 2r+1. From
         # any other file it reads at most one checksum block (rank 0's file: the header).

@@ -19,6 +19,7 @@ from torch_checkpointing import (
     CheckpointError,
     CheckpointManager,
     CheckpointNotFoundError,
+    CheckpointPolicy,
     CheckpointWriteError,
     CorruptCheckpointError,
     FileSystemStorage,
@@ -162,6 +163,17 @@ class FailingStorage(FileSystemStorage):
             list(chunks)[:1]
             raise OSError(self.err, os.strerror(self.err), path)
         super().write(path, chunks)
+
+
+class NoRename:
+    """A would-be storage that forgot ``rename``."""
+
+    process_safe = True
+
+    def __init__(self, root):
+        self._fs = FileSystemStorage(root)
+        for op in ("write", "read", "read_into", "size", "list", "exists", "delete"):
+            setattr(self, op, getattr(self._fs, op))
 
 
 # ---------------------------------------------------------------------------- round trip
@@ -416,6 +428,13 @@ def test_bad_arguments_are_rejected_before_any_work(tmp_path):
         CheckpointManager(tmp_path, keep_last=0)
     with pytest.raises(ValueError, match="block_size"):
         CheckpointManager(tmp_path, block_size=1000)
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['keep'\].*keep_last"):
+        CheckpointManager(tmp_path, keep=2)
+    with pytest.raises(TypeError, match=r"does not implement the Storage protocol.*'rename'"):
+        CheckpointManager(None, storage=NoRename(tmp_path))
+    policy = CheckpointPolicy(async_mode="off", keep_last=2)
+    with CheckpointManager(tmp_path / "p", policy=policy, keep_last=5) as m:  # keywords win
+        assert m.policy == CheckpointPolicy(async_mode="off", keep_last=5)
     mgr = CheckpointManager(tmp_path / "r", async_mode="off")
     with pytest.raises(ValueError, match="step must be an int >= 0"):
         mgr.save(-1, {"x": torch.zeros(1)})

@@ -32,7 +32,8 @@ from torch_checkpointing import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _checkpointing_cases import FaultyStorage, flip_byte, tree_bytes
+from _checkpointing_cases import flip_byte, tree_bytes
+from _faulty_storage import FaultyStorage
 
 
 def state_of(step: int) -> dict:

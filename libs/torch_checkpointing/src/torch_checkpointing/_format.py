@@ -27,12 +27,15 @@ import threading
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import xxhash
 
 from ._errors import CorruptCheckpointError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .storage import Storage
 
 FORMAT = "torch_checkpointing/1"
 DEFAULT_BLOCK_SIZE = 1 << 20
@@ -193,7 +196,7 @@ def _block_digests(pieces: Sequence[memoryview], block_size: int) -> list[int]:
 
 
 def write_checksummed(
-    storage: Any, path: str, pieces: Sequence[Any], block_size: int
+    storage: Storage, path: str, pieces: Sequence[Any], block_size: int
 ) -> tuple[int, list[int]]:
     """Write the concatenation of ``pieces`` to ``path``; return (size, per-block digests).
 
@@ -246,7 +249,7 @@ class ReadRequest:
 
 
 def read_verified(
-    storage: Any,
+    storage: Storage,
     path: str,
     requests: Sequence[ReadRequest],
     *,

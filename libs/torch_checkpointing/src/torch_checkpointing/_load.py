@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,9 +21,12 @@ from ._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from ._exchange import LayoutCache, allgather_int64
 from ._retention import Attempt
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .storage import Storage
+
 
 def load_folder(
-    storage: Any,
+    storage: Storage,
     state: dict[str, Any],
     folder: str,
     manifest: dict[str, Any],
@@ -213,7 +216,7 @@ def _check_entries(
         )
 
 
-def _read_tree(storage: Any, path: str, data_start: int, info: rs.FileInfo) -> Any:
+def _read_tree(storage: Storage, path: str, data_start: int, info: rs.FileInfo) -> Any:
     buf = bytearray(data_start)
     fmt.read_verified(
         storage,

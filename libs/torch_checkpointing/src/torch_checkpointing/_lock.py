@@ -36,13 +36,13 @@ from typing import Any
 
 from . import _format as fmt
 from ._errors import CheckpointError, CheckpointLockedError, CheckpointWarning
-from .storage import FileSystemStorage, PrefixedStorage
+from .storage import FileSystemStorage, PrefixedStorage, Storage
 
 _held_tokens: set[str] = set()  # locks held by managers of this process (generic storages)
 _ORPHAN_WAIT_S = 5.0  # how long a dead holder's writer process may keep an flock
 
 
-def _local_path(storage: Any, rel: str) -> str | None:
+def _local_path(storage: Storage, rel: str) -> str | None:
     """The OS path of ``rel`` when ``storage`` is a local folder (flock works there)."""
     if isinstance(storage, PrefixedStorage):
         return _local_path(storage.inner, f"{storage.prefix}/{rel}" if storage.prefix else rel)
@@ -144,7 +144,7 @@ def _parse(data: bytes) -> dict[str, Any]:
 class RootLock:
     """This rank's exclusive use of a checkpoint root (see the module docstring)."""
 
-    def __init__(self, storage: Any, rank: int, world_size: int) -> None:
+    def __init__(self, storage: Storage, rank: int, world_size: int) -> None:
         self.storage = storage
         self.name = fmt.lock_file(rank)
         self.path = _local_path(storage, self.name)

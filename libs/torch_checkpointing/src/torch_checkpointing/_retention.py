@@ -21,10 +21,13 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _format as fmt
 from ._errors import CorruptCheckpointError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .storage import Storage
 
 COMPLETE, DAMAGED, INCOMPLETE = "complete", "damaged", "incomplete"
 
@@ -51,12 +54,12 @@ class Attempt:
         return 0.0 if self.manifest is None else float(self.manifest.get("time", 0.0))
 
 
-def read_manifest(storage: Any, folder: str) -> dict[str, Any]:
+def read_manifest(storage: Storage, folder: str) -> dict[str, Any]:
     path = f"{folder}/{fmt.MANIFEST}"
     return fmt.load_checked(storage.read(path), path)
 
 
-def classify(storage: Any, name: str, step: int, nonce: str, seq: int) -> Attempt:
+def classify(storage: Storage, name: str, step: int, nonce: str, seq: int) -> Attempt:
     """The status of one attempt folder (one ``list`` and at most one small read)."""
     names = set(storage.list(name))
     if fmt.MANIFEST not in names:
@@ -96,7 +99,7 @@ def classify(storage: Any, name: str, step: int, nonce: str, seq: int) -> Attemp
     return Attempt(name, step, nonce, seq, COMPLETE, manifest=manifest, has_manifest=True)
 
 
-def list_attempts(storage: Any, cache: dict[str, Attempt] | None = None) -> list[Attempt]:
+def list_attempts(storage: Storage, cache: dict[str, Attempt] | None = None) -> list[Attempt]:
     """Every attempt folder under the root, oldest step first (then by write time, then by
     queue order). ``cache`` keeps complete and damaged folders' results, which never change."""
     found = []
@@ -116,7 +119,7 @@ def list_attempts(storage: Any, cache: dict[str, Attempt] | None = None) -> list
     return sorted(found, key=lambda a: (a.step, a.time, a.nonce, a.seq))
 
 
-def delete_checkpoint(storage: Any, folder: str) -> None:
+def delete_checkpoint(storage: Storage, folder: str) -> None:
     """Delete ``folder``, manifest first, so it stops counting as complete before anything else
     disappears."""
     with contextlib.suppress(FileNotFoundError):
@@ -124,7 +127,7 @@ def delete_checkpoint(storage: Any, folder: str) -> None:
     storage.delete(folder)
 
 
-def wait_complete(storage: Any, folder: str, timeout: float) -> bool:
+def wait_complete(storage: Storage, folder: str, timeout: float) -> bool:
     parsed = fmt.parse_step_dir(folder)
     assert parsed is not None, folder
     deadline = time.monotonic() + timeout
@@ -145,7 +148,7 @@ class RetentionResult:
 
 
 def apply_retention(
-    storage: Any, keep_last: int, lineage: str, own_nonces: list[str], seq: int
+    storage: Storage, keep_last: int, lineage: str, own_nonces: list[str], seq: int
 ) -> RetentionResult:
     """Delete what ``keep_last`` no longer keeps of ``lineage``.
 
@@ -179,7 +182,7 @@ def apply_retention(
     return RetentionResult(doomed, damaged)
 
 
-def run_retention(storage: Any, spec: dict[str, Any]) -> RetentionResult:
+def run_retention(storage: Storage, spec: dict[str, Any]) -> RetentionResult:
     """Wait (bounded) for the checkpoint just saved to be complete, then apply retention."""
     if not wait_complete(storage, spec["dir"], spec["wait_s"]):
         return RetentionResult([], [])

@@ -35,16 +35,19 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _format as fmt
 from ._errors import CheckpointWarning, CheckpointWriteError
 from ._retention import run_retention
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .storage import Storage
+
 # ------------------------------------------------------------------------------ the job
 
 
-def _write_small(storage: Any, path: str, data: bytes, tag: str) -> None:
+def _write_small(storage: Storage, path: str, data: bytes, tag: str) -> None:
     tmp = fmt.tmp_name(path, tag)
     try:
         storage.write(tmp, [data])
@@ -55,7 +58,7 @@ def _write_small(storage: Any, path: str, data: bytes, tag: str) -> None:
         raise
 
 
-def execute_job(storage: Any, job: dict[str, Any], buffer: Callable[[int], memoryview]) -> None:
+def execute_job(storage: Storage, job: dict[str, Any], buffer: Callable[[int], memoryview]) -> None:
     """Write one rank's part of one checkpoint: data files, done-marker, manifest (rank 0)."""
     folder = job["dir"]
     tag = f"{job['id']}-{secrets.token_hex(4)}"
@@ -155,7 +158,7 @@ def main() -> None:
     sock = socket.socket(fileno=fd)
     threading.Thread(target=_watch_parent, args=(ppid,), daemon=True).start()
     buffers: dict[int, mmap.mmap] = {}
-    storage: Any = None
+    storage: Storage | None = None
     while True:
         msg = _recv(sock)
         if msg is None:
@@ -204,6 +207,28 @@ def _picklable(e: BaseException) -> bool:
     return True
 
 
+def check_process_safe(storage: Storage) -> None:
+    """Raise unless a writer process can use ``storage`` (``async_mode="process"``)."""
+    if not storage.process_safe:
+        raise ValueError(
+            f"CheckpointManager: {storage!r} is not visible from another process (an "
+            "in-memory filesystem?); use async_mode='thread' or 'off'"
+        )
+    try:
+        pickle.loads(pickle.dumps(storage))
+    except Exception as e:
+        raise ValueError(
+            f"CheckpointManager: async_mode='process' sends the storage to a writer "
+            f"process, but {storage!r} cannot be pickled ({e}); use async_mode='thread'"
+        ) from e
+    if type(storage).__module__ == "__main__":
+        raise ValueError(
+            "CheckpointManager: async_mode='process' needs a storage class importable "
+            f"by the writer process, but {type(storage).__qualname__} is defined in "
+            "__main__; move it to a module or use async_mode='thread'"
+        )
+
+
 def child_command() -> list[str]:
     code = (
         "import json, os, sys; "
@@ -235,7 +260,7 @@ class BackgroundWriter:
     def __init__(
         self,
         mode: str,
-        storage: Any,
+        storage: Storage,
         *,
         on_damaged: Callable[[list[tuple[str, str]]], None],
         inherit_fds: Sequence[int] = (),

@@ -23,7 +23,6 @@ import atexit
 import contextlib
 import dataclasses
 import os
-import pickle
 import secrets
 import threading
 import time
@@ -46,7 +45,7 @@ from ._errors import (
 from ._load import load_first_intact, load_folder
 from ._lock import RootLock
 from ._staging import Stager, StagingBuffer
-from ._writer import BackgroundWriter, execute_job
+from ._writer import BackgroundWriter, check_process_safe, execute_job
 from .policy import ASYNC_MODES, CheckpointPolicy
 from .storage import FileSystemStorage, PrefixedStorage, Storage
 
@@ -155,7 +154,7 @@ class CheckpointManager:
         policy = dataclasses.replace(policy or CheckpointPolicy(), **options)
         storage = _resolve_storage(root, storage)
         if policy.async_mode == "process" and not policy.read_only:
-            _check_process_safe(storage)
+            check_process_safe(storage)
         self.storage = storage
         self.policy = policy
         self._pg = _resolve_group(process_group)
@@ -566,27 +565,6 @@ def _resolve_storage(root: str | os.PathLike[str] | None, storage: Storage | Non
     if root not in (None, ""):
         return PrefixedStorage(storage, os.fspath(root))
     return storage
-
-
-def _check_process_safe(storage: Storage) -> None:
-    if not storage.process_safe:
-        raise ValueError(
-            f"CheckpointManager: {storage!r} is not visible from another process (an "
-            "in-memory filesystem?); use async_mode='thread' or 'off'"
-        )
-    try:
-        pickle.loads(pickle.dumps(storage))
-    except Exception as e:
-        raise ValueError(
-            f"CheckpointManager: async_mode='process' sends the storage to a writer "
-            f"process, but {storage!r} cannot be pickled ({e}); use async_mode='thread'"
-        ) from e
-    if type(storage).__module__ == "__main__":
-        raise ValueError(
-            "CheckpointManager: async_mode='process' needs a storage class importable "
-            f"by the writer process, but {type(storage).__qualname__} is defined in "
-            "__main__; move it to a module or use async_mode='thread'"
-        )
 
 
 def _resolve_group(pg: Any) -> Any:
