@@ -2,7 +2,8 @@
 
 Imports no torch: the background writer process uses this module alone.
 
-A checkpoint is one folder per save attempt, ``step-<step:012d>.<token>``::
+A checkpoint is one folder per save attempt, ``step-<step:012d>.<token>``, under a root
+that also holds one lock file per rank (``.lock-00000.json``, see ``_lock``)::
 
     step-000000000100.5f2a9c01d3e4-3/
         model-00000.safetensors   rank 0's part of the item "model" (one file per item per rank)
@@ -10,7 +11,8 @@ A checkpoint is one folder per save attempt, ``step-<step:012d>.<token>``::
         optim-00000.safetensors
         done-00000.json           rank 0's done-marker: its files, sizes, block checksums
         done-00001.json
-        manifest.json             global layout (items, keys, shapes, dtypes), by rank 0
+        manifest.json             global layout (items, keys, shapes, dtypes) and the run's
+                                  lineage, by rank 0
 
 Every data file is a valid safetensors file; its ``__metadata__`` carries the non-tensor
 state (JSON) where that rank writes it. The checkpoint is complete exactly when

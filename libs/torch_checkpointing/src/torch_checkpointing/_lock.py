@@ -39,6 +39,20 @@ from ._errors import CheckpointError, CheckpointLockedError, CheckpointWarning
 from .storage import FileSystemStorage, PrefixedStorage, Storage
 
 _held_tokens: set[str] = set()  # locks held by managers of this process (generic storages)
+_held_fds: set[int] = set()  # flock descriptors held by managers of this process
+
+
+def _drop_inherited_locks() -> None:
+    # A forked child (a data-loader worker) must not keep its parent's roots locked; closing
+    # its copies of the descriptors leaves the parent's locks in place.
+    for fd in list(_held_fds):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held_fds.clear()
+    _held_tokens.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 _ORPHAN_WAIT_S = 5.0  # how long a dead holder's writer process may keep an flock
 
 
@@ -192,6 +206,7 @@ class RootLock:
             if self._announced:  # an empty file: closed cleanly
                 with contextlib.suppress(OSError):
                     os.ftruncate(self.fd, 0)
+            _held_fds.discard(self.fd)
             os.close(self.fd)
             self.fd = None
             return
@@ -231,6 +246,7 @@ class RootLock:
                 os.close(fd)
                 continue
             self.fd = fd
+            _held_fds.add(fd)
             previous = _parse(os.pread(fd, 1 << 16, 0))
             if previous:  # a holder that saved and never closed
                 self._stale(previous)
