@@ -30,12 +30,11 @@ from torch_checkpointing import CheckpointManager
 STEPS = 3
 
 
-def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build() -> torch.nn.Module:
     torch.manual_seed(0)  # the same full weights for any number of ranks
-    model = torch.nn.Sequential(
+    return torch.nn.Sequential(
         torch.nn.Linear(16, 40), torch.nn.GELU(), torch.nn.Linear(40, 10), torch.nn.LayerNorm(10)
     )
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 def full(x):
@@ -55,10 +54,11 @@ def train_or_resume(root: str) -> dict:
     """On every rank of the current process group (any size): the full model and AdamW
     state after resuming from ``root``, or after training ``STEPS`` steps and saving there."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model, opt = build()
+    model = build()
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # over the sharded parameters
     state = {"model": model, "optim": opt}
     with CheckpointManager(root, keep_last=2) as ckpt:
         if ckpt.latest_step() is not None:
@@ -75,7 +75,8 @@ def train_or_resume(root: str) -> dict:
 
 def load_one_process(root: str) -> dict:
     """The newest checkpoint in an unsharded model and optimizer, no process group at all."""
-    model, opt = build()
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with CheckpointManager(root, read_only=True) as ckpt:
         ckpt.load({"model": model, "optim": opt})
     return {"model": full(model.state_dict()), "optim": full(opt.state_dict())}

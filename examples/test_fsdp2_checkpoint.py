@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from titan_testing import run_distributed
 
@@ -17,4 +18,7 @@ def test_fsdp2_state_saved_on_2_ranks_loads_bitwise_on_3_ranks_and_1_process(exa
     for r in (*saved[1:], *resumed):
         fsdp2.assert_equal(saved[0], r)  # every rank gathers the same full state
     fsdp2.assert_equal(saved[0], fsdp2.load_one_process(root))
-    assert saved[0]["optim"]["state"][0]["step"].item() == fsdp2.STEPS  # AdamW state came too
+    # It trained: AdamW state of every parameter, weights moved from their initial values.
+    assert [s["step"].item() for s in saved[0]["optim"]["state"].values()] == [fsdp2.STEPS] * 6
+    initial = fsdp2.build().state_dict()
+    assert all(not torch.equal(w, initial[n]) for n, w in saved[0]["model"].items()), "untrained"
