@@ -134,6 +134,21 @@ def test_lock_on_a_storage_without_file_locks_and_a_dropped_manager(tmp_path):
     )
 
 
+def test_forked_child_does_not_keep_the_root_locked(tmp_path):
+    mgr = CheckpointManager(tmp_path, async_mode="off")
+    r, w = os.pipe()
+    pid = os.fork()  # a data-loader worker, say
+    if pid == 0:
+        os.read(r, 1)
+        os._exit(0)
+    try:
+        mgr.close()
+        CheckpointManager(tmp_path, async_mode="off").close()  # the child's copy holds nothing
+    finally:
+        os.write(w, b"x")
+        os.waitpid(pid, 0)
+
+
 HOLDER = textwrap.dedent(
     """
     import sys, time, torch

@@ -40,6 +40,7 @@ from .storage import FileSystemStorage, PrefixedStorage, Storage
 
 _held_tokens: set[str] = set()  # locks held by managers of this process (generic storages)
 _held_fds: set[int] = set()  # flock descriptors held by managers of this process
+_ORPHAN_WAIT_S = 5.0  # how long a dead holder's writer process may keep an flock
 
 
 def _drop_inherited_locks() -> None:
@@ -53,7 +54,6 @@ def _drop_inherited_locks() -> None:
 
 
 os.register_at_fork(after_in_child=_drop_inherited_locks)
-_ORPHAN_WAIT_S = 5.0  # how long a dead holder's writer process may keep an flock
 
 
 def _local_path(storage: Storage, rel: str) -> str | None:
@@ -191,7 +191,7 @@ class RootLock:
     def announce(self) -> None:
         """Write who holds the lock into the lock file (at the first save: opening a manager
         writes nothing)."""
-        if self.fd is not None and not self._announced:
+        if self.fd in _held_fds and not self._announced:
             data = json.dumps(self.holder).encode()
             os.ftruncate(self.fd, 0)
             os.pwrite(self.fd, data, 0)
@@ -203,11 +203,12 @@ class RootLock:
         self.held = False
         _held_tokens.discard(self.holder["token"])
         if self.fd is not None:
-            if self._announced:  # an empty file: closed cleanly
-                with contextlib.suppress(OSError):
-                    os.ftruncate(self.fd, 0)
-            _held_fds.discard(self.fd)
-            os.close(self.fd)
+            if self.fd in _held_fds:  # else: a forked child's copy, already closed
+                if self._announced:  # an empty file: closed cleanly
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(self.fd, 0)
+                _held_fds.discard(self.fd)
+                os.close(self.fd)
             self.fd = None
             return
         with contextlib.suppress(Exception):
