@@ -17,9 +17,10 @@ from titan_models.components.dense_attention import dense_attention
 TOL = 1e-5  # fp32 backends vs an fp64 reference
 
 
-def reference(q, k, v, document_ids, *, window, sinks, scale, softcap):
-    """Attention from the definitions, in float64: query i sees key j iff j <= i, both in one
-    document, and i - j < window; a sink is one more logit per head with a zero value."""
+def reference(q, k, v, document_ids, *, window, sinks, scale, softcap, bidirectional=False):
+    """Attention from the definitions, in float64: query i sees key j iff j <= i (unless
+    bidirectional), both in one document, and i - j < window; a sink is one more logit per
+    head with a zero value."""
     B, S, H, _ = q.shape
     group = H // k.shape[2]
     q, k, v = (
@@ -31,7 +32,7 @@ def reference(q, k, v, document_ids, *, window, sinks, scale, softcap):
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
-    visible = (j <= i) & (document_ids[:, :, None] == document_ids[:, None, :])
+    visible = (document_ids[:, :, None] == document_ids[:, None, :]) & ((j <= i) | bidirectional)
     if window is not None:
         visible = visible & (i - j < window)
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
@@ -83,9 +84,15 @@ def _case(seed: int):
     return lengths, (q, k, v), options
 
 
-def _check(backend: str, seed: int, *, grads: bool, device: str = "cpu") -> None:
+def _check(
+    backend: str, seed: int, *, grads: bool, device: str = "cpu", bidirectional: bool = False
+) -> None:
     lengths, (q, k, v), options = _case(seed)
-    meta = AttentionMetadata.from_lengths(lengths, q.shape[1], device, backend=backend)
+    if bidirectional:
+        options["window"] = None
+    meta = AttentionMetadata.from_lengths(
+        lengths, q.shape[1], device, backend=backend, bidirectional=bidirectional
+    )
     ids = torch.stack(
         [torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in lengths]
     )
@@ -96,7 +103,12 @@ def _check(backend: str, seed: int, *, grads: bool, device: str = "cpu") -> None
     out = attend(*inputs[:3], meta, **{**options, "sinks": sinks})
     ref_inputs = [t.double().requires_grad_(grads) for t in cpu_inputs]
     ref_sinks = ref_inputs[3] if sinks is not None else None
-    ref = reference(*ref_inputs[:3], ids, **{**options, "sinks": ref_sinks, "scale": scale})
+    ref = reference(
+        *ref_inputs[:3],
+        ids,
+        **{**options, "sinks": ref_sinks, "scale": scale},
+        bidirectional=bidirectional,
+    )
     assert out.shape == ref.shape
     assert (out.double().cpu() - ref).abs().max().item() <= TOL, (lengths, options)
     if grads:
@@ -112,6 +124,31 @@ def _check(backend: str, seed: int, *, grads: bool, device: str = "cpu") -> None
 @pytest.mark.parametrize("backend", ["sdpa", "varlen"])
 def test_backend_forward_and_gradients_equal_the_reference(backend, seed):
     _check(backend, seed, grads=True)
+
+
+# Bidirectional (an encoder's images as documents): sinks and softcap on and off, packed rows
+# and single-document rows (seed 14).
+BIDIRECTIONAL_SEEDS = [0, 3, 6, 9, 14]
+
+
+@pytest.mark.parametrize("seed", BIDIRECTIONAL_SEEDS)
+@pytest.mark.parametrize("backend", ["sdpa", "varlen"])
+def test_bidirectional_documents_equal_the_reference(backend, seed):
+    _check(backend, seed, grads=True, bidirectional=True)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("seed", BIDIRECTIONAL_SEEDS[:2])
+def test_flex_bidirectional_forward_equals_the_reference(eager_flex, seed):
+    with torch.no_grad():
+        _check("flex", seed, grads=False, bidirectional=True)
+
+
+def test_bidirectional_attention_refuses_a_window():
+    meta = AttentionMetadata.from_lengths([[3, 5]], 8, "cpu", bidirectional=True)
+    q = torch.randn(1, 8, 2, 4)
+    with pytest.raises(ValueError, match="bidirectional attention"):
+        attend(q, q, q, meta, window=2)
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""Model zoo (Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3), Hugging Face interop, KV-cache decoding,
-declarative plans."""
+"""Model zoo (Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3, Qwen3-VL, Qwen3-VL-MoE), Hugging Face
+interop, KV-cache decoding, declarative plans."""
 
 from .components import (
     AttentionMetadata,
@@ -18,13 +18,15 @@ from .components import (
 )
 from .decoding import greedy_generate
 from .deepseek_v3 import DeepSeekV3, DeepSeekV3Config
-from .flops import flops_per_token, matmul_params
+from .flops import flops_per_token, matmul_params, vision_flops
 from .hf_io import from_hf, hf_model_config, load_hf_state, to_hf
 from .llama3 import Llama3, Llama3Config
 from .mtp import mtp_loss
 from .plan import ModelPlan, PipelineUnit, TensorParallelPlan, fqn_matches
 from .qwen3 import Qwen3, Qwen3Config
 from .qwen3_moe import Qwen3Moe, Qwen3MoeConfig
+from .qwen3_vl import Qwen3VL, Qwen3VLConfig, Qwen3VLVisionConfig
+from .qwen3_vl_moe import Qwen3VLMoe, Qwen3VLMoeConfig
 from .registry import get_model, get_plan, list_models
 
 __version__ = "0.1.0"
@@ -45,6 +47,11 @@ __all__ = [
     "Qwen3Config",
     "Qwen3Moe",
     "Qwen3MoeConfig",
+    "Qwen3VL",
+    "Qwen3VLConfig",
+    "Qwen3VLMoe",
+    "Qwen3VLMoeConfig",
+    "Qwen3VLVisionConfig",
     "RopeConfig",
     "TensorParallelPlan",
     "Transformer",
@@ -67,4 +74,5 @@ __all__ = [
     "register_attention_backend",
     "resolve_attention_backend",
     "to_hf",
+    "vision_flops",
 ]

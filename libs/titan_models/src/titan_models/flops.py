@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .components import TransformerConfig
 
 
@@ -29,3 +31,13 @@ def flops_per_token(config: TransformerConfig, seq_len: int) -> int:
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     return 6 * matmul_params(config) + config.attention_flops(seq_len)
+
+
+def vision_flops(config: TransformerConfig, image_grid_thw: Sequence[Sequence[int]]) -> int:
+    """Forward + backward FLOPs of a vision-language model's vision tower on images of patch
+    grids ``(t, h, w)``: ``6·N`` per patch and per merged token (``N``: the tower's matmul
+    weights each sees) plus bidirectional attention, ``12·L·D·n²`` per frame of ``n = h·w``
+    patches. The text tokens' share, image placeholders included, is ``flops_per_token``."""
+    if not hasattr(config, "vision_flops"):
+        raise ValueError(f"{type(config).__name__} has no vision tower")
+    return config.vision_flops([tuple(g) for g in image_grid_thw])

@@ -36,7 +36,10 @@ class HFTensor:
     """HF's layout → ours (``None``: identical)."""
     shape: tuple[int, ...] | None = None
     """The checkpoint tensor's shape when it holds more than this view: a fused tensor split
-    over several of our parameters (read-only: such a tensor is never written)."""
+    over several of our parameters (read-only unless ``region`` says where each part goes)."""
+    region: tuple[slice, ...] | None = None
+    """Where ``to_hf(ours)`` sits in the fused tensor of shape ``shape``; ``to_hf`` writes the
+    tensor once from every view of it that has a region (``None``: never written whole)."""
 
     def hf_shape(self) -> tuple[int, ...]:
         """Shape of the tensor in the checkpoint (free on the meta device)."""
@@ -89,8 +92,9 @@ class HFAdapter:
         raise ValueError(f"{type(self).__name__} has no HF name for parameter {fqn!r}")
 
     def adapt_to_checkpoint(self, hf: Mapping[str, Any], keys: Collection[str]) -> dict[str, Any]:
-        """The HF config as it applies to the tensors the checkpoint holds (``keys``); used for
-        both the config and the key mapping. Marks a checkpoint whose experts are stored fused
+        """The HF config as it applies to the tensors the checkpoint holds (``keys``: key →
+        file, for an adapter that must read a tensor's shape); used for both the config and
+        the key mapping. Marks a checkpoint whose experts are stored fused
         (``save_pretrained(save_original_format=False)``: transformers' in-memory layout)."""
         hf = dict(hf)
         if any(k.endswith(".experts.gate_up_proj") for k in keys):

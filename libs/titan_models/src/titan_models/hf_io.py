@@ -191,7 +191,7 @@ def _open_checkpoint(path: str | os.PathLike) -> tuple[Path, dict, HFAdapter, di
     hf_config = json.loads(config_file.read_text())
     adapter = family_for_hf(hf_config.get("model_type")).hf_adapter
     files = checkpoint_files(root)
-    return root, adapter.adapt_to_checkpoint(hf_config, files.keys()), adapter, files
+    return root, adapter.adapt_to_checkpoint(hf_config, files), adapter, files
 
 
 def to_hf(
@@ -219,14 +219,17 @@ def to_hf(
     tensors, buffers = _hf_tensors_for_saving(model, adapter, hf_config)
     out_dtype = dtype or tensors[0].ours.dtype
 
-    shards: list[list[HFTensor]] = [[]]
-    shard_bytes = 0
+    parts: dict[str, list[HFTensor]] = {}  # a fused HF tensor is written from all its parts
     for ht in tensors:
-        size = ht.ours.numel() * out_dtype.itemsize
+        parts.setdefault(ht.key, []).append(ht)
+    shards: list[list[list[HFTensor]]] = [[]]
+    shard_bytes = 0
+    for group in parts.values():
+        size = math.prod(group[0].hf_shape()) * out_dtype.itemsize
         if shards[-1] and shard_bytes + size > limit:
             shards.append([])
             shard_bytes = 0
-        shards[-1].append(ht)
+        shards[-1].append(group)
         shard_bytes += size
     names = (
         [SINGLE_FILE]
@@ -241,8 +244,9 @@ def to_hf(
         for name, shard in zip(names, shards, strict=True):
             # Buffers (a router's fp32 selection bias) keep their dtype, as transformers does.
             state, storages = {}, set()
-            for ht in shard:
-                tensor = _standalone(ht, None if ht.key in buffers else dtype)
+            for group in shard:
+                ht = group[0]
+                tensor = _standalone(group, None if ht.key in buffers else dtype)
                 if tensor.untyped_storage().data_ptr() in storages:
                     tensor = tensor.clone()  # one parameter under two keys (MTP's head copy)
                 storages.add(tensor.untyped_storage().data_ptr())
@@ -429,8 +433,19 @@ def _hf_tensors_for_saving(
     return tensors, buffers
 
 
-def _standalone(ht: HFTensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A CPU tensor owning exactly its own bytes (safetensors refuses shared storage)."""
+def _standalone(group: list[HFTensor], dtype: torch.dtype | None) -> torch.Tensor:
+    """A CPU tensor owning exactly its own bytes (safetensors refuses shared storage): one
+    view, or the views that fill a fused HF tensor, each at its ``region``."""
+    ht = group[0]
+    if ht.region is not None:
+        tensor = torch.empty(ht.hf_shape(), dtype=dtype or ht.ours.dtype)
+        covered = 0
+        for part in group:
+            value = (part.to_hf(part.ours) if part.to_hf else part.ours).detach()
+            tensor[part.region] = value.to(device="cpu", dtype=tensor.dtype)
+            covered += value.numel()
+        assert covered == tensor.numel(), f"the parts of {ht.key} do not fill it"
+        return tensor
     tensor = (ht.to_hf(ht.ours) if ht.to_hf else ht.ours).detach()
     tensor = tensor.to(device="cpu", dtype=dtype or tensor.dtype).contiguous()
     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():

@@ -7,14 +7,22 @@ from typing import Any
 
 import torch.nn as nn
 
-from . import deepseek_v3, llama3, qwen3, qwen3_moe
+from . import deepseek_v3, llama3, qwen3, qwen3_moe, qwen3_vl, qwen3_vl_moe
 from .components import Transformer, TransformerConfig
 from .family import ModelFamily
 from .plan import ModelPlan
 
 # A new family is a folder with a FAMILY and one entry here.
 FAMILIES: dict[str, ModelFamily] = {
-    f.name: f for f in (llama3.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, deepseek_v3.FAMILY)
+    f.name: f
+    for f in (
+        llama3.FAMILY,
+        qwen3.FAMILY,
+        qwen3_moe.FAMILY,
+        deepseek_v3.FAMILY,
+        qwen3_vl.FAMILY,
+        qwen3_vl_moe.FAMILY,
+    )
 }
 
 

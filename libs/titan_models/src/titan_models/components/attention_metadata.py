@@ -8,7 +8,9 @@ Linear-attention operators read the same document boundaries (``cu_seqlens``).
 Masks are described without an ``S × S`` tensor: query ``i`` sees key ``j`` iff
 ``start[i] <= j <= i`` and, in a sliding-window layer, ``i - j < window``; ``start[i]`` is the
 index where query ``i``'s document begins (0 without documents). In a KV-cache step ``i`` and
-``j`` are cache slots (a row's token index since the cache was empty).
+``j`` are cache slots (a row's token index since the cache was empty). A *bidirectional*
+batch (vision encoders: every image a document) drops ``j <= i``: a query sees every token of
+its own document, ``start[j] == start[i]``.
 
 Shapes: B batch, S queries per row, T = B·S tokens, N documents (all rows together).
 """
@@ -68,6 +70,9 @@ class AttentionMetadata:
     """Name of the registered attention backend the layers use (``attention_backends()``)."""
     cache: CacheStep | None = None
     """Set when the forward reads/writes a KV cache."""
+    bidirectional: bool = False
+    """A query sees every token of its document, not only those before it (an encoder: no
+    causal mask, no sliding window, no KV cache)."""
     _memo: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     # --- constructors ---------------------------------------------------------------------
@@ -103,18 +108,26 @@ class AttentionMetadata:
         *,
         positions: torch.Tensor | None = None,
         backend: str = "sdpa",
+        bidirectional: bool = False,
     ) -> AttentionMetadata:
         """Packed documents: ``document_ids`` ``(B, S)``, a run of one id per document,
         non-decreasing along each row (checked on the host for CPU tensors; on an accelerator
         by a device-side assertion, so no host sync). Positions restart at 0 in every document
-        unless given."""
+        unless given. ``bidirectional``: no causal mask inside a document."""
         ids = _check_document_ids(document_ids)
         B, S = ids.shape
         starts = _starts(ids)
         if positions is None:
             positions = torch.arange(S, device=ids.device) - starts
         _check_shape("positions", positions, (B, S))
-        return cls(batch_size=B, seq_len=S, positions=positions, starts=starts, backend=backend)
+        return cls(
+            batch_size=B,
+            seq_len=S,
+            positions=positions,
+            starts=starts,
+            backend=backend,
+            bidirectional=bidirectional,
+        )
 
     @classmethod
     def from_lengths(
@@ -125,9 +138,11 @@ class AttentionMetadata:
         *,
         positions: torch.Tensor | None = None,
         backend: str = "sdpa",
+        bidirectional: bool = False,
     ) -> AttentionMetadata:
         """Packed documents given as lengths per row (each row's lengths sum to ``seq_len``;
-        0 = an empty document)."""
+        0 = an empty document). ``bidirectional``: no causal mask inside a document (the
+        images of a vision encoder's batch)."""
         rows = [list(row) for row in lengths]
         for b, row in enumerate(rows):
             if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in row):
@@ -155,6 +170,7 @@ class AttentionMetadata:
             starts=None if single else starts,
             boundaries=cu.to(device),
             backend=backend,
+            bidirectional=bidirectional,
         )
 
     @classmethod
@@ -251,6 +267,10 @@ class AttentionMetadata:
             )
             k_BL = q_BS
         k_B1L, q_BS1 = k_BL[:, None, :], q_BS[:, :, None]
+        if self.bidirectional:  # same document (no cache, no window: refused by ``attend``)
+            if self.starts is None:
+                return torch.ones_like(k_B1L <= q_BS1)[:, None]
+            return (self.starts[:, None, :] == self.starts[:, :, None])[:, None]
         mask_BSL = k_B1L <= q_BS1
         if self.starts is not None:
             mask_BSL = mask_BSL & (k_B1L >= self.starts[:, :, None])

@@ -5,6 +5,9 @@ layout, the batch's ``AttentionMetadata`` (documents, positions, KV-cache step) 
 layer's mask options (sliding ``window``, per-head ``sinks``, ``scale``, logit ``softcap``) —
 and returns the same values within fp32 rounding:
 
+A bidirectional ``AttentionMetadata`` (an encoder's: vision towers, images as documents)
+drops the causal rule in every backend: a query sees its whole document.
+
 - ``sdpa``: the dense reference: one boolean ``(B, 1, S, L)`` mask per batch and window and
   ``F.scaled_dot_product_attention`` (explicit scores with sinks or softcap). O(S²) memory
   with documents or windows: for tests and short sequences.
@@ -152,6 +155,11 @@ def attend(
     """
     H = q_BSHE.shape[2]
     _check_options(window, sinks, softcap, H)
+    if meta.bidirectional and (window is not None or meta.cache is not None):
+        raise ValueError(
+            "bidirectional attention (an encoder's AttentionMetadata) takes no sliding window "
+            f"and no KV cache; got window={window!r}, cache={meta.cache is not None}"
+        )
     scale = q_BSHE.shape[-1] ** -0.5 if scale is None else scale
     if meta.cache is not None and meta.cache.reads_cache:
         mask = meta.prepared(("cache", window), lambda: meta.dense_mask(window))
@@ -201,7 +209,9 @@ def _sdpa_prepare(meta: AttentionMetadata, window: int | None) -> torch.Tensor |
 
 
 def _sdpa_forward(q, k, v, meta, mask, *, window, sinks, scale, softcap):
-    return dense_attention(q, k, v, mask, sinks=sinks, scale=scale, softcap=softcap)
+    return dense_attention(
+        q, k, v, mask, sinks=sinks, scale=scale, softcap=softcap, causal=not meta.bidirectional
+    )
 
 
 def _register_builtin() -> None:

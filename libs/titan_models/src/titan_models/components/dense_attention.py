@@ -80,15 +80,16 @@ def dense_attention(
     sinks: torch.Tensor | None,
     scale: float,
     softcap: float | None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """``(B, S, H, V)`` attention of ``(B, S, heads, dim)`` inputs under a boolean
     ``(B, 1, S, L)`` mask; ``mask=None`` = plain causal (SDPA's ``is_causal`` kernel, no mask
-    tensor)."""
+    tensor), or no mask at all when not ``causal``."""
     q, k, v = q_BSHE.transpose(1, 2), k_BLKE.transpose(1, 2), v_BLKV.transpose(1, 2)
     if sinks is None and softcap is None:
-        o_BHSV = sdpa(q, k, v, mask=mask, is_causal=mask is None, scale=scale)
+        o_BHSV = sdpa(q, k, v, mask=mask, is_causal=mask is None and causal, scale=scale)
     else:
-        if mask is None:
+        if mask is None and causal:
             S, L = q.shape[2], k.shape[2]
             mask = torch.ones(S, L, dtype=torch.bool, device=q.device).tril()
         o_BHSV = math_attention(q, k, v, mask, scale=scale, sinks=sinks, softcap=softcap)

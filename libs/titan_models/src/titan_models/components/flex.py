@@ -42,11 +42,17 @@ def _flex_functions() -> tuple[Callable[..., Any], Callable[..., Any]]:
 
 
 def prepare(meta: AttentionMetadata, window: int | None) -> Any:
-    """The batch's ``BlockMask`` for one window: causal, inside the document, inside the
-    window (per row with documents; one for all rows without)."""
+    """The batch's ``BlockMask`` for one window: causal (unless bidirectional), inside the
+    document, inside the window (per row with documents; one for all rows without)."""
     starts = meta.starts
+    bidirectional = meta.bidirectional
 
     def mask_mod(b, h, q_idx, kv_idx):
+        if bidirectional:
+            visible = kv_idx >= 0
+            if starts is not None:
+                visible = visible & (starts[b, kv_idx] == starts[b, q_idx])
+            return visible
         visible = kv_idx <= q_idx
         if starts is not None:
             visible = visible & (kv_idx >= starts[b, q_idx])

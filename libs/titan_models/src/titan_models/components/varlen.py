@@ -16,6 +16,9 @@ device offers, both linear in S for a fixed number of documents or a fixed windo
     pieces* of W queries each, every one attending to its own W tokens and the W before them
     through one shared ``(W, 2W)`` band mask: one SDPA call for all band pieces.
 
+  A bidirectional batch (an encoder's) makes every document one piece attended in full:
+  SDPA with a key-padding mask instead of ``is_causal``.
+
   Sinks ride along as one extra key per piece (a zero key with score ``sink_h`` through an
   extra head-dim column, and a zero value); softcap, which SDPA cannot express, takes
   explicit scores in query chunks under activation checkpointing (memory linear in the
@@ -58,6 +61,9 @@ class _Group:
     (their keys are their queries)."""
     valid: torch.Tensor
     """Positions in the flattened ``(m·Lq)`` query rows that are real tokens."""
+    key_mask: torch.Tensor | None = None
+    """``(m, Lq)`` real keys of bidirectional pieces (they see their whole document, so the
+    padding after it must be masked); ``None`` for causal pieces."""
 
 
 @dataclass(slots=True)
@@ -101,7 +107,8 @@ def forward(
     plan = meta.prepared(("varlen-plan", window), lambda: _plan(meta, window))
     if plan.direct and sinks is None and softcap is None:
         q, k, v = q_BSHE.transpose(1, 2), k_BSKE.transpose(1, 2), v_BSKV.transpose(1, 2)
-        return sdpa(q, k, v, is_causal=True, scale=scale).transpose(1, 2)
+        causal = not meta.bidirectional
+        return sdpa(q, k, v, is_causal=causal, scale=scale).transpose(1, 2)
     return _tiled(q_BSHE, k_BSKE, v_BSKV, plan, sinks=sinks, scale=scale, softcap=softcap)
 
 
@@ -136,7 +143,9 @@ def _flash_varlen(q_BSHE, k_BSKE, v_BSKV, meta, *, window, scale):
         longest,
         longest,
         scale=scale,
-        window_size=(-1 if window is None else window - 1, 0),
+        window_size=(-1, -1)
+        if meta.bidirectional
+        else (-1 if window is None else window - 1, 0),
         enable_gqa=K != H,
     )
     return o_THE[..., :V].reshape(B, S, H, V)
@@ -172,7 +181,10 @@ def _plan(meta: AttentionMetadata, window: int | None) -> _Plan:
         if window is not None:
             band += [(start + j, min(window, n - j)) for j in range(window, n, window)]
 
-    groups = [_causal_group(pieces, T) for _, pieces in sorted(causal.items())]
+    groups = [
+        _causal_group(pieces, T, bidirectional=meta.bidirectional)
+        for _, pieces in sorted(causal.items())
+    ]
     band_mask = None
     if band:
         groups.append(_band_group(band, window, T))
@@ -191,13 +203,15 @@ def _plan(meta: AttentionMetadata, window: int | None) -> _Plan:
     )
 
 
-def _causal_group(pieces: list[tuple[int, int]], T: int) -> _Group:
+def _causal_group(pieces: list[tuple[int, int]], T: int, *, bidirectional: bool) -> _Group:
     starts = torch.tensor([s for s, _ in pieces])
     lengths = torch.tensor([n for _, n in pieces])
     Lq = int(lengths.max())
     q_index = (starts[:, None] + torch.arange(Lq)).clamp(max=T - 1)
-    valid = (torch.arange(Lq)[None, :] < lengths[:, None]).flatten().nonzero().flatten()
-    return _Group(band=False, q_index=q_index, k_index=None, valid=valid)
+    real = torch.arange(Lq)[None, :] < lengths[:, None]
+    valid = real.flatten().nonzero().flatten()
+    key_mask = real if bidirectional else None
+    return _Group(band=False, q_index=q_index, k_index=None, valid=valid, key_mask=key_mask)
 
 
 def _band_group(pieces: list[tuple[int, int]], C: int, T: int) -> _Group:
@@ -217,6 +231,7 @@ def _to(group: _Group, device: torch.device) -> _Group:
         q_index=group.q_index.to(device),
         k_index=None if group.k_index is None else group.k_index.to(device),
         valid=group.valid.to(device),
+        key_mask=None if group.key_mask is None else group.key_mask.to(device),
     )
 
 
@@ -245,6 +260,8 @@ def _tiled(q_BSHE, k_BSKE, v_BSKV, plan: _Plan, *, sinks, scale, softcap) -> tor
         k = k_TKE[k_index].transpose(1, 2)  # (m, K, Lk, E)
         v = v_TKV[k_index].transpose(1, 2)
         band_mask = plan.band_mask if group.band else None
+        if group.key_mask is not None:  # bidirectional: every real key of the piece
+            band_mask = group.key_mask[:, None, None, :]
         if softcap is not None:
             o = _explicit(q, k, v, band_mask, sinks=sinks, scale=scale, softcap=softcap)
         else:
@@ -261,7 +278,8 @@ def _sdpa_piece(q, k, v, band_mask, *, sink_key, scale):
         k = torch.cat([sink_key.expand(m, K, 1, -1), k], dim=2)
         v = torch.cat([v.new_zeros(m, K, 1, v.shape[-1]), v], dim=2)
         if band_mask is not None:
-            band_mask = torch.cat([band_mask.new_ones(band_mask.shape[0], 1), band_mask], dim=1)
+            ones = band_mask.new_ones((*band_mask.shape[:-1], 1))
+            band_mask = torch.cat([ones, band_mask], dim=-1)
         else:
             q = torch.cat([q.new_zeros(m, q.shape[1], 1, q.shape[-1]), q], dim=2)
     if band_mask is not None:
@@ -275,6 +293,11 @@ def _explicit(q, k, v, band_mask, *, sinks, scale, softcap):
     the only ones alive at a time."""
     options = dict(scale=scale, sinks=sinks, softcap=softcap)
     chunks = []
+    if band_mask is not None and band_mask.dim() == 4:  # bidirectional: a key mask per piece
+        for c0 in range(0, q.shape[2], _QUERY_CHUNK):
+            chunk = q[:, :, c0 : c0 + _QUERY_CHUNK]
+            chunks.append(_checkpointed(chunk, k, v, band_mask, options))
+        return torch.cat(chunks, dim=2)
     if band_mask is not None:  # every piece has 2C keys: chunk the pieces
         per_chunk = max(1, _QUERY_CHUNK // band_mask.shape[0])
         for p in range(0, q.shape[0], per_chunk):

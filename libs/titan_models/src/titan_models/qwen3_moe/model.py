@@ -27,19 +27,23 @@ def router_config(config: Qwen3MoeConfig) -> RouterConfig:
     )
 
 
+def qwen3_moe_blocks(config: Qwen3MoeConfig) -> list[TransformerBlock]:
+    """``num_layers`` blocks of QK-norm GQA attention + a routed SwiGLU MoE."""
+    return [
+        TransformerBlock(
+            dim=config.dim,
+            norm_eps=config.norm_eps,
+            attention=gqa_attention(config, qk_norm=True, layer=i),
+            feed_forward=MoEFeedForward(
+                dim=config.dim, hidden_dim=config.moe_hidden_dim, router=router_config(config)
+            ),
+        )
+        for i in range(config.num_layers)
+    ]
+
+
 class Qwen3Moe(Transformer):
     """Qwen3-MoE causal LM: QK-norm GQA attention + a routed SwiGLU MoE in every block."""
 
     def __init__(self, config: Qwen3MoeConfig) -> None:
-        blocks = [
-            TransformerBlock(
-                dim=config.dim,
-                norm_eps=config.norm_eps,
-                attention=gqa_attention(config, qk_norm=True, layer=i),
-                feed_forward=MoEFeedForward(
-                    dim=config.dim, hidden_dim=config.moe_hidden_dim, router=router_config(config)
-                ),
-            )
-            for i in range(config.num_layers)
-        ]
-        super().__init__(config, blocks)
+        super().__init__(config, qwen3_moe_blocks(config))
