@@ -4,6 +4,7 @@ declarative plans."""
 from .components import (
     AttentionMetadata,
     Constant,
+    Float8Recipe,
     Init,
     KVCache,
     Normal,
@@ -13,6 +14,7 @@ from .components import (
     attend,
     attention_backends,
     init_state,
+    quantize_modules,
     register_attention_backend,
 )
 from .decoding import greedy_generate
@@ -33,6 +35,7 @@ __all__ = [
     "Constant",
     "DeepSeekV3",
     "DeepSeekV3Config",
+    "Float8Recipe",
     "Init",
     "KVCache",
     "Llama3",
@@ -63,6 +66,7 @@ __all__ = [
     "load_hf_state",
     "matmul_params",
     "mtp_loss",
+    "quantize_modules",
     "register_attention_backend",
     "to_hf",
 ]
