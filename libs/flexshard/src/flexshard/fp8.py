@@ -37,9 +37,7 @@ E4M3_MAX = 448.0
 _FP8 = torch.float8_e4m3fn
 
 
-def quantize_tiles(
-    tiles: torch.Tensor, *, pow2: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tiles(tiles: torch.Tensor, *, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``tiles`` of shape ``(n, r, c)`` -> (``(n, r, c)`` float8_e4m3fn, ``(n,)`` fp32 scales);
     ``pow2``: scales rounded up to powers of two."""
     if tiles.dim() != 3:
