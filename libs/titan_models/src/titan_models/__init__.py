@@ -16,6 +16,7 @@ from .components import (
     init_state,
     quantize_modules,
     register_attention_backend,
+    resolve_attention_backend,
 )
 from .decoding import greedy_generate
 from .deepseek_v3 import DeepSeekV3, DeepSeekV3Config
@@ -68,5 +69,6 @@ __all__ = [
     "mtp_loss",
     "quantize_modules",
     "register_attention_backend",
+    "resolve_attention_backend",
     "to_hf",
 ]
