@@ -120,18 +120,20 @@ def test_a_rank_killed_or_stopped_ends_the_job_and_resume_is_bitwise(tmp_path, r
 
 
 def test_a_second_job_on_the_same_run_folder_is_refused_and_the_first_finishes(tmp_path):
-    first = subprocess.Popen(
-        _cmd(tmp_path, "shared", nproc=1), env=ENV, stderr=subprocess.PIPE, text=True
+    long = ["--training.steps", "300", "--metrics.log-every", "50"]  # still running when the
+    first = subprocess.Popen(  # second one starts
+        _cmd(tmp_path, "shared", *long, nproc=1), env=ENV, stderr=subprocess.PIPE, text=True
     )
     lock = tmp_path / "shared" / ".titan-train.lock"
     while not (lock.exists() and lock.stat().st_size):
         assert first.poll() is None, first.communicate()
         time.sleep(0.05)
-    second = _run(_cmd(tmp_path, "shared", nproc=1), timeout=120)
+    second = _run(_cmd(tmp_path, "shared", *long, nproc=1), timeout=300)
+    assert first.poll() is None, "the first job ended before the second started: test invalid"
     assert second.returncode == 2
     assert "is in use by another job (pid" in second.stderr, second.stderr
-    assert first.wait(timeout=600) == 0
-    assert sorted(_losses(tmp_path / "shared")) == list(range(1, STEPS + 1))
+    assert first.wait(timeout=900) == 0
+    assert sorted(_losses(tmp_path / "shared")) == list(range(50, 301, 50))
 
 
 @pytest.fixture(scope="module")
