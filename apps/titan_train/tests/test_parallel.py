@@ -17,7 +17,8 @@ import torch
 from titan_testing import run_distributed
 from titan_train.cli import parse_config
 from titan_train.data.tokenizers import build_tokenizer
-from titan_train.trainer import _cross_entropy_sum, _loaders, build_model, train
+from titan_train.losses import cross_entropy_sum
+from titan_train.trainer import _loaders, build_model, train
 
 STEPS = 10
 COMMON = [
@@ -115,7 +116,7 @@ def _first_step_loss_of_global_batch(out: str, dp: int, *argv: str) -> float:
             logits = model(
                 batch.input_ids, positions=batch.positions, document_ids=batch.document_ids
             )
-            total += float(_cross_entropy_sum(logits, batch.labels))
+            total += float(cross_entropy_sum(logits, batch.labels))
             tokens += batch.num_target_tokens
     return total / tokens
 

@@ -18,11 +18,11 @@ from torch import nn
 
 import titan_models
 from titan_train.config import JobConfig
+from titan_train.errors import ConfigError
 from titan_train.parallelize import ParallelModel
+from titan_train.run_folder import RunFolderPlan
 
-
-class ConfigError(ValueError):
-    """The job cannot start with this config; raised before anything is written."""
+__all__ = ["ConfigError", "TrainState", "checkpoint_state", "export_hf", "resume"]
 
 
 class TrainState:
@@ -118,33 +118,48 @@ def checkpoint_state(
     }
 
 
-def resume(cfg: JobConfig, run_dir: Path, stateful: dict[str, Any]) -> Any:
-    """The checkpoint manager (None without checkpoints), after loading the latest complete
-    checkpoint of the run folder when resuming. A checkpoint that does not fit this job (another
-    model, another layout) is a ``ConfigError`` and nothing is written."""
+def resume(cfg: JobConfig, plan: RunFolderPlan, stateful: dict[str, Any]) -> Any:
+    """The checkpoint manager (None without checkpoints), after loading the checkpoint the
+    plan resumes from (or the newest intact one below it, when that one turns out damaged:
+    a warning names what was skipped, nothing is deleted). A checkpoint that does not fit this
+    job (another model, another layout), or a root another live job holds, is a
+    ``ConfigError`` and nothing is written."""
     if cfg.checkpoint.interval == 0:
         return None
-    from torch_checkpointing import CheckpointManager, StateMismatchError
-
-    ckpt = CheckpointManager(
-        run_dir / "checkpoints",
-        async_mode=cfg.checkpoint.async_mode,
-        keep_last=cfg.checkpoint.keep_last,
+    from torch_checkpointing import (
+        CheckpointLockedError,
+        CheckpointManager,
+        CorruptCheckpointError,
+        StateMismatchError,
     )
-    step = ckpt.latest_step() if cfg.checkpoint.resume else None
-    if step is None:
-        return ckpt
+
+    root = plan.run_dir / "checkpoints"
     try:
-        ckpt.load(stateful, step)
+        ckpt = CheckpointManager(
+            root, async_mode=cfg.checkpoint.async_mode, keep_last=cfg.checkpoint.keep_last
+        )
+    except CheckpointLockedError as e:
+        raise ConfigError(str(e)) from None
+    if plan.resume_step is None:
+        return ckpt
+    step = plan.resume_step
+    try:
+        ckpt.load(stateful, step, fallback=True)
     except StateMismatchError as e:
         ckpt.close()
         diff = [*e.missing[:2], *e.unexpected[:2]]
         diff += [f"{name} ({ours} here, {theirs} saved)" for name, ours, theirs in e.mismatched[:2]]
         raise ConfigError(
-            f"checkpoint step {step} in {run_dir / 'checkpoints'} does not fit this job "
+            f"checkpoint step {step} in {root} does not fit this job "
             f"({cfg.model.family} {cfg.model.flavor}): {len(e.missing)} missing, "
             f"{len(e.unexpected)} unexpected, {len(e.mismatched)} mismatched entries, e.g. "
-            f"{', '.join(diff)}; use another --name or --checkpoint.no-resume"
+            f"{', '.join(diff)}; use another --name, or --checkpoint.no-resume --overwrite"
+        ) from None
+    except CorruptCheckpointError as e:
+        ckpt.close()
+        raise ConfigError(
+            f"no intact checkpoint to resume from in {root} ({e}); the damaged ones were left "
+            "in place: move them aside, or start over with --checkpoint.no-resume --overwrite"
         ) from None
     return ckpt
 

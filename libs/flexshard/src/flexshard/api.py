@@ -11,6 +11,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from flexshard._groups import group_info
 from flexshard._layout import make_layout
 from flexshard._runtime import (
     BucketRuntime,
@@ -19,7 +20,6 @@ from flexshard._runtime import (
     ParamInfo,
     _register,
     _swap_class,
-    group_info,
 )
 from flexshard.placements import BlockShard, Bucket, MixedPrecision, Owned, Placement, Shard
 

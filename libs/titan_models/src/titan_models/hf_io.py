@@ -154,11 +154,11 @@ def _copy_pieces(
         target = chunk[tuple(i - o for i, o in zip(lead, offset, strict=False))]
         if ht.from_hf is not None:
             if transformed is None:
-                with safe_open(file, framework="pt") as f:
+                with _safe_open(file) as f:
                     transformed = ht.from_hf(f.get_tensor(ht.key))
             target.copy_(transformed[rest])
             continue
-        with safe_open(file, framework="pt") as f:  # mapped only while this slice is read
+        with _safe_open(file) as f:  # mapped only while this slice is read
             piece = f.get_slice(ht.key)[rest] if rest else f.get_tensor(ht.key)
         target.copy_(piece.reshape(target.shape))
 
@@ -188,7 +188,7 @@ def _open_checkpoint(path: str | os.PathLike) -> tuple[Path, dict, HFAdapter, di
     config_file = root / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} does not exist: not an HF checkpoint folder")
-    hf_config = json.loads(config_file.read_text())
+    hf_config = _read_json(config_file)
     adapter = family_for_hf(hf_config.get("model_type")).hf_adapter
     files = checkpoint_files(root)
     return root, adapter.adapt_to_checkpoint(hf_config, files.keys()), adapter, files
@@ -272,8 +272,18 @@ def checkpoint_files(root: Path) -> dict[str, Path]:
     """Every tensor key of the checkpoint in ``root`` and the file holding it."""
     index = root / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = {key: root / name for key, name in weight_map.items()}
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map object")
+        inside = root.resolve()
+        files = {}
+        for key, name in weight_map.items():
+            file = root / str(name)
+            if Path(str(name)).is_absolute() or not file.resolve().is_relative_to(inside):
+                raise ValueError(
+                    f"{index}: weight_map[{key!r}] = {name!r} is outside the checkpoint folder"
+                )
+            files[key] = file
         for file in sorted(set(files.values())):
             if not file.is_file():
                 raise FileNotFoundError(f"{file}, named in {index}, does not exist")
@@ -287,12 +297,30 @@ def checkpoint_files(root: Path) -> dict[str, Path]:
         raise FileNotFoundError(f"{root} holds no *.safetensors file")
     files: dict[str, Path] = {}
     for file in paths:
-        with safe_open(file, framework="pt") as f:
+        with _safe_open(file) as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if key in files:
                     raise ValueError(f"tensor {key!r} is in both {files[key].name} and {file.name}")
                 files[key] = file
     return files
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{file} is not a readable JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _safe_open(file: Path) -> Any:
+    """``safe_open`` whose failure (a truncated or corrupt file) names the file."""
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as e:  # safetensors raises its own SafetensorError
+        raise ValueError(f"{file} is not a readable safetensors file ({e})") from None
 
 
 def parse_size(size: int | str) -> int:
@@ -319,7 +347,7 @@ def _declared_dtype(hf_config: dict) -> torch.dtype | None:
 
 def _first_tensor_dtype(files: dict[str, Path]) -> torch.dtype:
     key, file = next(iter(files.items()))
-    with safe_open(file, framework="pt") as f:
+    with _safe_open(file) as f:
         found = f.get_slice(key).get_dtype()
     if found not in _DTYPES:
         raise ValueError(f"tensor {key!r} has dtype {found}; pass dtype= to from_hf")
@@ -362,7 +390,7 @@ def _validate(
         if key in files:
             by_file[files[key]].append(key)
     for file, keys in by_file.items():
-        with safe_open(file, framework="pt") as f:
+        with _safe_open(file) as f:
             for key in keys:
                 piece = f.get_slice(key)
                 shape, found = tuple(piece.get_shape()), piece.get_dtype()
