@@ -683,7 +683,8 @@ def check_owned_balance() -> dict[str, Any]:
 
 
 def readme_example() -> float:
-    """The README's example, verbatim but for the process group (already initialised)."""
+    """Owned matrices, distributed Muon, bf16 compute with fp32 reduction: one step as a user
+    writes it."""
     import torch.nn.functional as F
 
     model = TinyTransformer(vocab=1000, dim=64, n_layers=4)
