@@ -8,7 +8,9 @@ replicas, the data position and RNG).
 
 from __future__ import annotations
 
+import json
 import random
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from torch import nn
 import titan_models
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
+from titan_train.materialize import global_state
 from titan_train.parallelize import ParallelModel
 from titan_train.run_folder import RunFolderPlan
 
@@ -164,27 +167,24 @@ def resume(cfg: JobConfig, plan: RunFolderPlan, stateful: dict[str, Any]) -> Any
     return ckpt
 
 
-def export_hf(pm: ParallelModel, model_cls: type, model_config: Any, path: Path) -> None:
-    """HF safetensors of the final weights: full tensors gathered to rank 0, written there."""
-    model = pm.parts[0]
-    rank = dist.get_rank() if pm.dims.world_size > 1 else 0
-    if pm.dims.world_size > 1:
-        from torch.distributed.tensor import DTensor
+def export_hf(pm: ParallelModel, model_config: Any, path: Path) -> None:
+    """HF safetensors of the final weights, written by every rank at once from the pieces it
+    holds (flexshard shards, tensor-parallel slices); see ``write_hf``."""
+    write_hf(global_state(pm), model_config, path)
 
-        import flexshard
 
-        if pm.sharded:
-            full = flexshard.full_state_dict(model, rank0_only=False)
-        else:
-            full = model.state_dict()
-        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in full.items()}
-        if rank == 0:
-            with torch.device("meta"):
-                model = model_cls(model_config)
-            model.to_empty(device="cpu")  # staging for the file writer
-            model.load_state_dict(full)
-        dist.barrier()
-    if rank == 0:
-        titan_models.to_hf(model, path)
-    if pm.dims.world_size > 1:
+def write_hf(state: Mapping[str, Any], model_config: Any, path: Path) -> None:
+    """``state`` (FQN -> whole tensor or this rank's pieces) as an HF folder: titan_models maps
+    it to HF keys (``hf_export``) and ``torch_checkpointing.save_hf`` writes every rank's
+    pieces into the files in place, nothing gathered. ``config.json`` comes last, so a folder
+    that has one is complete."""
+    from torch_checkpointing import save_hf
+
+    export = titan_models.hf_export(state, model_config)
+    save_hf(export.tensors, path, transforms=export.transforms)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        partial = path / ".config.json.partial"
+        partial.write_text(json.dumps(export.config, indent=2) + "\n")
+        partial.replace(path / "config.json")
+    if dist.is_initialized():
         dist.barrier()

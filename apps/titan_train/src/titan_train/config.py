@@ -22,7 +22,7 @@ class ModelConfig:
     """Multi-token-prediction modules (DeepSeek-V3); -1 keeps the flavour's."""
     overrides: tuple[str, ...] = ()
     """Component overrides, ``"module-glob=replacement"`` (see titan_train.components), e.g.
-    ``output=chunked_cross_entropy`` or ``layers.*.ffn_norm=torch_rms_norm``."""
+    ``output=chunked_cross_entropy``."""
     attention_backend: str = "auto"
     """titan_models attention backend: auto (flex on CUDA, varlen elsewhere), flex, varlen, or
     sdpa (dense mask: reference and short sequences)."""

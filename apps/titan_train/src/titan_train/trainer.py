@@ -82,10 +82,6 @@ __all__ = [
 
 def check_supported(cfg: JobConfig, dims: ParallelDims) -> None:
     """Reject combinations this trainer cannot run yet, before anything is built or written."""
-    if dims.pp > 1 and cfg.checkpoint.export_hf:
-        raise ValueError("checkpoint.export_hf with parallel.pp > 1 is not supported yet")
-    if dims.ep > 1 and cfg.checkpoint.export_hf:
-        raise ValueError("checkpoint.export_hf with parallel.ep > 1 is not supported yet")
     if dims.pp > 1 and cfg.compile.enabled:
         raise ValueError("compile.enabled with parallel.pp > 1 is not supported yet")
     chunked = any(n == "chunked_cross_entropy" for _, n in parse_overrides(cfg.model.overrides))
@@ -535,7 +531,7 @@ def _train(
             ckpt.close()
         logger.close()
     if cfg.checkpoint.export_hf and state.step == cfg.training.steps:
-        export_hf(pm, model_cls, config, run_dir / "hf")
+        export_hf(pm, config, run_dir / "hf")
     return {"losses": losses, "run_dir": run_dir, "model": pm.parts[0], "step": state.step}
 
 
