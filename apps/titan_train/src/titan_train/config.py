@@ -200,8 +200,8 @@ class QuantizeConfig:
     emulation elsewhere; emulated: quantise and dequantise as the kernels would, multiply in
     fp32, on any device."""
     include: tuple[str, ...] = ()
-    """Module globs to quantise (one FQN segment per '*'); empty: every linear / experts
-    module (router gates always stay in high precision)."""
+    """Module globs to quantise ('*' within a segment, '**' a run of them); empty: every
+    linear / experts module (router gates always stay in high precision)."""
     exclude: tuple[str, ...] = ("output",)
     """Module globs left in high precision."""
 

@@ -108,13 +108,14 @@ def _always_high_precision(model: nn.Module, fqn: str) -> bool:
 def _selected(
     candidates: list[str], include: Sequence[str], exclude: Sequence[str], what: str
 ) -> list[str]:
-    from ..plan import fqn_matches  # plan.py imports the components
+    from ..fqn import fqn_matches
 
     for field, globs in (("include", include), ("exclude", exclude)):
         for g in globs:
             if not any(fqn_matches(g, f) for f in candidates):
                 raise ValueError(
-                    f"quantize {field} glob {g!r} matches no {what} (one FQN segment per '*'; "
+                    f"quantize {field} glob {g!r} matches no {what} ('*' within a segment, "
+                    "'**' a run of them; "
                     f"candidates: {', '.join(candidates[:6])}{', ...' if len(candidates) > 6 else ''})"
                 )
     keep = [f for f in candidates if not include or any(fqn_matches(g, f) for g in include)]
