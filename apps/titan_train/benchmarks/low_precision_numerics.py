@@ -50,6 +50,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", default="low_precision_numerics.png")
     parser.add_argument(
+        "--modes", nargs="+", default=list(MODES[1:]), choices=MODES[1:],
+        help="quantised runs next to the unquantised one (mxfp8 kernels need sm100)",
+    )  # fmt: skip
+    parser.add_argument(
         "--kernels", choices=("emulated", "auto"), default="emulated",
         help="auto: the device's fp8 kernels (with -- --training.device cuda)",
     )  # fmt: skip
@@ -57,13 +61,13 @@ def main() -> None:
     args = parser.parse_args()
     curves = {}
     with tempfile.TemporaryDirectory() as out:
-        for mode in MODES:
+        for mode in ("none", *args.modes):
             curves[mode] = _run(args.recipe, mode, args.steps, out, args.kernels, args.extra)
     tail = max(1, len(curves["none"]) // 10)
     final = {m: sum(c[-tail:]) / len(c[-tail:]) for m, c in curves.items()}
     print(f"{args.recipe}, {args.steps} steps, kernels {args.kernels} {' '.join(args.extra)}")
     print(f"mean loss of the last {tail} steps:")
-    for m in MODES:
+    for m in curves:
         gap = (final[m] - final["none"]) / final["none"]
         print(f"{LABELS[m]:12s} final loss {final[m]:.4f}   gap to unquantised {gap:+.2%}")
 
@@ -73,7 +77,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for m in MODES:
+    for m in curves:
         ax.plot(range(1, len(curves[m]) + 1), curves[m], label=LABELS[m], lw=1)
     ax.set(
         xlabel="step", ylabel="train loss", title=f"{args.recipe}: FP8 and MXFP8 ({args.kernels})"
