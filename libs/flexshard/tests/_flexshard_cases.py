@@ -619,26 +619,31 @@ def check_fp8() -> dict[str, Any]:
             model(x)
         out[f"bytes_{q}"] = fs.comm_stats(model).bytes["all_gather"]
     # Dequantisation error of every gathered tile against its bound (fp32 compute dtype).
-    model = fp8_model()
-    fs.shard(model, buckets=fp8_buckets(model, "fp8_block"))
-    ref = fp8_model()
-    locals_ = dict(model.named_parameters())
-    model.unshard()
-    assert all(
-        dict(model.named_parameters())[n] is fs.param_info(p).full for n, p in locals_.items()
-    )
-    worst = 0.0
-    for n, p in ref.named_parameters():
-        info = fs.param_info(locals_[n])
-        if not isinstance(info.placement, fs.BlockShard):
-            continue
-        got, want = info.full.detach(), p.detach()
-        err = (_tiles8(got) - _tiles8(want)).abs()
-        bound = fs.fp8_block_error_bound(_tiles8(want))
-        worst = max(worst, (err / bound).max().item())
-        assert err.max() > 0  # it really was quantised
-    model.reshard()
-    out["worst_err_over_bound"] = worst
+    for q in ("fp8_block", "fp8_block_pow2"):
+        model = fp8_model()
+        fs.shard(model, buckets=fp8_buckets(model, q))
+        ref = fp8_model()
+        locals_ = dict(model.named_parameters())
+        model.unshard()
+        assert all(
+            dict(model.named_parameters())[n] is fs.param_info(p).full for n, p in locals_.items()
+        )
+        worst = 0.0
+        for n, p in ref.named_parameters():
+            info = fs.param_info(locals_[n])
+            if not isinstance(info.placement, fs.BlockShard):
+                continue
+            got, want = info.full.detach(), p.detach()
+            err = (_tiles8(got) - _tiles8(want)).abs()
+            bound = fs.fp8_block_error_bound(_tiles8(want), pow2=q == "fp8_block_pow2")
+            worst = max(worst, (err / bound).max().item())
+            assert err.max() > 0  # it really was quantised
+            if q == "fp8_block_pow2":  # q * 2^k: every gathered value is e4m3 times 2^k
+                scale = fs.quantize_tiles(_tiles8(want), pow2=True)[1][:, None, None]
+                v = _tiles8(got) / scale
+                assert torch.equal(v.to(torch.float8_e4m3fn).float(), v)
+        model.reshard()
+        out[f"worst_err_over_bound_{q}"] = worst
     # The debug model still learns with fp8 gathers (bf16 compute, fp32 reduce).
     model = fp8_model()
     fs.shard(

@@ -184,6 +184,41 @@ class CompileConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class QuantizeConfig:
+    """Low-precision GEMMs (titan_models.quantize_modules), swapped in on the meta model
+    before parallelisation; master weights keep their dtype."""
+
+    linear: Literal["none", "fp8_tensorwise", "fp8_rowwise", "mxfp8"] = "none"
+    """Recipe of the linear layers' forward and backward GEMMs: per-tensor or per-row FP8
+    scales, or MXFP8 (e8m0 scale per 32 elements along the reduction dim)."""
+    experts: Literal["none", "fp8_tensorwise", "fp8_rowwise", "mxfp8"] = "none"
+    """Recipe of the routed experts' grouped GEMMs (MoE models)."""
+    grad_dtype: Literal["e4m3", "e5m2"] = "e4m3"
+    """fp8 format of the output gradients in the backward GEMMs (inputs, weights: e4m3)."""
+    kernels: Literal["auto", "emulated"] = "auto"
+    """auto: the device's fp8 kernels on CUDA (an error where it has none for the recipe),
+    emulation elsewhere; emulated: quantise and dequantise as the kernels would, multiply in
+    fp32, on any device."""
+    include: tuple[str, ...] = ()
+    """Module globs to quantise ('*' within a segment, '**' a run of them); empty: every
+    linear / experts module (router gates always stay in high precision)."""
+    exclude: tuple[str, ...] = ("output",)
+    """Module globs left in high precision."""
+
+
+@dataclass(kw_only=True, slots=True)
+class FlexShardConfig:
+    """Options of flexshard's data-parallel sharding."""
+
+    fp8_gather: bool = False
+    """All-gather the quantised linears' weights as e4m3 tiles with power-of-two scales
+    (BlockShard + quantize='fp8_block_pow2'): half the bytes of bf16, and the GEMMs'
+    re-quantisation of the gathered weight is exact for MXFP8 (the weight is rounded once)."""
+    fp8_block: int = 128
+    """Tile edge of the FP8 gather, a multiple of 32 dividing both dims of every such weight."""
+
+
+@dataclass(kw_only=True, slots=True)
 class MetricsConfig:
     """What is logged and where."""
 
@@ -218,6 +253,8 @@ class JobConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
+    flexshard: FlexShardConfig = field(default_factory=FlexShardConfig)
     overwrite: bool = False
     """With --checkpoint.no-resume in a run folder that holds checkpoints: move the old run's
     outputs to <run>/archive/<time>/ and start over (nothing is deleted)."""
@@ -303,6 +340,22 @@ def validate(cfg: JobConfig) -> None:
     if cfg.comm.fake_world_size < 0:
         raise ValueError(
             f"comm.fake_world_size={cfg.comm.fake_world_size} must be >= 0 (0: a real run)"
+        )
+    f = cfg.flexshard
+    if f.fp8_block < 32 or f.fp8_block % 32:
+        raise ValueError(
+            f"flexshard.fp8_block={f.fp8_block} must be a positive multiple of 32 (MX blocks of "
+            "32 must lie inside one tile)"
+        )
+    if f.fp8_gather and cfg.quantize.linear == "none":
+        raise ValueError(
+            "flexshard.fp8_gather gathers the weights the FP8 GEMMs read: it needs "
+            "quantize.linear other than 'none'"
+        )
+    if f.fp8_gather and cfg.optimizer.name == "muon":
+        raise ValueError(
+            "flexshard.fp8_gather with optimizer.name='muon' is not supported (Muon keeps the "
+            "matrices Owned, whole on one rank: there is nothing to gather in tiles)"
         )
     if not cfg.name or "/" in cfg.name or cfg.name in (".", ".."):
         raise ValueError(f"name={cfg.name!r} must be a non-empty folder name without '/'")

@@ -47,6 +47,7 @@ from titan_train.device import (
 )
 from titan_train.errors import ConfigError, NonFiniteError
 from titan_train.losses import autocast, loss_sum
+from titan_train.low_precision import apply_quantize, check_low_precision
 from titan_train.lr_schedule import build_lr_scheduler
 from titan_train.materialize import local_bytes, materialize
 from titan_train.metrics import MetricsLogger, measure_matmul_flops, memory_bytes
@@ -131,6 +132,7 @@ def build_model(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device) -> n
             model = model_cls(config)
         model.init_weights(device=device, seed=cfg.training.seed)
     apply_overrides(model, cfg.model.overrides)
+    apply_quantize(model, cfg)
     return model
 
 
@@ -363,7 +365,9 @@ def prepare(
                 f"{max_len} ({cfg.model.family} {cfg.model.flavor})"
             )
         with torch.device("meta"):  # overrides checked on a model that allocates nothing
-            apply_overrides(model_cls(config), cfg.model.overrides)
+            meta_model = model_cls(config)
+            apply_overrides(meta_model, cfg.model.overrides)
+            check_low_precision(meta_model, cfg, dims)
         _loaders(cfg, tokenizer)  # checks data files and fields
         if not fake:
             resolve_device(cfg.training.device)

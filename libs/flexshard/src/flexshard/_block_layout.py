@@ -90,9 +90,9 @@ class BlockShardLayout(Layout):
     def issue_gather(self, locals_, flat, dtype, quantize, stats):
         W, M, tile = self.g.world, self.M, self.tile
         dev = flat.device
-        if quantize == "fp8_block":
+        if quantize is not None:
             local = self._cat_local(locals_, torch.float32, dev)[: self.my_tiles]
-            q, scale = quantize_tiles(local)
+            q, scale = quantize_tiles(local, pow2=quantize == "fp8_block_pow2")
             seg = M * (tile + 4)
             send = torch.zeros(seg, dtype=_U8, device=dev)
             send[: self.my_tiles * tile].copy_(q.view(_U8).reshape(-1))
@@ -110,7 +110,7 @@ class BlockShardLayout(Layout):
         W, M, tile = self.g.world, self.M, self.tile
         br, bc = self.placement.block
         quantize, dtype = p.extra
-        if quantize == "fp8_block":
+        if quantize is not None:
             rv = p.recv.view(W, M * (tile + 4))
             q = rv[:, : M * tile].contiguous().view(_FP8).view(W * M, br, bc)
             scale = rv[:, M * tile :].contiguous().view(torch.float32).view(W * M)

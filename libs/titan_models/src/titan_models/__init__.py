@@ -4,6 +4,7 @@ declarative plans."""
 from .components import (
     AttentionMetadata,
     Constant,
+    Float8Recipe,
     Init,
     KVCache,
     Normal,
@@ -13,6 +14,7 @@ from .components import (
     attend,
     attention_backends,
     init_state,
+    quantize_modules,
     register_attention_backend,
     resolve_attention_backend,
 )
@@ -35,6 +37,7 @@ __all__ = [
     "Constant",
     "DeepSeekV3",
     "DeepSeekV3Config",
+    "Float8Recipe",
     "HFExport",
     "Init",
     "KVCache",
@@ -67,6 +70,7 @@ __all__ = [
     "load_hf_state",
     "matmul_params",
     "mtp_loss",
+    "quantize_modules",
     "register_attention_backend",
     "resolve_attention_backend",
     "to_hf",

@@ -17,6 +17,7 @@ from .kv_cache import KVCache, LayerKVCache
 from .mla import MultiHeadLatentAttention
 from .moe import MoEFeedForward
 from .norm import RMSNorm
+from .quantize import Float8GroupedExperts, Float8Linear, quantize_modules
 from .rope import (
     Llama3RopeScaling,
     RopeConfig,
@@ -25,6 +26,7 @@ from .rope import (
     apply_rotary,
     rope_frequencies,
 )
+from .scaled_mm import Float8Recipe, scaled_grouped_linear, scaled_linear
 from .transformer import (
     Transformer,
     TransformerBlock,
@@ -40,6 +42,9 @@ __all__ = [
     "CacheStep",
     "Constant",
     "FeedForward",
+    "Float8GroupedExperts",
+    "Float8Linear",
+    "Float8Recipe",
     "Init",
     "KVCache",
     "LayerKVCache",
@@ -66,8 +71,11 @@ __all__ = [
     "math_attention",
     "positions_from_document_ids",
     "prepare_attention",
+    "quantize_modules",
     "register_attention_backend",
     "resolve_attention_backend",
     "rope_frequencies",
+    "scaled_grouped_linear",
+    "scaled_linear",
     "sdpa",
 ]
