@@ -18,6 +18,7 @@ from .components import (
 from .decoding import greedy_generate
 from .deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from .flops import flops_per_token, matmul_params
+from .gpt_oss import GptOss, GptOssConfig
 from .hf_io import from_hf, hf_model_config, load_hf_state, to_hf
 from .llama3 import Llama3, Llama3Config
 from .mtp import mtp_loss
@@ -33,6 +34,8 @@ __all__ = [
     "Constant",
     "DeepSeekV3",
     "DeepSeekV3Config",
+    "GptOss",
+    "GptOssConfig",
     "Init",
     "KVCache",
     "Llama3",

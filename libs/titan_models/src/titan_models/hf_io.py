@@ -222,7 +222,7 @@ def to_hf(
     shards: list[list[HFTensor]] = [[]]
     shard_bytes = 0
     for ht in tensors:
-        size = ht.ours.numel() * out_dtype.itemsize
+        size = math.prod(ht.hf_shape()) * out_dtype.itemsize
         if shards[-1] and shard_bytes + size > limit:
             shards.append([])
             shard_bytes = 0
@@ -426,7 +426,37 @@ def _hf_tensors_for_saving(
         tensors += described
         if name in buffer_names:
             buffers.update(ht.key for ht in described)
-    return tensors, buffers
+    return _assembled(tensors), buffers
+
+
+def _assembled(tensors: list[HFTensor]) -> list[HFTensor]:
+    """One ``HFTensor`` per key: the parts of a fused tensor (``shape`` set) become one that
+    assembles the full tensor from them when written (at the first part's place)."""
+    parts: dict[str, list[HFTensor]] = defaultdict(list)
+    out: list[HFTensor] = []
+    for ht in tensors:
+        if ht.shape is None:
+            out.append(ht)
+            continue
+        if ht.put is None:
+            raise ValueError(f"{ht.key} is a fused HF tensor this adapter cannot write")
+        if not parts[ht.key]:
+            out.append(ht)  # placeholder, replaced below
+        parts[ht.key].append(ht)
+
+    def assemble(group: list[HFTensor]) -> torch.Tensor:
+        first = group[0]
+        full = first.ours.new_empty(first.shape)
+        for part in group:
+            part.put(full, part.ours.detach())
+        return full
+
+    return [
+        HFTensor(ht.key, ht.ours, to_hf=lambda _, g=parts[ht.key]: assemble(g), shape=ht.shape)
+        if ht.shape is not None
+        else ht
+        for ht in out
+    ]
 
 
 def _standalone(ht: HFTensor, dtype: torch.dtype | None) -> torch.Tensor:
