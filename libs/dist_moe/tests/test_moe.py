@@ -173,6 +173,7 @@ def test_shared_experts_with_gate():
         (torch.randn(1, 2, 3, 16), "shape"),
         (torch.randn(4, 15), "shape"),
         (torch.ones(4, 16, dtype=torch.int64), "dtype"),
+        (torch.randn(4, 16, dtype=torch.float64), "dtype"),
     ],
 )
 def test_bad_input_raises_value_error_naming_x(x, match, make_moe):
