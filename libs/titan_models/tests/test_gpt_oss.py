@@ -231,3 +231,32 @@ def test_flops_count_windowed_layers_as_executed():
     assert config.attention_flops(T) == per_key * (18 * 128 + 18 * T)
     active = titan_models.matmul_params(config)
     assert 5.0e9 < active < 5.3e9  # the model card's 5.1B active parameters
+
+
+def test_sinks_survive_selective_activation_checkpointing_that_saves_matmuls():
+    # A policy that keeps every matmul's output (as torch_remat's "selective" does) must not
+    # see the sinks' product mutated afterwards; gradients equal the plain backward.
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        checkpoint,
+        create_selective_checkpoint_contexts,
+    )
+
+    def save_matmuls(ctx, op, *args, **kwargs):
+        if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    sinks = titan_models.components.AttentionSinks(4)
+    x = torch.randn(3, 4)
+
+    def loss(x):
+        return (torch.softmax(x + sinks(x), dim=-1) * x).sum()
+
+    loss(x).backward()
+    plain = sinks.weight.grad.clone()
+    sinks.zero_grad()
+    contexts = lambda: create_selective_checkpoint_contexts(save_matmuls)  # noqa: E731
+    checkpoint(loss, x, use_reentrant=False, context_fn=contexts).backward()
+    assert torch.equal(sinks.weight.grad, plain)

@@ -34,7 +34,9 @@ class AttentionSinks(nn.Linear):
     def forward(self, like: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """``(H,)`` sink logits (the local heads' under tensor parallelism), in ``like``'s
         dtype and device."""
-        return super().forward(like.new_ones(1, dtype=self.weight.dtype))
+        # A (1, 1) input, not (1,): matmul of a vector ends in an in-place squeeze, which
+        # selective activation checkpointing refuses as a mutation of the saved product.
+        return super().forward(like.new_ones(1, 1, dtype=self.weight.dtype)).view(-1)
 
 
 class Attention(nn.Module):
