@@ -18,6 +18,7 @@ from .components import (
 )
 from .decoding import greedy_generate
 from .deepseek_v3 import DeepSeekV3, DeepSeekV3Config
+from .deepseek_v4 import DeepSeekV4, DeepSeekV4Config
 from .flops import flops_per_token, matmul_params
 from .gpt_oss import GptOss, GptOssConfig
 from .hf_io import from_hf, hf_model_config, load_hf_state, to_hf
@@ -35,6 +36,8 @@ __all__ = [
     "Constant",
     "DeepSeekV3",
     "DeepSeekV3Config",
+    "DeepSeekV4",
+    "DeepSeekV4Config",
     "GptOss",
     "GptOssConfig",
     "Init",

@@ -38,6 +38,14 @@ _DTYPES = {
     "F16": torch.float16,
     "BF16": torch.bfloat16,
 }
+_INT_DTYPES = {
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+}
+"""Integer tensors load into integer buffers only (a hash-routing table)."""
 _DTYPE_NAMES = {
     "float64": torch.float64,
     "float32": torch.float32,
@@ -347,11 +355,12 @@ def _validate(
 ) -> None:
     """Every key, shape and dtype, checked on the meta model; one error listing all problems."""
     params = {id(p) for p in model.parameters()}
-    expected, is_param = {}, {}
+    expected, is_param, is_int = {}, {}, {}
     for fqn, tensor in named_state(model):
         for ht in adapter.hf_tensors(fqn, tensor, hf_config):
             expected[ht.key] = ht.hf_shape()
             is_param[ht.key] = id(tensor) in params
+            is_int[ht.key] = not tensor.is_floating_point()
     missing = sorted(set(expected) - set(files))
     unexpected = sorted(
         k for k in files if k not in expected and not adapter.is_ignored(k, model.config)
@@ -368,7 +377,10 @@ def _validate(
                 shape, found = tuple(piece.get_shape()), piece.get_dtype()
                 if shape != expected[key]:
                     wrong.append(f"{key}: checkpoint shape {shape}, model shape {expected[key]}")
-                if found not in _DTYPES:
+                if is_int[key]:
+                    if found not in _INT_DTYPES:
+                        wrong.append(f"{key}: dtype {found} is not an integer dtype we can load")
+                elif found not in _DTYPES:
                     wrong.append(f"{key}: dtype {found} is not a floating dtype we can load")
                 elif not convert and is_param[key] and _DTYPES[found] != target:
                     # Buffers (a router's fp32 bias in a bf16 checkpoint) convert on copy.

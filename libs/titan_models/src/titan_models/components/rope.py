@@ -213,3 +213,15 @@ def apply_rotary(
     (``interleaved`` as the tables were built: rotate channel pairs, not halves)."""
     cos, sin = rope
     return _RotaryFunction.apply(x_BSHD, cos, sin, interleaved)
+
+
+def apply_rotary_tail(
+    x_BSHD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], *, interleaved: bool = False
+) -> torch.Tensor:
+    """Partial RoPE on the *last* channels of each head (as many as the tables are wide); the
+    leading channels pass through (DeepSeek-V4 heads are ``[no-position | rotated]``)."""
+    width = rope[0].shape[-1]
+    if width == x_BSHD.shape[-1]:
+        return apply_rotary(x_BSHD, rope, interleaved=interleaved)
+    plain, rotated = x_BSHD.split([x_BSHD.shape[-1] - width, width], dim=-1)
+    return torch.cat([plain, apply_rotary(rotated, rope, interleaved=interleaved)], dim=-1)
