@@ -129,8 +129,8 @@ def test_checkpoint_of_another_model_is_one_error_line_and_nothing_is_written(tm
     "recipe",
     [
         "qwen3_moe_debug",
-        pytest.param("gpt_oss_debug", marks=pytest.mark.slow),  # ~35 s here
-        pytest.param("deepseek_v4_debug", marks=pytest.mark.slow),  # ~80 s here
+        pytest.param("gpt_oss_debug", marks=pytest.mark.slow),  # 35-95 s (shared CPU)
+        pytest.param("deepseek_v4_debug", marks=pytest.mark.slow),  # 80-95 s (shared CPU)
     ],
 )
 def test_moe_recipe_logs_expert_load_and_learns(tmp_path, recipe):
