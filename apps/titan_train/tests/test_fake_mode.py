@@ -110,6 +110,7 @@ def test_bad_layouts_and_devices_fail_with_one_line_before_allocating(capsys, ar
 
 FULL_SIZE = {
     "deepseek_v3_671b": ["--comm.fake-world-size", "256"],  # PP 2 / DP 128 / EP 64 (recipe)
+    "gpt_oss_120b": ["--comm.fake-world-size", "64"],  # DP 64 / EP 32 (recipe)
     "llama3_405b": [
         "--comm.fake-world-size", "512", "--parallel.tp", "8", "--parallel.pp", "8",
     ],

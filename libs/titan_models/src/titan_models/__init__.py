@@ -20,8 +20,10 @@ from .components import (
 )
 from .decoding import greedy_generate
 from .deepseek_v3 import DeepSeekV3, DeepSeekV3Config
+from .deepseek_v4 import DeepSeekV4, DeepSeekV4Config
 from .flops import flops_per_token, matmul_params
 from .fqn import fqn_matches
+from .gpt_oss import GptOss, GptOssConfig
 from .hf_io import HFExport, from_hf, hf_export, hf_model_config, load_hf_state, to_hf
 from .llama3 import Llama3, Llama3Config
 from .mtp import mtp_loss
@@ -37,7 +39,11 @@ __all__ = [
     "Constant",
     "DeepSeekV3",
     "DeepSeekV3Config",
+    "DeepSeekV4",
+    "DeepSeekV4Config",
     "Float8Recipe",
+    "GptOss",
+    "GptOssConfig",
     "HFExport",
     "Init",
     "KVCache",

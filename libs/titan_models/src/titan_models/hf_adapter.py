@@ -36,7 +36,10 @@ class HFTensor:
     """HF's layout → ours (``None``: identical)."""
     shape: tuple[int, ...] | None = None
     """The checkpoint tensor's shape when it holds more than this view: a fused tensor split
-    over several of our parameters (read-only: such a tensor is never written)."""
+    over several of our parameters (written only when every part has a ``put``)."""
+    put: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+    """For a fused tensor: ``put(full, ours)`` copies this view (our layout) into its place in
+    the full HF tensor, so ``to_hf`` can assemble the tensor from its parts."""
 
     def hf_shape(self) -> tuple[int, ...]:
         """Shape of the tensor in the checkpoint (free on the meta device)."""
@@ -273,14 +276,20 @@ class DenseHFAdapter(HFAdapter):
         }
 
 
-def check_supported(hf: Mapping[str, Any], *, sliding_window: bool = False) -> None:
+def check_supported(
+    hf: Mapping[str, Any],
+    *,
+    sliding_window: bool = False,
+    allowed: Mapping[str, tuple[Any, ...]] | None = None,
+) -> None:
     """``ValueError`` naming the first HF config field whose value we do not model
-    (``sliding_window``: the caller reads the window fields itself)."""
-    for name, allowed in _NEUTRAL.items():
-        if name in hf and hf[name] not in allowed:
+    (``sliding_window``: the caller reads the window fields itself; ``allowed``: a family's
+    own supported values of some fields, e.g. gpt-oss's ``attention_bias=True``)."""
+    for name, values in {**_NEUTRAL, **(allowed or {})}.items():
+        if name in hf and hf[name] not in values:
             raise ValueError(
                 f"HF config field {name}={hf[name]!r} is not supported (supported: "
-                f"{', '.join(repr(a) for a in allowed if a is not None) or 'absent'})"
+                f"{', '.join(repr(a) for a in values if a is not None) or 'absent'})"
             )
     if not sliding_window:
         refuse_sliding_window(hf)

@@ -44,6 +44,14 @@ _DTYPES = {
     "F16": torch.float16,
     "BF16": torch.bfloat16,
 }
+_INT_DTYPES = {
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+}
+"""Integer tensors load into integer buffers only (a hash-routing table)."""
 _DTYPE_NAMES = {
     "float64": torch.float64,
     "float32": torch.float32,
@@ -261,6 +269,7 @@ def hf_export(
         )
     tensors: dict[str, Any] = {}
     transforms: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+    fused: dict[str, list[HFTensor]] = defaultdict(list)
     param_dtype = None
     for fqn, ours in whole.items():
         if fqn not in state:
@@ -276,6 +285,10 @@ def hf_export(
             param_dtype = param_dtype or own
         target = own if dtype is None or fqn in buffers else dtype
         for ht in adapter.hf_tensors(fqn, ours, hf_config):
+            if ht.shape is not None:  # a part of a fused HF tensor (gpt-oss's gate_up_proj)
+                fused[ht.key] += _fused_parts(fqn, state[fqn], ht.key, adapter, hf_config)
+                tensors[ht.key] = target
+                continue
             lead = _leading_index(ht.ours, ours)
             if lead is None or ht.shape is not None:
                 raise ValueError(f"{ht.key}: not a whole-trailing-dims view of {fqn!r}")
@@ -288,8 +301,29 @@ def hf_export(
             tensors[ht.key] = _Pieces(tuple(ht.ours.shape), target, pieces)
             if ht.to_hf is not None:
                 transforms[ht.key] = ht.to_hf
+    for key, parts in fused.items():
+        full = parts[0].ours.new_empty(parts[0].shape)
+        for part in parts:
+            part.put(full, part.ours.detach())
+        tensors[key] = _Pieces(tuple(full.shape), tensors[key], [((0,) * full.dim(), full)])
     hf_config["torch_dtype"] = str(dtype or param_dtype or torch.float32).removeprefix("torch.")
     return HFExport(tensors=tensors, transforms=transforms, config=hf_config)
+
+
+def _fused_parts(
+    fqn: str, value: Any, key: str, adapter: HFAdapter, hf_config: dict
+) -> list[HFTensor]:
+    """The parts ``fqn`` writes into the fused HF tensor ``key``, from its whole value (a
+    fused tensor is assembled in one process: sharded pieces are refused)."""
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+        raise ValueError(
+            f"hf_export: {key} fuses several of our tensors; pass {fqn!r} whole (gather its "
+            "shards first)"
+        )
+    parts = [ht for ht in adapter.hf_tensors(fqn, value, hf_config) if ht.key == key]
+    if any(ht.put is None for ht in parts):
+        raise ValueError(f"{key} is a fused HF tensor this adapter cannot write")
+    return parts
 
 
 def to_hf(
@@ -481,11 +515,12 @@ def _validate(
 ) -> None:
     """Every key, shape and dtype, checked on the meta model; one error listing all problems."""
     params = {id(p) for p in model.parameters()}
-    expected, is_param = {}, {}
+    expected, is_param, is_int = {}, {}, {}
     for fqn, tensor in named_state(model):
         for ht in adapter.hf_tensors(fqn, tensor, hf_config):
             expected[ht.key] = ht.hf_shape()
             is_param[ht.key] = id(tensor) in params
+            is_int[ht.key] = not tensor.is_floating_point()
     missing = sorted(set(expected) - set(files))
     unexpected = sorted(
         k for k in files if k not in expected and not adapter.is_ignored(k, model.config)
@@ -502,7 +537,10 @@ def _validate(
                 shape, found = tuple(piece.get_shape()), piece.get_dtype()
                 if shape != expected[key]:
                     wrong.append(f"{key}: checkpoint shape {shape}, model shape {expected[key]}")
-                if found not in _DTYPES:
+                if is_int[key]:
+                    if found not in _INT_DTYPES:
+                        wrong.append(f"{key}: dtype {found} is not an integer dtype we can load")
+                elif found not in _DTYPES:
                     wrong.append(f"{key}: dtype {found} is not a floating dtype we can load")
                 elif not convert and is_param[key] and _DTYPES[found] != target:
                     # Buffers (a router's fp32 bias in a bf16 checkpoint) convert on copy.

@@ -66,6 +66,12 @@ class ModelPlan:
     ``dist_moe.expert_parallel(module, ep_group)``. They are in no tensor-parallel list (router,
     routed and shared experts run unsharded over TP; under sequence parallelism each TP rank
     routes its own sequence shard)."""
+    stage_width: int | None = None
+    """Features per token a pipeline stage sends to the next (``None``: the model width ``dim``;
+    DeepSeek-V4 sends its ``hc_mult`` residual streams, ``hc_mult · dim``)."""
+    stage_inputs: tuple[str, ...] = ()
+    """Forward keyword arguments every pipeline stage needs from the batch besides positions and
+    documents: ``token_ids`` (the input ids, ``(B, S)``) for hash-routed MoE layers."""
 
 
 def decoder_plan(
@@ -78,13 +84,16 @@ def decoder_plan(
     experts: tuple[str, ...] = (),
     sequence_parallel: tuple[str, ...] = (),
     head_modules: tuple[str, ...] = (),
+    stage_width: int | None = None,
+    stage_inputs: tuple[str, ...] = (),
 ) -> ModelPlan:
     """The plan of a ``Transformer``: Megatron-style TP/SP, one pipeline unit per block,
     blocks as remat units, and (MoE families) the expert modules.
 
     The patterns given are the blocks' own; embedding, head and the residual-stream norms are
     added here. Unit sizes are counted on a meta-device build (nothing is allocated).
-    ``head_modules``: modules beside ``norm`` and ``output`` that the last stage keeps.
+    ``head_modules``: modules beside ``norm`` and ``output`` that the last stage keeps;
+    ``stage_width`` / ``stage_inputs``: see ``ModelPlan``.
     """
     with torch.device("meta"):
         model = model_cls(config)
@@ -118,6 +127,8 @@ def decoder_plan(
         if config.tie_embeddings
         else (),
         experts=experts,
+        stage_width=stage_width,
+        stage_inputs=stage_inputs,
     )
 
 

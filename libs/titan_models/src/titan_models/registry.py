@@ -7,7 +7,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from . import deepseek_v3, llama3, qwen3, qwen3_moe
+from . import deepseek_v3, deepseek_v4, gpt_oss, llama3, qwen3, qwen3_moe
 from .components import Transformer, TransformerConfig
 from .family import ModelFamily
 from .plan import ModelPlan
@@ -16,6 +16,8 @@ from .plan import ModelPlan
 FAMILIES: dict[str, ModelFamily] = {
     f.name: f for f in (llama3.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, deepseek_v3.FAMILY)
 }
+FAMILIES[gpt_oss.FAMILY.name] = gpt_oss.FAMILY
+FAMILIES[deepseek_v4.FAMILY.name] = deepseek_v4.FAMILY
 
 
 def list_models() -> dict[str, list[str]]:

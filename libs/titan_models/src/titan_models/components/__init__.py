@@ -1,6 +1,6 @@
 """Building blocks shared by every model family."""
 
-from .attention import Attention, build_attention_metadata, cached_keys
+from .attention import Attention, AttentionSinks, build_attention_metadata, cached_keys
 from .attention_metadata import AttentionMetadata, CacheStep, positions_from_document_ids
 from .backends import (
     AttentionBackend,
@@ -12,7 +12,7 @@ from .backends import (
 )
 from .dense_attention import math_attention, sdpa
 from .feedforward import FeedForward
-from .init import Constant, Init, Normal, init_state, local_chunks
+from .init import Constant, HashRoutes, Init, Normal, init_state, local_chunks
 from .kv_cache import KVCache, LayerKVCache
 from .mla import MultiHeadLatentAttention
 from .moe import MoEFeedForward
@@ -39,12 +39,14 @@ __all__ = [
     "Attention",
     "AttentionBackend",
     "AttentionMetadata",
+    "AttentionSinks",
     "CacheStep",
     "Constant",
     "FeedForward",
     "Float8GroupedExperts",
     "Float8Linear",
     "Float8Recipe",
+    "HashRoutes",
     "Init",
     "KVCache",
     "LayerKVCache",

@@ -24,7 +24,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["ONES", "Constant", "Init", "Normal", "init_state", "local_chunks", "prefixed"]
+__all__ = [
+    "ONES",
+    "Constant",
+    "HashRoutes",
+    "Init",
+    "Normal",
+    "init_state",
+    "local_chunks",
+    "prefixed",
+]
 
 _BLOCK_ELEMENTS = 1 << 20
 """Elements per random block (4 MiB in fp32): the most any rank draws beyond its piece."""
@@ -48,7 +57,20 @@ class Constant:
     value: float
 
 
-Init = Normal | Constant
+@dataclass(frozen=True, slots=True)
+class HashRoutes:
+    """A hash-routing table ``(V, K)``: every row ``K`` distinct experts of ``num_experts``,
+    uniformly at random (int64; dist_moe's ``expert_table``)."""
+
+    num_experts: int
+
+    def sample(self, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+        rows, k = shape
+        keys = torch.rand(rows, self.num_experts, generator=generator, device=generator.device)
+        return keys.topk(k, dim=-1).indices
+
+
+Init = Normal | Constant | HashRoutes
 ONES = Constant(1.0)
 
 
