@@ -48,6 +48,7 @@ def test_package_layout_and_version(dist):
 EXAMPLES: dict[str, list[tuple[str, int]]] = {
     "titan-pipeline": [("plain_pipeline.py", 2)],
     "titan-remat": [("hf_remat.py", 1)],
+    "titan-rl": [("verl_style_rl.py", 1)],
 }
 
 
