@@ -42,7 +42,8 @@ def test_a_cpu_tensor_reaching_the_step_raises(tmp_path, monkeypatch):
     from titan_train.data.packing import Batch
 
     monkeypatch.setattr(Batch, "to", lambda self, device: self)
-    with pytest.raises(RuntimeError, match="device"):
+    # torch's device check, or the host read of a host tensor (fake tensors have no value)
+    with pytest.raises(RuntimeError, match="device|_local_scalar_dense"):
         _fake(tmp_path, "--comm.fake-world-size", "2", "--parallel.dp-shard", "2")
 
 

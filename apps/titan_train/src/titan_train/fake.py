@@ -34,10 +34,38 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+import titan_models
 from titan_train.config import JobConfig
 from titan_train.data.tokenizers import Tokenizer
 from titan_train.device import FAKE_DEVICE
 from titan_train.parallelize import ParallelDims
+
+
+class _FusedAttentionMemory(torch.autograd.Function):
+    """What a fused attention kernel (flash / FlexAttention / cuDNN) keeps: it saves q, k, v,
+    the output and an fp32 ``(B, S, H)`` log-sum-exp, and materialises no score matrix. On
+    fake tensors only the shapes and the saved storages matter."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fused_attention_memory(q, k, v, meta, prepared, *, window, sinks, scale, softcap):
+    return _FusedAttentionMemory.apply(q, k, v)
+
+
+FAKE_ATTENTION = "fused_memory_model"
+"""The attention backend of fake mode: an accelerator's fused kernels cannot run on fake
+``meta`` tensors (FlexAttention refuses the device), so their memory is modelled instead."""
 
 
 def static_moe(model: nn.Module) -> None:
@@ -122,6 +150,13 @@ def run_fake(
     returns the memory report."""
     from titan_train.trainer import _loaders
 
+    device_type = "cuda" if cfg.training.device == "auto" else cfg.training.device
+    if hasattr(config, "attention_backend"):
+        backend = titan_models.resolve_attention_backend(config.attention_backend, device_type)
+        if backend in ("flex", "varlen") and device_type == "cuda":  # fused kernels there
+            titan_models.register_attention_backend(FAKE_ATTENTION, _fused_attention_memory)
+            backend = FAKE_ATTENTION
+        config = dataclasses.replace(config, attention_backend=backend)
     loader, _ = _loaders(cfg, tokenizer, dp_rank=0, dp_size=dims.dp)
     batches = [next(loader) for _ in range(cfg.training.steps)]  # real tensors, made outside
     stages = []

@@ -14,6 +14,7 @@ from .components import (
     attention_backends,
     init_state,
     register_attention_backend,
+    resolve_attention_backend,
 )
 from .decoding import greedy_generate
 from .deepseek_v3 import DeepSeekV3, DeepSeekV3Config
@@ -64,5 +65,6 @@ __all__ = [
     "matmul_params",
     "mtp_loss",
     "register_attention_backend",
+    "resolve_attention_backend",
     "to_hf",
 ]
