@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 
 @pytest.fixture(scope="module")
@@ -11,6 +12,17 @@ def verl_style_rl(example):
     return example("verl_style_rl")
 
 
+@pytest.fixture
+def single_thread():
+    """One intra-op thread, restored afterwards: this tiny actor gains nothing from two, and on
+    a shared machine two-thread barriers made the test ~40x slower (150 s vs 4 s of wall)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("single_thread")
 def test_rollout_and_actor_logprobs_are_bitwise_equal_and_the_reward_rises(verl_style_rl):
     history = verl_style_rl.train(steps=6)
     # batch-invariant rollout and recompute: the same bits, so TIS weights are exactly 1
