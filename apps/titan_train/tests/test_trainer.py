@@ -118,7 +118,8 @@ def test_checkpoint_of_another_model_is_one_error_line_and_nothing_is_written(tm
     capsys.readouterr()
     assert main([*common, "--recipe", "llama3_debug"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "checkpoint step 2" in err and "does not fit this job (llama3 debug)" in err, err
+    assert "resuming" in err and "from step 2" in err and "model.family: 'qwen3' saved" in err
+    assert "model.family" in err.split("):")[-1] and "cannot change within a run" in err, err
     assert len(err.splitlines()) == 1, err
     assert (tmp_path / "run" / "config.json").read_text() == config
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")} == before

@@ -364,7 +364,7 @@ def check_bad_input() -> list[str]:
     rest = fs.Bucket(lambda f, p: not f.startswith("layers.0."))
     msgs.append(
         _expect_value_error(
-            shard_with(fs.Bucket("layers.0.*", fs.Shard(2)), rest),
+            shard_with(fs.Bucket("layers.0.**", fs.Shard(2)), rest),
             "layers.0.",
             "Shard(dim=2)",
             "dim must be in",
@@ -372,7 +372,7 @@ def check_bad_input() -> list[str]:
     )
     msgs.append(
         _expect_value_error(
-            shard_with(fs.Bucket("layers.0.*", fs.Shard(1)), rest),
+            shard_with(fs.Bucket("layers.0.**", fs.Shard(1)), rest),
             "layers.0.attn_norm.weight",
             "Shard(dim=1)",
         )
@@ -401,7 +401,7 @@ def check_bad_input() -> list[str]:
     msgs.append(
         _expect_value_error(
             shard_with(
-                fs.Bucket("layers.*", name="blocks"),
+                fs.Bucket("layers.**", name="blocks"),
                 fs.Bucket("layers.1.w1.*", name="w1"),
                 fs.Bucket(lambda f, p: not f.startswith("layers.")),
             ),
@@ -413,29 +413,31 @@ def check_bad_input() -> list[str]:
     )
     msgs.append(
         _expect_value_error(
-            shard_with(fs.Bucket("layers.*")), "tok_emb.weight", "matched by no bucket"
+            shard_with(fs.Bucket("layers.**")), "tok_emb.weight", "matched by no bucket"
         )
     )
     msgs.append(
         _expect_value_error(
-            shard_with(fs.Bucket("*"), fs.Bucket("nothing.*", name="empty")),
+            shard_with(fs.Bucket("**"), fs.Bucket("nothing.*", name="empty")),
             "'empty'",
             "matches no parameter",
         )
     )
     msgs.append(
         _expect_value_error(
-            shard_with(fs.Bucket("*", fs.Owned(owner=5))),
+            shard_with(fs.Bucket("**", fs.Owned(owner=5))),
             "Owned(owner=5)",
             f"{dist.get_world_size()} ranks",
         )
     )
-    msgs.append(_expect_value_error(shard_with(fs.Bucket("*"), prefetch=-1), "prefetch"))
+    msgs.append(_expect_value_error(shard_with(fs.Bucket("**"), prefetch=-1), "prefetch"))
     msgs.append(
-        _expect_value_error(lambda: fs.Bucket("*", fs.Shard(0), quantize="fp8_block"), "BlockShard")
+        _expect_value_error(
+            lambda: fs.Bucket("**", fs.Shard(0), quantize="fp8_block"), "BlockShard"
+        )
     )
     msgs.append(
-        _expect_value_error(lambda: fs.Bucket("*", fs.Shard(0), quantize="int4"), "quantize")
+        _expect_value_error(lambda: fs.Bucket("**", fs.Shard(0), quantize="int4"), "quantize")
     )
     msgs.append(_expect_value_error(lambda: fs.BlockShard((0, 4)), "block"))
     msgs.append(_expect_value_error(lambda: fs.Owned(balance="speed"), "balance"))
@@ -443,7 +445,7 @@ def check_bad_input() -> list[str]:
         _expect_value_error(
             lambda: fs.shard(
                 torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]),
-                buckets=[fs.Bucket("*")],
+                buckets=[fs.Bucket("**")],
             ),
             "ModuleList",
             "no module with a forward",
@@ -681,7 +683,8 @@ def check_owned_balance() -> dict[str, Any]:
 
 
 def readme_example() -> float:
-    """The README's example, verbatim but for the process group (already initialised)."""
+    """Owned matrices, distributed Muon, bf16 compute with fp32 reduction: one step as a user
+    writes it."""
     import torch.nn.functional as F
 
     model = TinyTransformer(vocab=1000, dim=64, n_layers=4)

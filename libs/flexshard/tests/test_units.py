@@ -42,7 +42,9 @@ def test_placement_and_bucket_validation():
         with pytest.raises(ValueError):
             bad()
     with pytest.raises(ValueError, match="placement"):
-        fs.Bucket("*", placement="Shard(0)")
+        fs.Bucket("**", placement="Shard(0)")
+    with pytest.raises(ValueError, match=r"Bucket.match: .*'layers\.0\*\*'.*whole segment"):
+        fs.Bucket("layers.0**")
     with pytest.raises(ValueError, match="floating"):
         fs.MixedPrecision(param_dtype=torch.int8)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -21,7 +22,7 @@ class ModelConfig:
     """Multi-token-prediction modules (DeepSeek-V3); -1 keeps the flavour's."""
     overrides: tuple[str, ...] = ()
     """Component overrides, ``"module-glob=replacement"`` (see titan_train.components), e.g.
-    ``output=chunked_cross_entropy`` or ``layers.*.ffn_norm=torch_rms_norm``."""
+    ``output=chunked_cross_entropy``."""
     attention_backend: str = "auto"
     """titan_models attention backend: auto (flex on CUDA, varlen elsewhere), flex, varlen, or
     sdpa (dense mask: reference and short sequences)."""
@@ -103,6 +104,10 @@ class TrainingConfig:
     """Use deterministic algorithms (bitwise-repeatable runs on CPU)."""
     mixed_precision: Literal["fp32", "bf16"] = "fp32"
     """Parameter/compute dtype; bf16 keeps fp32 master weights and reductions."""
+    skip_nonfinite: int = 0
+    """Steps with a non-finite gradient norm that may be skipped (no update) before the run
+    stops; 0: the first non-finite loss or norm stops the run, found at the next log step or
+    checkpoint (no host read per step). > 0 reads one flag per step on the host."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where each rank trains: auto takes the accelerator (``torch.accelerator``, device
     ``LOCAL_RANK``) when there is one, else the CPU."""
@@ -213,6 +218,12 @@ class JobConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    overwrite: bool = False
+    """With --checkpoint.no-resume in a run folder that holds checkpoints: move the old run's
+    outputs to <run>/archive/<time>/ and start over (nothing is deleted)."""
+    allow_config_change: bool = False
+    """When resuming: apply changed lr / steps / checkpoint / metrics settings from the resumed
+    step (recorded in config.json's history) instead of refusing."""
 
 
 def validate(cfg: JobConfig) -> None:
@@ -230,11 +241,27 @@ def validate(cfg: JobConfig) -> None:
             f"training.batch_size={t.batch_size} must be divisible by "
             f"training.grad_accum={t.grad_accum}"
         )
-    if t.max_grad_norm < 0:
-        raise ValueError(f"training.max_grad_norm={t.max_grad_norm} must be >= 0 (0 disables)")
+    if not (math.isfinite(t.max_grad_norm) and t.max_grad_norm >= 0):
+        raise ValueError(
+            f"training.max_grad_norm={t.max_grad_norm} must be a finite number >= 0 (0 disables)"
+        )
+    if t.skip_nonfinite < 0:
+        raise ValueError(f"training.skip_nonfinite={t.skip_nonfinite} must be >= 0")
     o = cfg.optimizer
-    if o.lr <= 0:
-        raise ValueError(f"optimizer.lr={o.lr} must be > 0")
+    for name in ("lr", "muon_lr", "eps"):
+        _finite_positive(f"optimizer.{name}", getattr(o, name))
+    for i, beta in enumerate(o.betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"optimizer.betas[{i}]={beta} must be in [0, 1)")
+    if not 0.0 <= o.momentum < 1.0:
+        raise ValueError(f"optimizer.momentum={o.momentum} must be in [0, 1)")
+    if not (math.isfinite(o.weight_decay) and o.weight_decay >= 0):
+        raise ValueError(f"optimizer.weight_decay={o.weight_decay} must be a finite number >= 0")
+    if not (math.isfinite(cfg.metrics.peak_flops) and cfg.metrics.peak_flops >= 0):
+        raise ValueError(
+            f"metrics.peak_flops={cfg.metrics.peak_flops} must be > 0 (FLOP/s per rank), or 0 "
+            "to measure it"
+        )
     s = cfg.lr_schedule
     if s.warmup_steps < 0:
         raise ValueError(f"lr_schedule.warmup_steps={s.warmup_steps} must be >= 0")
@@ -272,8 +299,7 @@ def validate(cfg: JobConfig) -> None:
     if cfg.metrics.validate_every < 0:
         raise ValueError(f"metrics.validate_every={cfg.metrics.validate_every} must be >= 0")
     _positive("remat.every_nth", cfg.remat.every_nth)
-    if not cfg.comm.timeout_s > 0:
-        raise ValueError(f"comm.timeout_s={cfg.comm.timeout_s} must be > 0 (seconds)")
+    _finite_positive("comm.timeout_s", cfg.comm.timeout_s)
     if cfg.comm.fake_world_size < 0:
         raise ValueError(
             f"comm.fake_world_size={cfg.comm.fake_world_size} must be >= 0 (0: a real run)"
@@ -284,6 +310,11 @@ def validate(cfg: JobConfig) -> None:
 
 _BUILTIN_ATTENTION_BACKENDS = ("auto", "flex", "sdpa", "varlen")
 """titan_models' own attention backends (checked without importing torch)."""
+
+
+def _finite_positive(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={value} must be a finite number > 0")
 
 
 def _positive(name: str, value: int) -> None:

@@ -115,10 +115,17 @@ class MoE(nn.Module):
                 f"MoE: x must have shape (B, S, {self.config.dim}) or (T, {self.config.dim}), "
                 f"got {tuple(x.shape)}"
             )
-        # Not compared with the weights' dtype: under sharded mixed precision the weights
-        # registered before the experts' forward are the fp32 master shards.
         if not x.is_floating_point():
-            raise ValueError(f"MoE: x must be a floating-point tensor, got {x.dtype}")
+            raise ValueError(f"MoE: x must be a floating-point tensor, got dtype {x.dtype}")
+        # x may be narrower than the weights (under sharded mixed precision the experts'
+        # weights are still the fp32 master shards here), never wider: a float64 x against
+        # fp32 weights is a caller's mistake that would otherwise fail deep in a matmul.
+        w_dtype = next(self.experts.parameters()).dtype
+        if x.dtype.itemsize > w_dtype.itemsize:
+            raise ValueError(
+                f"MoE: x has dtype {x.dtype}, wider than the experts' weights ({w_dtype}); "
+                f"cast x to {w_dtype} or narrower"
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)

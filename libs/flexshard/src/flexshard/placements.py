@@ -9,6 +9,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from flexshard.fqn import fqn_matches
+
 __all__ = [
     "BlockShard",
     "Bucket",
@@ -102,9 +104,10 @@ Match = (
 class Bucket:
     """A group of parameters sharing one placement and one gather/reduce.
 
-    ``match`` selects parameters by fully qualified name glob (``fnmatch``, ``*`` also
-    crosses dots: ``"layers.0.*"``), by module (all parameters below it), by the parameter
-    tensors themselves, by a list of any of these, or by a predicate ``(fqn, param) -> bool``.
+    ``match`` selects parameters by fully qualified name glob (``fqn_matches``: ``*`` stays
+    inside one dotted segment, a ``**`` segment spans any number: ``"layers.0.**"``), by module
+    (all parameters below it), by the parameter tensors themselves, by a list of any of these,
+    or by a predicate ``(fqn, param) -> bool``.
     ``quantize="fp8_block"`` (``BlockShard`` only) gathers float8-e4m3 tiles with one fp32
     scale per tile.
     """
@@ -115,6 +118,11 @@ class Bucket:
     name: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.match, str):
+            try:
+                fqn_matches(self.match, "")
+            except ValueError as e:
+                raise ValueError(f"Bucket.match: {e}") from None
         if not isinstance(self.placement, Placement):
             raise ValueError(
                 f"Bucket.placement must be Shard(dim), Replicate(), Owned() or "

@@ -19,10 +19,11 @@ from .components import (
 from .decoding import greedy_generate
 from .deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from .flops import flops_per_token, matmul_params
-from .hf_io import from_hf, hf_model_config, load_hf_state, to_hf
+from .fqn import fqn_matches
+from .hf_io import HFExport, from_hf, hf_export, hf_model_config, load_hf_state, to_hf
 from .llama3 import Llama3, Llama3Config
 from .mtp import mtp_loss
-from .plan import ModelPlan, PipelineUnit, TensorParallelPlan, fqn_matches
+from .plan import ModelPlan, PipelineUnit, TensorParallelPlan
 from .qwen3 import Qwen3, Qwen3Config
 from .qwen3_moe import Qwen3Moe, Qwen3MoeConfig
 from .registry import get_model, get_plan, list_models
@@ -34,6 +35,7 @@ __all__ = [
     "Constant",
     "DeepSeekV3",
     "DeepSeekV3Config",
+    "HFExport",
     "Init",
     "KVCache",
     "Llama3",
@@ -58,6 +60,7 @@ __all__ = [
     "get_model",
     "get_plan",
     "greedy_generate",
+    "hf_export",
     "hf_model_config",
     "init_state",
     "list_models",

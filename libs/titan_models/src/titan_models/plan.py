@@ -1,8 +1,9 @@
 """Declarative parallelism plans: pure data that the app applies; the model never imports
 ``torch.distributed``.
 
-FQN patterns are dot-separated module names in which ``*`` matches exactly one segment
-(``layers.*.attention.wq`` matches ``layers.7.attention.wq``); see ``fqn_matches``.
+FQN patterns are globs as ``fqn_matches`` reads them (``fqn.py``): ``*`` stays inside one
+dotted segment (``layers.*.attention.wq`` matches ``layers.7.attention.wq``), a ``**`` segment
+spans any number of them.
 """
 
 from __future__ import annotations
@@ -65,14 +66,6 @@ class ModelPlan:
     ``dist_moe.expert_parallel(module, ep_group)``. They are in no tensor-parallel list (router,
     routed and shared experts run unsharded over TP; under sequence parallelism each TP rank
     routes its own sequence shard)."""
-
-
-def fqn_matches(pattern: str, fqn: str) -> bool:
-    """Whether ``fqn`` matches ``pattern`` segment by segment (``*`` = any one segment)."""
-    parts, wanted = fqn.split("."), pattern.split(".")
-    return len(parts) == len(wanted) and all(
-        w in ("*", p) for w, p in zip(wanted, parts, strict=True)
-    )
 
 
 def decoder_plan(
