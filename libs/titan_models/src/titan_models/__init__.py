@@ -1,15 +1,24 @@
-"""Model zoo (Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3), Hugging Face interop, KV-cache decoding,
-declarative plans."""
+"""Model zoo (Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3, Qwen3.5, Qwen3.5-MoE, Kimi Linear), Hugging
+Face interop, KV-cache decoding, declarative plans."""
 
 from .components import KVCache, RopeConfig, Transformer, TransformerConfig
 from .decoding import greedy_generate
 from .deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from .flops import flops_per_token, matmul_params
 from .hf_io import from_hf, to_hf
+from .kimi_linear import KimiLinear, KimiLinearConfig
 from .llama3 import Llama3, Llama3Config
 from .mtp import mtp_loss
-from .plan import ModelPlan, PipelineUnit, TensorParallelPlan, fqn_matches
+from .plan import (
+    ModelPlan,
+    PipelineUnit,
+    TensorParallelPlan,
+    check_tensor_parallel,
+    fqn_matches,
+)
 from .qwen3 import Qwen3, Qwen3Config
+from .qwen3_5 import Qwen3_5, Qwen3_5Config
+from .qwen3_5_moe import Qwen3_5Moe, Qwen3_5MoeConfig
 from .qwen3_moe import Qwen3Moe, Qwen3MoeConfig
 from .registry import get_model, get_plan, list_models
 
@@ -19,6 +28,8 @@ __all__ = [
     "DeepSeekV3",
     "DeepSeekV3Config",
     "KVCache",
+    "KimiLinear",
+    "KimiLinearConfig",
     "Llama3",
     "Llama3Config",
     "ModelPlan",
@@ -27,11 +38,16 @@ __all__ = [
     "Qwen3Config",
     "Qwen3Moe",
     "Qwen3MoeConfig",
+    "Qwen3_5",
+    "Qwen3_5Config",
+    "Qwen3_5Moe",
+    "Qwen3_5MoeConfig",
     "RopeConfig",
     "TensorParallelPlan",
     "Transformer",
     "TransformerConfig",
     "__version__",
+    "check_tensor_parallel",
     "flops_per_token",
     "fqn_matches",
     "from_hf",

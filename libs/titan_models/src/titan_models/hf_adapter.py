@@ -36,7 +36,10 @@ class HFTensor:
     """HF's layout → ours (``None``: identical)."""
     shape: tuple[int, ...] | None = None
     """The checkpoint tensor's shape when it holds more than this view: a fused tensor split
-    over several of our parameters (read-only: such a tensor is never written)."""
+    over several of our parameters."""
+    index: tuple[slice, ...] | None = None
+    """With ``shape``: where this view sits in the checkpoint tensor. ``to_hf`` assembles such a
+    tensor from all its views (which must cover it); without an index it is never written."""
 
     def hf_shape(self) -> tuple[int, ...]:
         """Shape of the tensor in the checkpoint (free on the meta device)."""
@@ -123,6 +126,21 @@ def _fused_experts(per_expert_key: str, param: torch.Tensor) -> HFTensor:
         param,
         from_hf=lambda t: t[:, half],
         shape=(experts, 2 * hidden, dim),
+        index=(slice(None), half),
+    )
+
+
+def hf_rows(key: str, ours: torch.Tensor, total_rows: int, start: int) -> HFTensor:
+    """Our ``ours`` as rows ``start .. start + len(ours)`` of the checkpoint tensor ``key`` that
+    has ``total_rows`` rows (and ``ours``' other dims): a fused projection such as Qwen3.5's
+    ``in_proj_qkv``, one of our parameters per part."""
+    rows = slice(start, start + ours.shape[0])
+    return HFTensor(
+        key,
+        ours,
+        from_hf=lambda t: t[rows],
+        shape=(total_rows, *ours.shape[1:]),
+        index=(rows,),
     )
 
 
@@ -257,8 +275,11 @@ class DenseHFAdapter(HFAdapter):
         }
 
 
-def check_supported(hf: Mapping[str, Any]) -> None:
-    """``ValueError`` naming the first HF config field whose value we do not model."""
+def check_supported(
+    hf: Mapping[str, Any], *, layer_types: tuple[str, ...] = ("full_attention",)
+) -> None:
+    """``ValueError`` naming the first HF config field whose value we do not model
+    (``layer_types``: the entries of HF's ``layer_types`` the family models)."""
     for name, allowed in _NEUTRAL.items():
         if name in hf and hf[name] not in allowed:
             raise ValueError(
@@ -276,10 +297,11 @@ def check_supported(hf: Mapping[str, Any]) -> None:
             f"HF config field sliding_window={hf['sliding_window']!r} is not supported "
             "(sliding-window attention is not modelled; supported: None)"
         )
-    other = sorted({t for t in hf.get("layer_types") or () if t != "full_attention"})
+    other = sorted({t for t in hf.get("layer_types") or () if t not in layer_types})
     if other:
         raise ValueError(
-            f"HF config field layer_types contains {other} (supported: 'full_attention')"
+            f"HF config field layer_types contains {other} (supported: "
+            f"{', '.join(repr(t) for t in layer_types)})"
         )
 
 

@@ -10,6 +10,7 @@ into a temporary folder that is renamed into place only when complete.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -117,15 +118,19 @@ def to_hf(
     hf_config = adapter.config_to_hf(model.config)
     tensors, buffers = _hf_tensors_for_saving(model, adapter, hf_config)
     out_dtype = dtype or tensors[0].ours.dtype
-
-    shards: list[list[HFTensor]] = [[]]
-    shard_bytes = 0
+    # The views of one checkpoint tensor, in order (several for a fused tensor).
+    by_key: dict[str, list[HFTensor]] = {}
     for ht in tensors:
-        size = ht.ours.numel() * out_dtype.itemsize
+        by_key.setdefault(ht.key, []).append(ht)
+
+    shards: list[list[list[HFTensor]]] = [[]]
+    shard_bytes = 0
+    for parts in by_key.values():
+        size = math.prod(parts[0].hf_shape()) * out_dtype.itemsize
         if shards[-1] and shard_bytes + size > limit:
             shards.append([])
             shard_bytes = 0
-        shards[-1].append(ht)
+        shards[-1].append(parts)
         shard_bytes += size
     names = (
         [SINGLE_FILE]
@@ -140,12 +145,13 @@ def to_hf(
         for name, shard in zip(names, shards, strict=True):
             # Buffers (a router's fp32 selection bias) keep their dtype, as transformers does.
             state, storages = {}, set()
-            for ht in shard:
-                tensor = _standalone(ht, None if ht.key in buffers else dtype)
+            for parts in shard:
+                key = parts[0].key
+                tensor = _standalone(parts, None if key in buffers else dtype)
                 if tensor.untyped_storage().data_ptr() in storages:
                     tensor = tensor.clone()  # one parameter under two keys (MTP's head copy)
                 storages.add(tensor.untyped_storage().data_ptr())
-                state[ht.key] = tensor
+                state[key] = tensor
             save_file(state, partial / name, metadata={"format": "pt"})
             total += sum(t.numel() * t.element_size() for t in state.values())
             weight_map.update(dict.fromkeys(state, name))
@@ -347,8 +353,19 @@ def _hf_tensors_for_saving(
     return tensors, buffers
 
 
-def _standalone(ht: HFTensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A CPU tensor owning exactly its own bytes (safetensors refuses shared storage)."""
+def _standalone(parts: list[HFTensor], dtype: torch.dtype | None) -> torch.Tensor:
+    """A CPU tensor owning exactly its own bytes (safetensors refuses shared storage); a fused
+    checkpoint tensor is assembled from its views."""
+    ht = parts[0]
+    if ht.shape is not None:
+        if any(p.index is None for p in parts):
+            raise ValueError(f"{ht.key} is read from a fused tensor that to_hf cannot write")
+        out = torch.empty(ht.shape, dtype=dtype or ht.ours.dtype)
+        for part in parts:
+            out[part.index] = part.ours.detach().to(device="cpu", dtype=out.dtype)
+        if sum(p.ours.numel() for p in parts) != out.numel():
+            raise ValueError(f"the views of {ht.key} do not cover its shape {ht.shape}")
+        return out
     tensor = (ht.to_hf(ht.ours) if ht.to_hf else ht.ours).detach()
     tensor = tensor.to(device="cpu", dtype=dtype or tensor.dtype).contiguous()
     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():

@@ -2,10 +2,10 @@
 
 from .attention import Attention, attention_inputs, positions_from_document_ids
 from .feedforward import FeedForward
-from .kv_cache import KVCache, LayerKVCache
+from .kv_cache import KVCache, LayerKVCache, LayerRecurrentState
 from .mla import MultiHeadLatentAttention
 from .moe import MoEFeedForward
-from .norm import RMSNorm
+from .norm import GatedRMSNorm, RMSNorm
 from .rope import (
     Llama3RopeScaling,
     RopeConfig,
@@ -25,8 +25,10 @@ from .transformer import (
 __all__ = [
     "Attention",
     "FeedForward",
+    "GatedRMSNorm",
     "KVCache",
     "LayerKVCache",
+    "LayerRecurrentState",
     "Llama3RopeScaling",
     "MoEFeedForward",
     "MultiHeadLatentAttention",

@@ -27,18 +27,26 @@ class Attention(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         qk_norm_eps: float | None = None,
+        qk_norm_offset: float = 0.0,
         softmax_scale: float | None = None,
+        output_gate: bool = False,
     ) -> None:
-        """``qk_norm_eps``: RMSNorm q and k per head (Qwen3) with this eps; ``None`` for none."""
+        """``qk_norm_eps``: RMSNorm q and k per head (Qwen3) with this eps; ``None`` for none.
+        ``qk_norm_offset``: 1 for zero-centred QK-norm weights (Qwen3.5). ``output_gate``: ``wq``
+        also yields a per-channel sigmoid gate of the attention output (Qwen3.5's gated
+        attention; each head's rows are its query then its gate)."""
         super().__init__()
         self.head_dim = head_dim
         self.softmax_scale = softmax_scale
-        self.wq = nn.Linear(dim, num_heads * head_dim, bias=False)
+        self.output_gate = output_gate
+        q_rows = num_heads * head_dim * (2 if output_gate else 1)
+        self.wq = nn.Linear(dim, q_rows, bias=False)
         self.wk = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
         self.wv = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
         self.wo = nn.Linear(num_heads * head_dim, dim, bias=False)
-        self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
-        self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
+        norm = None if qk_norm_eps is None else {"eps": qk_norm_eps, "offset": qk_norm_offset}
+        self.q_norm = RMSNorm(head_dim, **norm) if norm is not None else None
+        self.k_norm = RMSNorm(head_dim, **norm) if norm is not None else None
 
     def forward(
         self,
@@ -46,10 +54,16 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
         kv_cache: LayerKVCache | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``mask``: ``None`` for plain causal attention, else a boolean ``(B, 1, S, L)``."""
+        """``mask``: ``None`` for plain causal attention, else a boolean ``(B, 1, S, L)`` (it
+        already holds the document boundaries; ``document_ids`` is for recurrent mixers)."""
         B, S, _ = x_BSD.shape
-        q_BSHE = self.wq(x_BSD).view(B, S, -1, self.head_dim)
+        gate_BSHE = None
+        if self.output_gate:
+            q_BSHE, gate_BSHE = self.wq(x_BSD).view(B, S, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        else:
+            q_BSHE = self.wq(x_BSD).view(B, S, -1, self.head_dim)
         k_BSKE = self.wk(x_BSD).view(B, S, -1, self.head_dim)
         v_BSKE = self.wv(x_BSD).view(B, S, -1, self.head_dim)
         if self.q_norm is not None:
@@ -70,7 +84,10 @@ class Attention(nn.Module):
             scale=self.softmax_scale,
             enable_gqa=q_BHSE.shape[1] != k_BKLE.shape[1],
         )
-        return self.wo(o_BHSE.transpose(1, 2).reshape(B, S, -1))
+        o_BSHE = o_BHSE.transpose(1, 2)
+        if gate_BSHE is not None:
+            o_BSHE = o_BSHE * torch.sigmoid(gate_BSHE)
+        return self.wo(o_BSHE.reshape(B, S, -1))
 
     def init_weights(self, *, std: float, out_std: float, generator: torch.Generator) -> None:
         """Normal ``std`` for q/k/v, ``out_std`` for the residual output ``wo``; norms to one."""
@@ -100,10 +117,12 @@ def attention_inputs(
     positions: torch.Tensor | None,
     document_ids: torch.Tensor | None,
     kv_cache: KVCache | None,
+    input_lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Positions ``(B, S)`` and the attention mask (``None`` = plain causal) for one forward.
 
-    - ``kv_cache``: tokens go to the rows' next free slots; a query sees the slots up to its own.
+    - ``kv_cache``: tokens go to the rows' next free slots; a query sees the slots up to its own
+      (``input_lengths``: the real tokens of each row, for the cache's recurrent layers).
     - ``document_ids``: causal within a document, nothing across (packed training sequences);
       positions restart at 0 in every document unless given.
     - neither: plain causal attention over ``0 .. S-1`` (SDPA's ``is_causal`` fast path).
@@ -115,7 +134,7 @@ def attention_inputs(
             raise ValueError(
                 f"kv_cache has batch_size={kv_cache.batch_size}, the input has {batch_size}"
             )
-        slots_BS = kv_cache.begin(seq_len)
+        slots_BS = kv_cache.begin(seq_len, input_lengths)
         mask = kv_cache.attention_mask(slots_BS)
         return (slots_BS if positions is None else positions), mask
     if document_ids is not None:

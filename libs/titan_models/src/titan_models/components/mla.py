@@ -41,9 +41,12 @@ class MultiHeadLatentAttention(nn.Module):
         v_head_dim: int,
         latent_norm_eps: float,
         softmax_scale: float,
+        rotary: bool = True,
     ) -> None:
-        """``q_lora_rank=0``: queries straight from ``x`` (``wq``), as DeepSeek-V2-Lite."""
+        """``q_lora_rank=0``: queries straight from ``x`` (``wq``), as DeepSeek-V2-Lite.
+        ``rotary=False``: the "rope" parts carry no position either (Kimi Linear's NoPE MLA)."""
         super().__init__()
+        self.rotary = rotary
         self.kv_lora_rank = kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.softmax_scale = softmax_scale
@@ -69,18 +72,22 @@ class MultiHeadLatentAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
         kv_cache: LayerKVCache | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``mask``: ``None`` for plain causal attention, else a boolean ``(B, 1, S, L)``."""
+        """``mask``: ``None`` for plain causal attention, else a boolean ``(B, 1, S, L)`` (it
+        already holds the document boundaries; ``document_ids`` is for recurrent mixers)."""
         B, S, _ = x_BSD.shape
         q_in_BSI = x_BSD if self.wq_a is None else self.q_norm(self.wq_a(x_BSD))
         q_BSG = (self.wq if self.wq is not None else self.wq_b)(q_in_BSI)
         q_BSHE = q_BSG.view(B, S, -1, self.nope_dim + self.rope_dim)
         q_nope_BSHN, q_rope_BSHR = q_BSHE.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_rope_BSHR = apply_rotary(q_rope_BSHR, rope)
 
         latent_BSC, k_rope_BSR = self.wkv_a(x_BSD).split([self.kv_lora_rank, self.rope_dim], -1)
         latent_BSC = self.kv_norm(latent_BSC)
-        k_rope_BS1R = apply_rotary(k_rope_BSR.unsqueeze(2), rope)
+        k_rope_BS1R = k_rope_BSR.unsqueeze(2)
+        if self.rotary:
+            q_rope_BSHR = apply_rotary(q_rope_BSHR, rope)
+            k_rope_BS1R = apply_rotary(k_rope_BS1R, rope)
         if kv_cache is not None:
             # The cache holds the latent and the rope key only.
             latent_B1LC, k_rope_B1LR = kv_cache.update(latent_BSC.unsqueeze(2), k_rope_BS1R)

@@ -29,10 +29,16 @@ class MoEFeedForward(MoE):
         hidden_dim: int,
         router: RouterConfig,
         shared_hidden_dim: int = 0,
+        shared_gate: bool = False,
     ) -> None:
+        """``shared_gate``: a per-token sigmoid gate on the shared expert (Qwen3.5-MoE)."""
         super().__init__(
             MoEConfig(
-                dim=dim, hidden_dim=hidden_dim, router=router, shared_hidden_dim=shared_hidden_dim
+                dim=dim,
+                hidden_dim=hidden_dim,
+                router=router,
+                shared_hidden_dim=shared_hidden_dim,
+                shared_gate=shared_gate,
             )
         )
 
@@ -53,6 +59,8 @@ class MoEFeedForward(MoE):
         outputs = [experts.w_down]
         if shared is not None:
             inputs += [shared.w_gate.weight, shared.w_up.weight]
+            if shared.gate is not None:
+                inputs.append(shared.gate.weight)
             outputs.append(shared.w_down.weight)
         for weight in inputs:
             nn.init.normal_(weight, std=std, generator=generator)

@@ -1,8 +1,10 @@
-"""RMSNorm with a hand-written backward (fewer passes over the activations than autograd's)."""
+"""RMSNorm with a hand-written backward (fewer passes over the activations than autograd's), and
+the gated RMSNorm of linear-attention outputs."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -23,11 +25,16 @@ class _RMSNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+    ) -> torch.Tensor:
         x32 = _at_least_fp32(x)
         sum_sq = torch.linalg.vector_norm(x32, dim=-1, keepdim=True).square_()
         rstd = sum_sq.div_(x.shape[-1]).add_(eps).rsqrt_()
         ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
+        if offset:  # zero-centred weight (Qwen3.5): the scale is 1 + w, applied in fp32
+            return torch.mul(x32, rstd).mul_(_at_least_fp32(weight) + offset).to(x.dtype)
         y = torch.mul(x32, rstd).to(x.dtype)  # the cast is a no-op in fp32
         return y.mul_(weight) if weight.dtype == y.dtype else weight * y
 
@@ -35,7 +42,8 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
         dim = x.shape[-1]
-        grad32, x32, weight32 = _at_least_fp32(grad), _at_least_fp32(x), _at_least_fp32(weight)
+        grad32, x32 = _at_least_fp32(grad), _at_least_fp32(x)
+        weight32 = _at_least_fp32(weight) + ctx.offset if ctx.offset else _at_least_fp32(weight)
         gx_ND = (grad32 * x32).reshape(-1, dim)
         rstd_N = rstd.reshape(-1)
         grad_weight = None
@@ -45,23 +53,58 @@ class _RMSNormFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             coef = torch.mv(gx_ND, weight32).reshape(rstd.shape).mul_(rstd.pow(3)).div_(dim)
             grad_x = (grad32 * weight32).mul_(rstd).addcmul_(x32, coef, value=-1).to(x.dtype)
-        return grad_x, grad_weight, None
+        return grad_x, grad_weight, None, None
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm over the last dimension (Zhang & Sennrich, 2019)."""
+    """Root-mean-square layer norm over the last dimension (Zhang & Sennrich, 2019).
 
-    def __init__(self, dim: int, *, eps: float) -> None:
+    The per-channel scale is ``weight + offset``: ``offset=0`` is the usual norm, ``offset=1``
+    the zero-centred one of Qwen3.5 (its checkpoints store ``scale - 1``; the scale is formed
+    in fp32, as there).
+    """
+
+    def __init__(self, dim: int, *, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
+        self.offset = offset
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        return _RMSNormFunction.apply(x, self.weight, self.eps, self.offset)
+
+    def init_weights(self) -> None:
+        """Scale of one on every channel (a weight of ``1 - offset``)."""
+        nn.init.constant_(self.weight, 1.0 - self.offset)
+
+    def extra_repr(self) -> str:
+        offset = f", offset={self.offset}" if self.offset else ""
+        return f"{self.weight.shape[0]}, eps={self.eps}{offset}"
+
+
+class GatedRMSNorm(nn.Module):
+    """``weight * rmsnorm(x) * act(gate)`` over the last dimension, in fp32 (the output norm of
+    Gated DeltaNet, ``act = silu``, and of Kimi Delta Attention, ``act = sigmoid``)."""
+
+    def __init__(self, dim: int, *, eps: float, activation: str) -> None:
+        super().__init__()
+        if activation not in ("silu", "sigmoid"):
+            raise ValueError(
+                f"GatedRMSNorm activation must be 'silu' or 'sigmoid', got {activation!r}"
+            )
+        self.eps = eps
+        self.activation = activation
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x32, gate32 = _at_least_fp32(x), _at_least_fp32(gate)
+        rstd = torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)
+        act = F.silu(gate32) if self.activation == "silu" else torch.sigmoid(gate32)
+        return (x32 * rstd * _at_least_fp32(self.weight) * act).to(x.dtype)
 
     def init_weights(self) -> None:
         """Scale of one on every channel."""
         nn.init.ones_(self.weight)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        return f"{self.weight.shape[0]}, eps={self.eps}, activation={self.activation}"

@@ -17,7 +17,7 @@ from torch import nn
 
 from .attention import Attention, attention_inputs
 from .feedforward import FeedForward
-from .kv_cache import KVCache, LayerKVCache
+from .kv_cache import KVCache, LayerKVCache, LayerRecurrentState
 from .norm import RMSNorm
 from .rope import RopeConfig, RotaryEmbedding
 
@@ -84,6 +84,11 @@ class TransformerConfig:
         """Width of the rotated part of a query/key head (all of it here)."""
         return self.head_dim
 
+    @property
+    def norm_offset(self) -> float:
+        """Added to every block/final RMSNorm weight to form its scale (1: zero-centred)."""
+        return 0.0
+
     def matmul_params(self) -> int:
         """Weights that take part in a matmul per token (see ``titan_models.matmul_params``)."""
         attention = self.dim * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
@@ -101,12 +106,18 @@ class TransformerBlock(nn.Module):
     """Pre-norm residual block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
 
     def __init__(
-        self, *, dim: int, norm_eps: float, attention: nn.Module, feed_forward: nn.Module
+        self,
+        *,
+        dim: int,
+        norm_eps: float,
+        attention: nn.Module,
+        feed_forward: nn.Module,
+        norm_offset: float = 0.0,
     ) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(dim, eps=norm_eps)
+        self.attention_norm = RMSNorm(dim, eps=norm_eps, offset=norm_offset)
         self.attention = attention
-        self.ffn_norm = RMSNorm(dim, eps=norm_eps)
+        self.ffn_norm = RMSNorm(dim, eps=norm_eps, offset=norm_offset)
         self.feed_forward = feed_forward
 
     def forward(
@@ -114,9 +125,13 @@ class TransformerBlock(nn.Module):
         x_BSD: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
-        kv_cache: LayerKVCache | None = None,
+        kv_cache: LayerKVCache | LayerRecurrentState | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope, mask, kv_cache)
+        """``document_ids``: packed documents, for recurrent token mixers (attention reads
+        them off ``mask``)."""
+        mixed_BSD = self.attention(self.attention_norm(x_BSD), rope, mask, kv_cache, document_ids)
+        h_BSD = x_BSD + mixed_BSD
         return h_BSD + self.feed_forward(self.ffn_norm(h_BSD))
 
     def init_weights(self, *, std: float, out_std: float, generator: torch.Generator) -> None:
@@ -172,7 +187,9 @@ class Transformer(nn.Module):
         self.config = config
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(blocks)})
-        self.norm: RMSNorm | None = RMSNorm(config.dim, eps=config.norm_eps)
+        self.norm: RMSNorm | None = RMSNorm(
+            config.dim, eps=config.norm_eps, offset=config.norm_offset
+        )
         self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
         for name, module in (extra_modules or {}).items():
             self.add_module(name, module)
@@ -227,14 +244,20 @@ class Transformer(nn.Module):
         if input_lengths is not None:
             _check_input_lengths(input_lengths, B, S, kv_cache)
         positions_BS, mask = attention_inputs(
-            B, S, tokens.device, positions=positions, document_ids=document_ids, kv_cache=kv_cache
+            B,
+            S,
+            tokens.device,
+            positions=positions,
+            document_ids=document_ids,
+            kv_cache=kv_cache,
+            input_lengths=input_lengths,
         )
 
         h_BSD = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope(positions_BS, h_BSD.dtype)
         for index, layer in self.layers.items():
             layer_cache = kv_cache.layers[int(index)] if kv_cache is not None else None
-            h_BSD = layer(h_BSD, rope, mask, layer_cache)
+            h_BSD = layer(h_BSD, rope, mask, layer_cache, document_ids)
         if kv_cache is not None:
             kv_cache.end(input_lengths)
         return h_BSD, (rope, mask)
@@ -295,11 +318,19 @@ class Transformer(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> KVCache:
-        """An empty cache for this model's layers (dtype and device of the weights by default)."""
+        """An empty cache for this model's layers (dtype and device of the weights by default):
+        key/value buffers for attention layers, fixed-size states for recurrent ones (a token
+        mixer with ``recurrent_state_specs()``)."""
         weight = next(self.parameters())
         heads, key_dim, value_dim = self.kv_cache_widths()
+        recurrent = {
+            int(i): layer.attention.recurrent_state_specs()
+            for i, layer in self.layers.items()
+            if hasattr(layer.attention, "recurrent_state_specs")
+        }
         return KVCache(
-            layers=[int(i) for i in self.layers],
+            layers=[int(i) for i in self.layers if int(i) not in recurrent],
+            recurrent=recurrent,
             batch_size=batch_size,
             max_seq_len=max_seq_len,
             num_kv_heads=heads,
