@@ -1,8 +1,10 @@
-"""Every package imports and reports a version; every wheel installs and imports standalone."""
+"""Every package imports and reports a version; every wheel installs and imports standalone,
+and runs the examples that use it with nothing else of ours installed."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -11,7 +13,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {
@@ -41,6 +42,43 @@ def test_package_layout_and_version(dist):
     assert module.__version__ == meta["version"]
 
 
+# library -> the examples/ scripts that use it and nothing else of ours (plus torch and
+# transformers), each with its number of processes (> 1: launched with torchrun). The slow
+# test below runs each in an empty venv holding only that library's wheel.
+EXAMPLES: dict[str, list[tuple[str, int]]] = {
+    "titan-pipeline": [("plain_pipeline.py", 2)],
+    "titan-remat": [("hf_remat.py", 1)],
+}
+
+
+def _example_command(python: Path, script: str, nproc: int) -> list[str]:
+    path = str(ROOT / "examples" / script)
+    if nproc == 1:
+        return [str(python), path]
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return [str(python), *launch, path]
+
+
+def _installed_versions() -> str:
+    """Constraints pinning every distribution of this environment but ours: the venvs then
+    install what the lock installed here, from uv's cache."""
+    pins = {
+        d.metadata["Name"].lower(): d.version
+        for d in importlib.metadata.distributions()
+        if d.metadata["Name"] and not d.metadata["Name"].lower().startswith("titan")
+    }
+    pins["torch"] = pins["torch"].split("+")[0]
+    return "".join(f"{name}=={version}\n" for name, version in sorted(pins.items()))
+
+
+def test_examples_table_names_existing_scripts_of_known_libraries():
+    for dist, scripts in EXAMPLES.items():
+        assert dist in PACKAGES, dist
+        for script, nproc in scripts:
+            assert (ROOT / "examples" / script).is_file(), script
+            assert nproc >= 1
+
+
 def _workspace_closure(dist: str) -> list[str]:
     """``dist`` and the workspace packages it depends on, transitively."""
     seen: list[str] = []
@@ -59,8 +97,9 @@ def _workspace_closure(dist: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_each_wheel_installs_and_imports_standalone(tmp_path):
-    """Build every wheel, install each into an empty venv with only its declared deps."""
+def test_each_wheel_installs_imports_and_runs_its_examples_standalone(tmp_path):
+    """Build every wheel, install each into an empty venv with only its declared deps, import
+    it; where it has examples, add transformers and run them there."""
     uv = shutil.which("uv")
     if uv is None:
         pytest.fail("uv is not on PATH: the standalone check needs it (pip install uv)")
@@ -70,10 +109,11 @@ def test_each_wheel_installs_and_imports_standalone(tmp_path):
         cwd=ROOT,
         check=True,
     )
-    # Install the torch we test with, so the check reuses uv's cache instead of downloading.
+    # The versions we test with, so the check reuses uv's cache instead of downloading.
     constraints = tmp_path / "constraints.txt"
-    constraints.write_text(f"torch=={torch.__version__.split('+')[0]}\n")
+    constraints.write_text(_installed_versions())
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     for dist in sorted(PACKAGES):
         venv = tmp_path / f"venv-{dist}"
         subprocess.run(
@@ -83,6 +123,7 @@ def test_each_wheel_installs_and_imports_standalone(tmp_path):
         wheel_files = [
             str(next(wheels.glob(f"{d.replace('-', '_')}-*.whl"))) for d in _workspace_closure(dist)
         ]
+        extra = ["transformers"] if dist in EXAMPLES else []
         subprocess.run(
             [
                 uv,
@@ -94,6 +135,7 @@ def test_each_wheel_installs_and_imports_standalone(tmp_path):
                 "-c",
                 str(constraints),
                 *wheel_files,
+                *extra,
             ],
             check=True,
             env=env,
@@ -108,4 +150,17 @@ def test_each_wheel_installs_and_imports_standalone(tmp_path):
         )
         assert out.returncode == 0, f"{dist} does not import standalone:\n{out.stderr}"
         assert out.stdout.strip() == "0.1.0"
+        for script, nproc in EXAMPLES.get(dist, []):
+            run = subprocess.run(
+                _example_command(python, script, nproc),
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=600,
+            )
+            assert run.returncode == 0, (
+                f"examples/{script} fails with only {dist} installed:\n"
+                f"{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+            )
         shutil.rmtree(venv)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from dist_moe import (
@@ -133,6 +134,7 @@ def test_triton_kernels_equal_torch_reference_under_the_interpreter():
     _assert_results(res)
 
 
+@pytest.mark.gpu
 @requires_gpus(1)
 def test_triton_kernels_equal_torch_reference_on_cuda():
     _assert_results(_kernel_checks("cuda"))

@@ -127,6 +127,7 @@ def test_static_layouts_never_read_a_device_value_back_to_the_host(permute, make
         moe(x)
 
 
+@pytest.mark.gpu
 @requires_gpus(1)
 @pytest.mark.parametrize("static", [True, False], ids=["static_shapes", "capacity"])
 def test_static_layouts_do_not_synchronise_on_cuda(static, make_moe):

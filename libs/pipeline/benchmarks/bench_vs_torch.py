@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed import pipelining as tpp
 
 import titan_pipeline as tp
+from titan_pipeline.experimental import Contention, simulate_shared
 from titan_testing import run_distributed
 
 # ours name -> (torch schedule class or None, stages per rank)
@@ -213,7 +214,7 @@ def _bubbles(results: dict, world: int, num_mb: int, samples: int) -> dict[str, 
         )
         others = [q for n, q in results.items() if n != name]
         runs = [(tl, q["alone"]) for q in others for tl in q["timelines"]]
-        contention = tp.Contention.from_timelines(runs)
+        contention = Contention.from_timelines(runs)
         n = schedule.num_stages
         measured = [tl.bubble_ratio for tl in r["timelines"]]
         out[name] = {
@@ -228,7 +229,7 @@ def _bubbles(results: dict, world: int, num_mb: int, samples: int) -> dict[str, 
                 for tl in r["timelines"]
             ),
             "contention": statistics.median(
-                tp.simulate(schedule, r["alone"], contention=contention, seed=k).bubble_ratio
+                simulate_shared(schedule, r["alone"], contention=contention, seed=k).bubble_ratio
                 for k in range(samples)
             ),
         }

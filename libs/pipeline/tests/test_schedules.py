@@ -6,6 +6,7 @@ import pytest
 
 from titan_pipeline import (
     SCHEDULES,
+    STAGES_PER_RANK,
     Action,
     ActionKind,
     DeadlockError,
@@ -61,6 +62,18 @@ def test_split_backward_only_in_zero_bubble_schedules():
     assert ActionKind.I not in kinds("1f1b", 1) and ActionKind.I not in kinds("gpipe", 1)
     assert ActionKind.B not in kinds("zb_h1", 1) and ActionKind.B not in kinds("zbv", 2)
     assert {ActionKind.B, ActionKind.I, ActionKind.W} <= kinds("dualpipev", 2)
+
+
+def test_each_schedule_knows_its_stages_per_rank():
+    # the table a trainer cuts its model by, and build_schedule's default
+    assert STAGES_PER_RANK.keys() == SCHEDULES.keys()
+    for name, v in STAGES_PER_RANK.items():
+        s = build_schedule(name, num_ranks=2, num_microbatches=4)
+        assert s.num_stages == 2 * v and all(len(s.stages_of_rank(r)) == v for r in range(2))
+        if v != 1:
+            with pytest.raises(ValueError, match="stages_per_rank"):
+                build_schedule(name, num_ranks=2, num_microbatches=4, stages_per_rank=1)
+    assert build_schedule("interleaved_1f1b", num_ranks=2, num_microbatches=4, stages_per_rank=3)
 
 
 def test_v_schedules_put_first_and_last_stage_on_rank_0():

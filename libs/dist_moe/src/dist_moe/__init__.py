@@ -1,7 +1,9 @@
 """MoE routing, grouped experts, expert-parallel dispatch (local, all-to-all, symmetric memory), Triton kernels."""
 
-from dist_moe.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher, SymmMemDispatcher
+from dist_moe.cute_gemm import cute_available, cute_codegen, cute_grouped_mm
+from dist_moe.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher
 from dist_moe.experts import GroupedExperts, SharedExperts, grouped_mm_available
+from dist_moe.hf_interop import HFSparseMoeBlock, moe_from_hf_block, swap_hf_moe_blocks
 from dist_moe.kernels import combine_rows, expert_histogram, permute_rows
 from dist_moe.moe import MoE, MoEConfig, expert_parallel
 from dist_moe.permute import (
@@ -21,6 +23,7 @@ from dist_moe.router import (
     expert_load,
     update_expert_biases,
 )
+from dist_moe.symm_mem import SymmMemDispatcher
 
 __version__ = "0.1.0"
 
@@ -30,6 +33,7 @@ __all__ = [
     "ExpertLoad",
     "ExpertPlacement",
     "GroupedExperts",
+    "HFSparseMoeBlock",
     "LocalDispatcher",
     "MoE",
     "MoEConfig",
@@ -42,13 +46,18 @@ __all__ = [
     "TopKRouter",
     "__version__",
     "combine_rows",
+    "cute_available",
+    "cute_codegen",
+    "cute_grouped_mm",
     "expert_histogram",
     "expert_load",
     "expert_parallel",
     "grouped_mm_available",
+    "moe_from_hf_block",
     "permute",
     "permute_rows",
     "plan_permutation",
+    "swap_hf_moe_blocks",
     "unpermute",
     "unpermute_and_combine",
     "update_expert_biases",

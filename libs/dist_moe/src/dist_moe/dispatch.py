@@ -18,9 +18,12 @@ All dispatchers share one interface::
   (``capacity_factor``): each rank sends exactly ``C`` rows per expert (padding and drops as
   in ``permute.py``), so the exchange is an even all-to-all with no host sync at all (every
   rank must then hold the same number of tokens).
-* ``SymmMemDispatcher(group)``: the capacity-mode exchange through CUDA symmetric memory
-  (``torch.distributed._symmetric_memory``): each rank stages its send buffer in its
-  symmetric buffer and pulls its slice from every peer's. CUDA only.
+* ``SymmMemDispatcher(group)`` (``symm_mem.py``): one-sided puts into peers' symmetric
+  buffers with signal flags, static shapes, no host sync; expert GEMMs overlap the exchange.
+
+``forward_experts(experts, x_TD, indices_TK, weights_TK, counts)`` is the three calls above
+in one; the MoE layer calls it so a dispatcher can interleave them (the symmetric-memory
+dispatcher runs each chunk of experts as soon as its tokens have arrived).
 
 All exchanges are autograd functions whose backward is the reverse exchange, so gradients of
 experts, router and input flow exactly as in the local computation.
@@ -48,7 +51,6 @@ __all__ = [
     "AllToAllDispatcher",
     "Dispatcher",
     "LocalDispatcher",
-    "SymmMemDispatcher",
 ]
 
 
@@ -66,6 +68,18 @@ class Dispatcher:
 
     def combine(self, y_RD: torch.Tensor, weights_TK: torch.Tensor, ctx: Any) -> torch.Tensor:
         raise NotImplementedError
+
+    def forward_experts(
+        self,
+        experts: Any,
+        x_TD: torch.Tensor,
+        indices_TK: torch.Tensor,
+        weights_TK: torch.Tensor,
+        counts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``combine(experts(*dispatch(x)), weights)``: the routed part of the MoE layer."""
+        rows_RD, group_ends, ctx = self.dispatch(x_TD, indices_TK, counts)
+        return self.combine(experts(rows_RD, group_ends), weights_TK, ctx)
 
 
 def _check_num_experts(num_experts: int) -> None:
@@ -143,7 +157,7 @@ class _ExpertParallelDispatcher(Dispatcher):
         self.num_experts = num_experts
         self.num_local_experts = self.placement.num_local_experts
 
-    # capacity (static) mode, shared by all-to-all and symmetric memory ------------------
+    # capacity (static) mode ------------------------------------------------------------
     def _exchange(self, x_PRD: torch.Tensor) -> torch.Tensor:
         """Even exchange of (ep, rows, D): out[p] = rank p's x[me]. Differentiable."""
         raise NotImplementedError
@@ -245,74 +259,3 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
         partial = unpermute_and_combine(y_RD, ctx.local_plan, recv_w)
         back = _AllToAll.apply(partial, in_splits, out_splits, self.group)
         return unpermute_and_combine(back, ctx.plan)
-
-
-class _SymmMemExchange(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_PRD, dispatcher):
-        ctx.dispatcher = dispatcher
-        return dispatcher._exchange_raw(x_PRD)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.dispatcher._exchange_raw(grad), None
-
-
-class SymmMemDispatcher(_ExpertParallelDispatcher):
-    """Capacity-mode expert parallelism through CUDA symmetric memory (no host sync).
-
-    Requires ``config.capacity_factor`` (the buffers have static shapes) and CUDA tensors;
-    symmetric buffers are allocated and rendezvoused once per (shape, dtype) and reused.
-    """
-
-    def __init__(
-        self,
-        num_experts: int,
-        group: dist.ProcessGroup | None = None,
-        config: PermuteConfig | None = None,
-    ) -> None:
-        if config is None or config.capacity_factor is None:
-            raise ValueError(
-                "SymmMemDispatcher: config.capacity_factor must be set (static-capacity "
-                "buffers live in symmetric memory); use AllToAllDispatcher for dropless"
-            )
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                "SymmMemDispatcher needs CUDA devices: torch.distributed._symmetric_memory does "
-                "not support CPU tensors; use AllToAllDispatcher on CPU/gloo"
-            )
-        super().__init__(num_experts, group, config)
-        self._buffers: dict[tuple[tuple[int, ...], torch.dtype, torch.device], Any] = {}
-
-    def _symm_buffer(self, shape, dtype, device):
-        key = (tuple(shape), dtype, device)
-        if key not in self._buffers:
-            import torch.distributed._symmetric_memory as symm_mem
-
-            group = self.group if self.group is not None else dist.group.WORLD
-            buf = symm_mem.empty(shape, dtype=dtype, device=device)
-            self._buffers[key] = (buf, symm_mem.rendezvous(buf, group))
-        return self._buffers[key]
-
-    def _exchange_raw(self, x_PRD: torch.Tensor) -> torch.Tensor:
-        if x_PRD.device.type != "cuda":
-            raise RuntimeError("SymmMemDispatcher: tensors must be on a CUDA device")
-        buf, handle = self._symm_buffer(x_PRD.shape, x_PRD.dtype, x_PRD.device)
-        me = self.placement.ep_rank
-        buf.copy_(x_PRD)
-        handle.barrier(channel=0)  # every rank's send buffer is staged
-        out = torch.empty_like(x_PRD)
-        for peer in range(self.placement.ep_size):
-            remote = handle.get_buffer(peer, tuple(x_PRD.shape), x_PRD.dtype)
-            out[peer].copy_(remote[me])
-        handle.barrier(channel=0)  # every peer has read my buffer before it is reused
-        return out
-
-    def _exchange(self, x_PRD):
-        return _SymmMemExchange.apply(x_PRD, self)
-
-    def dispatch(self, x_TD, indices_TK, counts=None):
-        return self._dispatch_capacity(x_TD, indices_TK, counts)
-
-    def combine(self, y_RD, weights_TK, ctx):
-        return self._combine_capacity(y_RD, weights_TK, ctx)

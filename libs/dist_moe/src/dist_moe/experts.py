@@ -24,6 +24,7 @@ from torch import nn
 __all__ = ["GroupedExperts", "SharedExperts", "grouped_mm_available"]
 
 ExpertsImpl = Literal["auto", "grouped_mm", "loop"]
+ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _grouped_mm_fn():
@@ -84,17 +85,45 @@ class GroupedExperts(nn.Module):
             )
         return ok
 
-    def forward(self, x_RD: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
-        """(R, D) rows grouped by expert (``group_ends`` (E,) int) → (R, D)."""
+    def split_weights(self, sizes: list[int]) -> list[ExpertWeights]:
+        """(w_gate, w_up, w_down) of consecutive runs of ``sizes`` experts, for ``forward``.
+
+        One ``split`` per weight: its backward concatenates once, where slicing each run
+        would materialise a full-size zero gradient per run.
+        """
+        parts = [w.split(sizes) for w in (self.w_gate, self.w_up, self.w_down)]
+        return list(zip(*parts, strict=True))
+
+    def forward(
+        self,
+        x_RD: torch.Tensor,
+        group_ends: torch.Tensor,
+        weights: ExpertWeights | None = None,
+    ) -> torch.Tensor:
+        """(R, D) rows grouped by expert (``group_ends`` (E,) int) → (R, D).
+
+        ``weights`` (from ``split_weights``) runs a subset of the experts: ``group_ends``
+        then has one entry per expert of the subset.
+        """
+        w_gate, w_up, w_down = weights if weights is not None else self._weights()
         if self.uses_grouped_mm(x_RD):
             offs = group_ends.to(torch.int32)
-            gate = _grouped_mm(x_RD, self.w_gate.transpose(-2, -1), offs)
-            up = _grouped_mm(x_RD, self.w_up.transpose(-2, -1), offs)
-            return _grouped_mm(F.silu(gate) * up, self.w_down.transpose(-2, -1), offs)
-        return self.forward_loop(x_RD, group_ends)
+            gate = _grouped_mm(x_RD, w_gate.transpose(-2, -1), offs)
+            up = _grouped_mm(x_RD, w_up.transpose(-2, -1), offs)
+            return _grouped_mm(F.silu(gate) * up, w_down.transpose(-2, -1), offs)
+        return self.forward_loop(x_RD, group_ends, weights)
 
-    def forward_loop(self, x_RD: torch.Tensor, group_ends: torch.Tensor) -> torch.Tensor:
+    def _weights(self) -> ExpertWeights:
+        return self.w_gate, self.w_up, self.w_down
+
+    def forward_loop(
+        self,
+        x_RD: torch.Tensor,
+        group_ends: torch.Tensor,
+        weights: ExpertWeights | None = None,
+    ) -> torch.Tensor:
         """Reference: one dense SwiGLU per expert on its rows (reads group_ends to the host)."""
+        w_gate, w_up, w_down = weights if weights is not None else self._weights()
         ends = group_ends.tolist()
         sizes = [end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)]
         # split/unbind rather than slicing/indexing: their backward concatenates/stacks once
@@ -103,7 +132,7 @@ class GroupedExperts(nn.Module):
         outs = [
             F.linear(F.silu(F.linear(xe, wg)) * F.linear(xe, wu), wd)
             for xe, wg, wu, wd in zip(
-                xs, self.w_gate.unbind(0), self.w_up.unbind(0), self.w_down.unbind(0), strict=False
+                xs, w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0), strict=False
             )
         ]
         outs.append(x_RD.new_zeros(xs[-1].shape[0], self.dim))  # slack rows: zeros

@@ -194,6 +194,45 @@ def _triton_kernels():
     return triton, histogram_kernel, permute_kernel, combine_kernel
 
 
+@functools.cache
+def _triton_put_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def put_rows_kernel(
+        src_ptr,
+        src_row_ptr,
+        peer_ptr,
+        offset_ptr,
+        table_ptr,
+        D,
+        stride_src,
+        BLOCK_D: tl.constexpr,
+    ):
+        # Row i of the batch: src[src_row[i]] (zeros when -1) lands at element offset[i]
+        # of rank peer[i]'s buffer, whose address is table[peer[i]] (peer-mapped memory on
+        # CUDA: these are NVLink stores, no copy engine and no staging buffer).
+        i = tl.program_id(0)
+        s = tl.load(src_row_ptr + i)
+        dst = tl.load(table_ptr + tl.load(peer_ptr + i)).to(
+            tl.pointer_type(src_ptr.dtype.element_ty)
+        )
+        dst = dst + tl.load(offset_ptr + i)
+        row = tl.where(s >= 0, s, 0)
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            m = cols < D
+            v = tl.load(
+                src_ptr + row * stride_src + cols,
+                mask=m & (tl.full([BLOCK_D], 0, tl.int64) + s >= 0),
+                other=0.0,
+            )
+            tl.store(dst + cols, v, mask=m)
+
+    return put_rows_kernel
+
+
 def _block_h(h: int) -> int:
     return max(16, min(1024, 1 << (max(h, 1) - 1).bit_length()))
 
@@ -256,6 +295,28 @@ def _combine_triton(
             BLOCK_H=_block_h(h),
         )
     return out
+
+
+def put_rows_to_peers(
+    src_RD: torch.Tensor,
+    src_rows: torch.Tensor,
+    dst_peer: torch.Tensor,
+    dst_offset: torch.Tensor,
+    peer_table: torch.Tensor,
+) -> None:
+    """Triton: ``buffer[dst_peer[i]][dst_offset[i] : + D] = src[src_rows[i]]`` (0 for -1).
+
+    ``peer_table`` (ep,) int64 holds the address of every rank's symmetric buffer (same
+    dtype as ``src``). The symmetric-memory dispatcher's one-kernel put of a chunk to every
+    peer: packing (``src_rows`` = token of each row) and sending are one pass.
+    """
+    put_rows_kernel = _triton_put_kernel()
+    src = src_RD.contiguous()
+    n, d = src_rows.shape[0], src.shape[1]
+    if n and d:
+        put_rows_kernel[(n,)](
+            src, src_rows, dst_peer, dst_offset, peer_table, d, src.stride(0), BLOCK_D=_block_h(d)
+        )
 
 
 # ---------------------------------------------------------------------------------------

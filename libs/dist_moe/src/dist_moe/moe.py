@@ -22,11 +22,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_moe.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher, SymmMemDispatcher
+from dist_moe.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher
 from dist_moe.experts import ExpertsImpl, GroupedExperts, SharedExperts
 from dist_moe.permute import PermuteConfig
 from dist_moe.placement import ExpertPlacement
 from dist_moe.router import ExpertLoad, RouterConfig, TopKRouter
+from dist_moe.symm_mem import SymmMemDispatcher
 
 __all__ = ["MoE", "MoEConfig", "expert_parallel"]
 
@@ -123,9 +124,9 @@ class MoE(nn.Module):
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         route = self.router(x_TD, seq_len=shape[1] if x.dim() == 3 else None)
-        rows_RD, group_ends, ctx = self.dispatcher.dispatch(x_TD, route.indices, route.counts)
-        y_RD = self.experts(rows_RD, group_ends)
-        out_TD = self.dispatcher.combine(y_RD, route.weights, ctx)
+        out_TD = self.dispatcher.forward_experts(
+            self.experts, x_TD, route.indices, route.weights, route.counts
+        )
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
         if route.aux_loss is not None:
@@ -142,9 +143,13 @@ def expert_parallel(
     moe: MoE,
     group: dist.ProcessGroup | None = None,
     *,
-    dispatcher: Literal["all_to_all", "symm_mem"] = "all_to_all",
+    dispatcher: Literal["all_to_all", "symm_mem"] | Dispatcher = "all_to_all",
 ) -> ExpertPlacement:
     """Shard ``moe``'s routed experts over ``group`` and install an expert-parallel dispatcher.
+
+    ``dispatcher`` is ``"all_to_all"``, ``"symm_mem"`` (``SymmMemDispatcher`` with its
+    defaults) or a dispatcher built over the same group and number of experts (for options:
+    ``SymmMemDispatcher(E, group, config, max_tokens=..., emulate=True)``).
 
     The experts must still be full (E, ...) tensors, identical on every rank (same seed or
     loaded from the same checkpoint); each rank keeps its slice. Router and shared experts
@@ -154,16 +159,27 @@ def expert_parallel(
     """
     if not isinstance(moe, MoE):
         raise ValueError(f"expert_parallel: moe must be a MoE, got {type(moe).__name__}")
-    if dispatcher not in ("all_to_all", "symm_mem"):
-        raise ValueError(
-            f"expert_parallel: dispatcher must be 'all_to_all' or 'symm_mem', got {dispatcher!r}"
-        )
     num_experts = moe.config.router.num_experts
+    if isinstance(dispatcher, Dispatcher):
+        if isinstance(dispatcher, LocalDispatcher) or dispatcher.num_experts != num_experts:
+            raise ValueError(
+                "expert_parallel: dispatcher must be an expert-parallel dispatcher over "
+                f"num_experts={num_experts}, got {type(dispatcher).__name__} over "
+                f"{dispatcher.num_experts}"
+            )
+    elif dispatcher not in ("all_to_all", "symm_mem"):
+        raise ValueError(
+            "expert_parallel: dispatcher must be 'all_to_all', 'symm_mem' or a Dispatcher, "
+            f"got {dispatcher!r}"
+        )
     if moe.experts.num_experts != num_experts:
         raise ValueError("expert_parallel: the experts of this MoE are already sharded")
     placement = ExpertPlacement.from_group(num_experts, group)
-    cls = AllToAllDispatcher if dispatcher == "all_to_all" else SymmMemDispatcher
-    new_dispatcher = cls(num_experts, group, moe.config.permute)
+    if isinstance(dispatcher, Dispatcher):
+        new_dispatcher = dispatcher
+    else:
+        cls = AllToAllDispatcher if dispatcher == "all_to_all" else SymmMemDispatcher
+        new_dispatcher = cls(num_experts, group, moe.config.permute)
     experts = moe.experts
     for name in ("w_gate", "w_up", "w_down"):
         full = getattr(experts, name)

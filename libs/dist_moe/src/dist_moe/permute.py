@@ -108,6 +108,7 @@ def plan_permutation(
     *,
     counts: torch.Tensor | None = None,
     num_rows: int | None = None,
+    capacity: int | None = None,
 ) -> PermutePlan:
     """Compute the permutation of ``indices_TK`` (T, K) into expert-major aligned groups.
 
@@ -115,6 +116,8 @@ def plan_permutation(
     use it for assignments that belong to another rank). ``counts`` (E,) may be passed when
     already known (the router computes it). ``num_rows`` gives the dynamic dropless size when
     the caller already knows it on the host, which saves this mode's one host sync.
+    ``capacity`` switches to capacity mode with exactly that many rows per expert (the
+    symmetric-memory dispatcher sizes it from its static buffers, not from this call's T).
     """
     if indices_TK.dim() != 2:
         raise ValueError(f"indices_TK must be 2-D (T, K), got shape {tuple(indices_TK.shape)}")
@@ -136,8 +139,8 @@ def plan_permutation(
     rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)
     e_safe = key_N.clamp(max=num_experts - 1)
 
-    if config.capacity_factor is not None:
-        cap = config.capacity(n, num_experts)
+    if capacity is not None or config.capacity_factor is not None:
+        cap = capacity if capacity is not None else config.capacity(n, num_experts)
         rows = num_experts * cap
         slot = torch.where(routed & (rank < cap), e_safe * cap + rank, -1)
         group_ends = torch.arange(1, num_experts + 1, device=device, dtype=torch.int32) * cap

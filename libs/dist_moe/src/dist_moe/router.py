@@ -153,6 +153,9 @@ class RouterOutput:
     """(E,) int64 assignments per expert in this forward."""
     aux_loss: torch.Tensor | None
     """Scalar sequence-wise balance loss (already times alpha), or None when disabled."""
+    logits: torch.Tensor | None = None
+    """(T, E) gate logits ``x @ W_gate^T`` in ``logits_dtype`` (what HF models report as
+    ``router_logits``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,17 +192,22 @@ class TopKRouter(nn.Module):
 
     # ---- selection ------------------------------------------------------------------
 
-    def scores(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """(T, E) fp32 routing scores."""
+    def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """(T, E) gate logits in ``logits_dtype`` (the input's dtype when None)."""
         cfg = self.config
         w = self.gate.weight
         if cfg.logits_dtype is not None:
-            logits = F.linear(x_TD.to(cfg.logits_dtype), w.to(cfg.logits_dtype))
-        else:
-            logits = F.linear(x_TD, w)
-        if cfg.score_func == "softmax":
-            return torch.softmax(logits, dim=-1, dtype=torch.float32)
-        return torch.sigmoid(logits.float())
+            return F.linear(x_TD.to(cfg.logits_dtype), w.to(cfg.logits_dtype))
+        return F.linear(x_TD, w)
+
+    def scores(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """(T, E) fp32 routing scores."""
+        return self._scores(self.logits(x_TD))
+
+    def _scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        if self.config.score_func == "softmax":
+            return torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        return torch.sigmoid(logits_TE.float())
 
     def select(self, scores_TE: torch.Tensor) -> torch.Tensor:
         """(T, K) expert ids chosen from ``scores + expert_bias`` (group-limited if configured)."""
@@ -226,7 +234,8 @@ class TopKRouter(nn.Module):
     def forward(self, x_TD: torch.Tensor, *, seq_len: int | None = None) -> RouterOutput:
         """Route (T, D) tokens. ``seq_len`` splits T into sequences for the aux loss."""
         cfg = self.config
-        scores_TE = self.scores(x_TD)
+        logits_TE = self.logits(x_TD)
+        scores_TE = self._scores(logits_TE)
         indices_TK = self.select(scores_TE)
         weights_TK = scores_TE.gather(1, indices_TK)
         if cfg.norm_topk_prob:
@@ -241,7 +250,11 @@ class TopKRouter(nn.Module):
         if cfg.seq_aux_loss_coef > 0 and self.training:
             aux = self._sequence_aux_loss(scores_TE, indices_TK, seq_len)
         return RouterOutput(
-            weights=weights_TK.to(x_TD.dtype), indices=indices_TK, counts=counts, aux_loss=aux
+            weights=weights_TK.to(x_TD.dtype),
+            indices=indices_TK,
+            counts=counts,
+            aux_loss=aux,
+            logits=logits_TE,
         )
 
     def _sequence_aux_loss(

@@ -1,17 +1,17 @@
 """Pipeline schedules as data: generator, validator, simulator and runtime."""
 
 from titan_pipeline.actions import Action, ActionKind, Schedule
-from titan_pipeline.runtime import (
-    PipelineStage,
-    TimelineRecorder,
-    measure_costs,
-    run,
-    split_microbatches,
+from titan_pipeline.measurement import TimelineRecorder, measure_costs
+from titan_pipeline.runtime import run, split_microbatches
+from titan_pipeline.schedules import (
+    SCHEDULES,
+    STAGES_PER_RANK,
+    add_communication,
+    build_schedule,
+    stage_to_rank,
 )
-from titan_pipeline.schedules import SCHEDULES, add_communication, build_schedule, stage_to_rank
 from titan_pipeline.simulator import (
     BubbleComparison,
-    Contention,
     Costs,
     DeadlockError,
     Interval,
@@ -20,16 +20,17 @@ from titan_pipeline.simulator import (
     simulate,
 )
 from titan_pipeline.splitting import balance, build_stages, split_units
+from titan_pipeline.stage import PipelineStage
 from titan_pipeline.validator import validate
 
 __version__ = "0.1.0"
 
 __all__ = [
     "SCHEDULES",
+    "STAGES_PER_RANK",
     "Action",
     "ActionKind",
     "BubbleComparison",
-    "Contention",
     "Costs",
     "DeadlockError",
     "Interval",

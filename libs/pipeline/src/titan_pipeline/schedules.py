@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from titan_pipeline.actions import Action, ActionKind, Schedule
 
-__all__ = ["SCHEDULES", "add_communication", "build_schedule", "stage_to_rank"]
+__all__ = ["SCHEDULES", "STAGES_PER_RANK", "add_communication", "build_schedule", "stage_to_rank"]
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W  # noqa: E741
 
@@ -108,13 +108,19 @@ def _input_value(a: Action, last: int) -> tuple[str, int, int] | None:
 
 
 def build_schedule(
-    name: str, *, num_ranks: int, num_microbatches: int, stages_per_rank: int = 1
+    name: str, *, num_ranks: int, num_microbatches: int, stages_per_rank: int | None = None
 ) -> Schedule:
-    """Generate schedule ``name`` (one of ``SCHEDULES``) with communication, validated."""
+    """Generate schedule ``name`` (one of ``SCHEDULES``) with communication, validated.
+
+    ``stages_per_rank`` defaults to the schedule's own (``STAGES_PER_RANK[name]``); only
+    ``interleaved_1f1b`` takes another value (any >= 2).
+    """
     from titan_pipeline.validator import validate  # validator imports this module
 
     if name not in SCHEDULES:
         raise ValueError(f"schedule name must be one of {sorted(SCHEDULES)}, got {name!r}")
+    if stages_per_rank is None:
+        stages_per_rank = STAGES_PER_RANK[name]
     for field, value in (
         ("num_ranks", num_ranks),
         ("num_microbatches", num_microbatches),
@@ -374,3 +380,14 @@ SCHEDULES: dict[str, tuple[Callable[[int, int, int], _Orders], Callable[[int, in
     "dualpipev": (_dualpipev, _check_v("dualpipev", lambda p: 2 * p)),
 }
 """name -> (generator, requirement check) for ``build_schedule``."""
+
+STAGES_PER_RANK: dict[str, int] = {
+    "gpipe": 1,
+    "1f1b": 1,
+    "interleaved_1f1b": 2,
+    "zb_h1": 1,
+    "zbv": 2,
+    "dualpipev": 2,
+}
+"""name -> stages each rank holds (``build_schedule``'s default): a model cut for ``p`` ranks
+needs ``p * STAGES_PER_RANK[name]`` stages. ``interleaved_1f1b`` also takes any value >= 2."""

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titan_pipeline.actions import Schedule
-from titan_pipeline.runtime import PipelineStage
+from titan_pipeline.stage import PipelineStage
 
 __all__ = ["balance", "build_stages", "split_units"]
 

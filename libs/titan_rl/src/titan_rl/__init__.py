@@ -30,13 +30,10 @@ from .losses import (
 )
 from .rewards import (
     RewardResult,
-    SandboxLimits,
-    SandboxResult,
     boxed_math_reward,
     code_reward,
     exact_match_reward,
     last_boxed,
-    run_sandboxed,
 )
 from .rollout import (
     Prompt,
@@ -46,6 +43,7 @@ from .rollout import (
     evaluate_accuracy,
     rollout_seed,
 )
+from .sandbox import SandboxLimits, SandboxResult, SandboxUnavailableError, run_sandboxed
 from .tokenizer import Tokenizer
 
 __version__ = "0.1.0"
@@ -68,6 +66,7 @@ __all__ = [
     "SamplingParams",
     "SandboxLimits",
     "SandboxResult",
+    "SandboxUnavailableError",
     "StepResult",
     "Task",
     "Tokenizer",

@@ -14,7 +14,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from .generator import Generator, SamplingParams
-from .rewards import RewardResult, SandboxLimits, boxed_math_reward, run_sandboxed
+from .rewards import RewardResult, boxed_math_reward
+from .sandbox import SandboxLimits, run_sandboxed
 from .tokenizer import Tokenizer
 
 
@@ -112,12 +113,20 @@ class CodeToolEnv:
     """
 
     def __init__(
-        self, questions: list[tuple[str, str]], *, limits: SandboxLimits | None = None
+        self,
+        questions: list[tuple[str, str]],
+        *,
+        limits: SandboxLimits | None = None,
+        isolation: str = "namespaces",
     ) -> None:
-        """``questions``: ``(question, answer)`` pairs; ``reset(seed)`` picks one by ``seed``."""
+        """``questions``: ``(question, answer)`` pairs; ``reset(seed)`` picks one by ``seed``.
+
+        ``limits`` and ``isolation`` are passed to ``run_sandboxed``.
+        """
         if not questions:
             raise ValueError("questions must hold at least one (question, answer) pair")
         self.questions, self.limits = questions, limits or SandboxLimits(wall_time_s=2.0)
+        self.isolation = isolation
         self._answer: str | None = None
         self.last_result: RewardResult | None = None
 
@@ -136,7 +145,7 @@ class CodeToolEnv:
         if block is None:
             self.last_result = RewardResult(0.0, "unparseable", "neither code nor \\boxed{}")
             return StepResult("", 0.0, True, {"status": "unparseable"})
-        run = run_sandboxed(block.group(1), limits=self.limits)
+        run = run_sandboxed(block.group(1), limits=self.limits, isolation=self.isolation)
         shown = run.stdout if run.status == "ok" else f"[{run.status}] {run.stderr[-200:]}"
         return StepResult(f"\n```output\n{shown.strip()}\n```\n", 0.0, False, {"tool": run.status})
 

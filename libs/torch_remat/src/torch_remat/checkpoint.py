@@ -4,12 +4,18 @@
 checkpointing (a policy function returning ``CheckpointPolicy`` per ATen op call). ``Offload``
 is a ``saved_tensors_hooks`` pair. RNG state is stashed and restored by checkpoint itself, so
 dropout in a recomputed region draws the same mask twice.
+
+A unit that writes to a key/value cache cannot be recomputed: the replay in backward would
+append its keys and values a second time (transformers' decoder layers, called with
+``use_cache=True``, their default). A unit recomputed in backward therefore runs without one,
+as transformers' own gradient checkpointing does (``_without_cache``).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -78,11 +84,41 @@ def _selective_contexts(policy: Selective) -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_op_policy(policy))
 
 
+_CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+"""Keyword arguments through which transformers' layers receive a key/value cache (the name
+changed across versions and models)."""
+
+
+def _without_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` for a unit that will be recomputed: no key/value cache, ``use_cache=False``.
+
+    A cache is a value of one of ``_CACHE_ARGS`` with an ``update`` method (the protocol of
+    transformers' ``Cache``: ``update(key_states, value_states, layer_idx)`` appends and
+    returns the whole); it is replaced by None, and ``use_cache=True`` by False, with a
+    warning. The forward then neither fills nor reads the cache; training does not need it.
+    """
+    dropped = [k for k in _CACHE_ARGS if callable(getattr(kwargs.get(k), "update", None))]
+    if kwargs.get("use_cache") is True:
+        dropped.append("use_cache")
+    if not dropped:
+        return kwargs
+    warnings.warn(
+        f"torch_remat: a checkpointed unit was called with a key/value cache ({', '.join(dropped)}"
+        "); it runs without it, as transformers' own gradient checkpointing does (the recompute "
+        "in backward would append to the cache a second time). Pass use_cache=False to the "
+        "model when training to silence this.",
+        UserWarning,
+        stacklevel=1,  # one place: Python's default filter then says it once
+    )
+    return {**kwargs, **{k: (False if k == "use_cache" else None) for k in dropped}}
+
+
 def checkpoint(fn: Callable[..., _T], *args: Any, policy: Policy = _FULL, **kwargs: Any) -> _T:
     """``fn(*args, **kwargs)`` with its activations handled by ``policy``.
 
     ``policy`` is ``Full``, ``Selective`` or ``Offload``; ``EveryNth`` and ``Budget`` choose
-    among units and belong to ``apply``.
+    among units and belong to ``apply``. Under ``Full`` and ``Selective``, while autograd
+    records, a key/value cache in ``kwargs`` is dropped (see ``_without_cache``).
     """
     return _run(fn, policy, frozenset(), args, kwargs)
 
@@ -109,6 +145,8 @@ def _run(
         )
     else:
         raise TypeError(f"checkpoint: policy must be Full, Selective or Offload, got {policy!r}")
+    if torch.is_grad_enabled():  # without autograd, checkpoint runs fn once: nothing replays
+        kwargs = _without_cache(kwargs)
     return torch.utils.checkpoint.checkpoint(
         fn, *args, use_reentrant=False, **context, **_ROUTE_SAC_THROUGH_HOOKS, **kwargs
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -145,20 +145,37 @@ class Measurement:
 
 
 def _default_loss(out: object) -> torch.Tensor:
+    """The mean square of the first tensor in ``out``: a stand-in loss that reaches every
+    element of it."""
     first = next(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
     return first.float().square().mean()
 
 
-def _step(model, inputs, loss_fn) -> None:
-    loss_fn(model(*inputs)).backward()
+def _check_inputs(
+    where: str, inputs: Sequence[object], kwargs: Mapping[str, object] | None
+) -> tuple[tuple[object, ...], dict[str, object]]:
+    """``(args, kwargs)`` of the model call, checked."""
+    if isinstance(inputs, (torch.Tensor, Mapping, str)) or not isinstance(inputs, Sequence):
+        raise TypeError(
+            f"{where}: inputs must be a tuple or list of positional arguments (e.g. (x,)), got "
+            f"{type(inputs).__name__}; pass keyword arguments as kwargs= / sample_kwargs="
+        )
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"{where}: keyword inputs must be a mapping, got {type(kwargs).__name__}")
+    return tuple(inputs), dict(kwargs or {})
+
+
+def _step(model, inputs, kwargs, loss_fn) -> None:
+    loss_fn(model(*inputs, **kwargs)).backward()
 
 
 def _saved_bytes_of_forward(
-    model: torch.nn.Module, inputs: Sequence[object]
+    model: torch.nn.Module, inputs: Sequence[object], kwargs: Mapping[str, object]
 ) -> tuple[_Ledger, object]:
     """One forward with the ledger attached; returns the ledger and the output (still alive)."""
-    with _Ledger(_model_keys(model) | _keys(tree_leaves(inputs))) as ledger, ledger.hooks():
-        out = model(*inputs)
+    excluded = _model_keys(model) | _keys(tree_leaves((inputs, kwargs)))
+    with _Ledger(excluded) as ledger, ledger.hooks():
+        out = model(*inputs, **kwargs)
     return ledger, out
 
 
@@ -169,13 +186,20 @@ def _sync(device: torch.device) -> None:
 
 def measure(
     model: torch.nn.Module,
-    inputs: Sequence[object],
+    inputs: Sequence[object] = (),
     *,
+    kwargs: Mapping[str, object] | None = None,
     loss_fn: Callable[[object], torch.Tensor] = _default_loss,
     steps: int = 3,
     warmup: int = 1,
 ) -> Measurement:
-    """Saved-activation bytes, peak memory and step time of ``loss_fn(model(*inputs)).backward()``.
+    """Saved-activation bytes, peak memory and step time of one training step,
+    ``loss_fn(model(*inputs, **kwargs)).backward()``.
+
+    ``loss_fn`` receives exactly what the model returns (a tensor, a tuple, a transformers
+    ``ModelOutput``, ...) and returns the scalar to backpropagate; for a transformers causal
+    LM, put ``labels`` in ``kwargs`` and pass ``loss_fn=lambda out: out.loss``. The default is
+    the mean square of the first tensor in the output (a stand-in that reaches all of it).
 
     Peak: on CUDA, ``torch.cuda.max_memory_allocated`` during one step minus what was allocated
     before it. On CPU there is no allocator counter, so peak is the high-water mark of bytes held
@@ -186,38 +210,38 @@ def measure(
     """
     if steps < 1 or warmup < 0:
         raise ValueError(f"measure: steps must be >= 1 and warmup >= 0, got {steps}, {warmup}")
-    inputs = tuple(inputs)
+    inputs, kwargs = _check_inputs("measure", inputs, kwargs)
     params = list(model.parameters())
     grads = [p.grad for p in params]
     device = next((p.device for p in params), torch.device("cpu"))
     try:
         for _ in range(warmup):
-            _step(model, inputs, loss_fn)
+            _step(model, inputs, kwargs, loss_fn)
         times = []
         for _ in range(steps):
             for p in params:
                 p.grad = None
             _sync(device)
             t0 = time.perf_counter()
-            _step(model, inputs, loss_fn)
+            _step(model, inputs, kwargs, loss_fn)
             _sync(device)
             times.append(time.perf_counter() - t0)
         for p in params:
             p.grad = None
 
-        excluded = _model_keys(model) | _keys(tree_leaves(inputs))
+        excluded = _model_keys(model) | _keys(tree_leaves((inputs, kwargs)))
         if device.type == "cuda":
             _sync(device)
             before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-            ledger, out = _saved_bytes_of_forward(model, inputs)
+            ledger, out = _saved_bytes_of_forward(model, inputs, kwargs)
             loss_fn(out).backward()
             del out
             _sync(device)
             peak = torch.cuda.max_memory_allocated(device) - before
         else:
             with _LiveBytes(excluded) as live:
-                ledger, out = _saved_bytes_of_forward(model, inputs)
+                ledger, out = _saved_bytes_of_forward(model, inputs, kwargs)
                 loss_fn(out).backward()
                 del out
             peak = live.peak

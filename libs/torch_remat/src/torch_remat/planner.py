@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,8 +28,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
-from .checkpoint import _ROUTE_SAC_THROUGH_HOOKS
-from .measure import _keys, _Ledger, _model_keys, _saved_bytes_of_forward, _StorageKey, _storages
+from .checkpoint import _ROUTE_SAC_THROUGH_HOOKS, _without_cache
+from .measure import (
+    _check_inputs,
+    _keys,
+    _Ledger,
+    _model_keys,
+    _saved_bytes_of_forward,
+    _StorageKey,
+    _storages,
+)
 from .policies import Budget, Full, Policy, Selective
 from .units import Units, _resolve_units, _wrapped
 
@@ -97,7 +105,7 @@ class _Recorder(TorchDispatchMode):
 
 
 def _profile(
-    model: nn.Module, inputs: tuple, units: list[tuple[str, nn.Module]]
+    model: nn.Module, inputs: tuple, kwargs: dict, units: list[tuple[str, nn.Module]]
 ) -> tuple[list[_OpCall], _Ledger, list[object]]:
     """One forward with every unit fully checkpointed, recording each unit's ops."""
     calls: list[_OpCall] = []
@@ -112,6 +120,8 @@ def _profile(
             return _Recorder(name, calls, keep), contextlib.nullcontext()
 
         def forward(*args, **kwargs):
+            # as the unit will run under its policy: the op stream SAC sees (op#k) must match
+            kwargs = _without_cache(kwargs)
             return torch.utils.checkpoint.checkpoint(
                 inner,
                 *args,
@@ -126,7 +136,7 @@ def _profile(
     for name, module in units:
         wrap(name, module)
     try:
-        ledger, out = _saved_bytes_of_forward(model, inputs)
+        ledger, out = _saved_bytes_of_forward(model, inputs, kwargs)
         keep.append(out)
     finally:
         for module in originals.values():
@@ -199,8 +209,11 @@ def plan(
     budget: Budget | int | float,
     *,
     units: Units = None,
+    sample_kwargs: Mapping[str, object] | None = None,
 ) -> Plan:
     """Choose, per unit and per op call, what to save so saved activations fit ``budget``.
+
+    The model is profiled on ``model(*sample_inputs, **sample_kwargs)`` (forwards only).
 
     ``budget`` is a ``Budget`` or its ``limit`` (bytes, or a fraction of the no-remat saved
     bytes). Budgets at or above the no-remat total leave every unit alone. Raises ValueError for
@@ -212,9 +225,9 @@ def plan(
         raise ValueError(
             f"plan: units {_wrapped(model)} already have remat policies; plan an unwrapped model"
         )
-    inputs = tuple(sample_inputs)
+    inputs, kwargs = _check_inputs("plan", sample_inputs, sample_kwargs)
     with _fork_rng(model), torch.enable_grad():
-        total_ledger, out = _saved_bytes_of_forward(model, inputs)
+        total_ledger, out = _saved_bytes_of_forward(model, inputs, kwargs)
         del out
         total = sum(total_ledger.resident.values())
         if isinstance(budget.limit, float):
@@ -230,7 +243,7 @@ def plan(
         # shared machine any single run is noisy. Storages come from the last run, kept alive.
         times = None
         for _ in range(_PROFILE_RUNS):
-            calls, fixed, keep = _profile(model, inputs, chosen_units)
+            calls, fixed, keep = _profile(model, inputs, kwargs, chosen_units)
             seconds = [c.seconds for c in calls]
             times = seconds if times is None else list(map(min, times, seconds))
         for call, t in zip(calls, times, strict=True):
@@ -257,7 +270,7 @@ def plan(
         )
 
     held: set[_StorageKey] = set(fixed.resident)
-    excluded = _model_keys(model) | _keys(tree_leaves(inputs))
+    excluded = _model_keys(model) | _keys(tree_leaves((inputs, kwargs)))
     used = min_bytes
 
     def extra(call: _OpCall) -> int:

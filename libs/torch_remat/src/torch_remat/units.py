@@ -120,12 +120,15 @@ def apply(
     units: Units = None,
     *,
     sample_inputs: Sequence[object] | None = None,
+    sample_kwargs: Mapping[str, object] | None = None,
 ) -> dict[str, Policy | None]:
     """Wrap each unit of ``model`` (in place) under its policy; returns FQN -> policy applied.
 
     ``policy`` is one policy for all units, a dict from unit FQN (or glob) to policy, or a
     function of the FQN (None leaves a unit alone). ``Budget`` runs ``plan`` on
-    ``sample_inputs`` and applies the per-unit ``Selective`` policies it chooses.
+    ``model(*sample_inputs, **sample_kwargs)`` and applies the per-unit ``Selective``
+    policies it chooses. A unit recomputed in backward runs without a key/value cache (see
+    ``checkpoint``).
     """
     chosen_units = _resolve_units(model, units)
     for name, module in chosen_units:
@@ -136,12 +139,15 @@ def apply(
     if budgets:
         if len(set(budgets.values())) > 1 or len(budgets) != len(chosen_units):
             raise ValueError("policy: Budget is one budget over all units; give it alone")
-        if sample_inputs is None:
-            raise ValueError("apply: Budget needs sample_inputs= to profile one forward")
+        if sample_inputs is None and sample_kwargs is None:
+            raise ValueError(
+                "apply: Budget needs sample_inputs= and/or sample_kwargs= to profile one forward"
+            )
         from .planner import plan
 
         budget = next(iter(budgets.values()))
-        resolved = dict(plan(model, sample_inputs, budget, units=units).policies)
+        chosen = plan(model, sample_inputs or (), budget, units=units, sample_kwargs=sample_kwargs)
+        resolved = dict(chosen.policies)
     modules = dict(chosen_units)
     for name, p in resolved.items():
         if p is not None:

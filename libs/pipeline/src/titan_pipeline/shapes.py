@@ -1,0 +1,157 @@
+"""Static shapes: every rank agrees on each stage's output shape and dtype before a step.
+
+Receive buffers are allocated with these shapes. They are found once per microbatch shape by
+running each stage's module on meta tensors in stage order (or its ``output_spec``), and
+shared by the stage's owner; bad input found on any rank is raised on every rank before any
+activation is sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titan_pipeline.actions import Schedule
+from titan_pipeline.stage import PipelineStage, _device_of
+
+_MAX_DIMS = 8
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+
+
+def _stage_output_meta(
+    schedule: Schedule,
+    local: dict[int, PipelineStage],
+    microbatches: Sequence[torch.Tensor] | None,
+    rank: int,
+    group: dist.ProcessGroup | None,
+    problem: str | None,
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of every stage's output, the same on every rank.
+
+    One one-element all-reduce per run shares whether any rank found a problem in its inputs
+    (so every rank raises the same ``ValueError`` instead of some waiting forever) and whether
+    every rank can reuse the microbatch shape agreed in the last run of this stage layout (the
+    first stage's rank compares its microbatches with it). Only when one cannot is the shape
+    broadcast from the first stage's rank; the first time a shape is seen, each stage in turn
+    runs its module on meta tensors and its owner broadcasts the result, or the error that
+    says the stages do not fit. One element because gloo all-reduces fewer elements than
+    ranks in one short exchange: 11 int64 took 4.3 ms on 4 ranks sharing 2 cores, 1 took
+    0.7 ms (2 ranks: 0.51 vs 0.27 ms), every step. The agreed shape is kept on this rank's
+    first stage object, so every rank's stages must have taken part in the same runs (they
+    do when each rank builds its stages once and calls ``run`` with them each step; a rank
+    with new stage objects asks for the shape).
+    """
+    distributed = dist.is_initialized() and schedule.num_ranks > 1
+    first = schedule.stage_to_rank[0]
+    key = None
+    if problem is None and rank == first:
+        mb = microbatches[0]
+        if mb.dim() > _MAX_DIMS or mb.dtype not in _DTYPES:
+            problem = (
+                f"rank {rank}: microbatches must have at most {_MAX_DIMS} dims and a dtype in "
+                f"{list(_DTYPES)}, got shape {list(mb.shape)} dtype {mb.dtype}"
+            )
+        else:
+            key = (tuple(mb.shape), mb.dtype)
+    holder = next(iter(local.values()))
+    layout = schedule.stage_to_rank
+    agreed = holder._agreed_shape.get(layout)
+    needs_shape = agreed is None or (key is not None and key != agreed)
+    # problems (at most num_ranks) + (num_ranks + 1) * ranks that need the shape sent
+    device = _device_of(local.values())  # on the stages' device: NCCL takes no host tensors
+    flag = torch.tensor(
+        [int(problem is not None) + (schedule.num_ranks + 1) * int(needs_shape)], device=device
+    )
+    if distributed:
+        dist.all_reduce(flag, group=group)
+    total = int(flag)
+    ranks_needing_shape, problems = divmod(total, schedule.num_ranks + 1)
+    if problems:
+        messages = [problem]
+        if distributed:
+            messages = [None] * schedule.num_ranks
+            dist.all_gather_object(messages, problem, group=group)
+        raise ValueError("; ".join(p for p in messages if p is not None))
+    if not ranks_needing_shape:
+        return holder._shape_cache[(layout, agreed)]
+    code = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=device)  # [ndim, dtype, shape...]
+    if rank == first:
+        shape, dtype = key
+        code[0], code[1] = len(shape), _DTYPES.index(dtype)
+        code[2 : 2 + len(shape)] = torch.tensor(shape)
+    if distributed:
+        dist.broadcast(code, src=_global(first, group), group=group)
+    key = (tuple(code[2 : 2 + int(code[0])].tolist()), _DTYPES[int(code[1])])
+
+    def share(obj: object, owner_rank: int) -> object:
+        if not distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=_global(owner_rank, group), group=group)
+        return box[0]
+
+    if (layout, key) not in holder._shape_cache:
+        shape, dtype = key
+        metas: list[tuple[tuple[int, ...], torch.dtype]] = []
+        for s, owner_rank in enumerate(layout):
+            result = _stage_meta(local[s], shape, dtype) if owner_rank == rank else None
+            result = share(result, owner_rank)
+            if isinstance(result, str):
+                what = "the microbatches" if s == 0 else f"the output of stage {s - 1}"
+                raise ValueError(
+                    f"stage {s} (rank {owner_rank}) cannot take {what}: input shape "
+                    f"{list(shape)} dtype {dtype}; each stage's output shape must match the "
+                    f"next stage's input ({result})"
+                )
+            shape, dtype = result
+            metas.append((shape, dtype))
+        holder._shape_cache[(layout, key)] = metas
+    holder._agreed_shape[layout] = key
+    return holder._shape_cache[(layout, key)]
+
+
+def _stage_meta(
+    stage: PipelineStage, shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[tuple[int, ...], torch.dtype] | str:
+    if stage.output_spec is None:
+        return _meta_forward(stage.module, shape, dtype)
+    try:
+        out_shape, out_dtype = stage.output_spec(shape, dtype)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return tuple(out_shape), out_dtype
+
+
+def _meta_forward(
+    module: nn.Module, shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[tuple[int, ...], torch.dtype] | str:
+    """Output shape and dtype of ``module`` on an input of ``shape``, or the error text."""
+    state = {n: t.to("meta") for n, t in module.named_parameters()}
+    state.update({n: t.to("meta") for n, t in module.named_buffers()})
+    x = torch.empty(shape, dtype=dtype, device="meta")
+    try:
+        with torch.no_grad():
+            out = torch.func.functional_call(module, state, (x,))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    if not isinstance(out, torch.Tensor):
+        return f"a stage must return one tensor, got {type(out).__name__}"
+    return tuple(out.shape), out.dtype
+
+
+def _global(group_rank: int, group: dist.ProcessGroup | None) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
