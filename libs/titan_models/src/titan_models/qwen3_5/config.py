@@ -43,8 +43,9 @@ class Qwen3_5Config(TransformerConfig):
     """Taps of the short causal convolution on q, k and v."""
     chunk_size: int = 64
     """Tokens per chunk of the chunked delta rule (a power of two)."""
-    linear_attention_backend: str = "auto"
-    """Chunked delta-rule implementation: ``torch``, ``triton`` or ``auto`` (Triton on CUDA)."""
+    linear_attention_backend: str = "torch"
+    """Chunked delta-rule implementation: ``torch`` (any device), ``triton`` or ``auto`` (Triton
+    on CUDA). Torch by default until the Triton kernels have passed their CUDA test."""
 
     def __post_init__(self) -> None:
         TransformerConfig.__post_init__(self)

@@ -171,7 +171,7 @@ class GatedDeltaNet(DeltaRuleAttention):
         conv_kernel_size: int,
         norm_eps: float,
         chunk_size: int = 64,
-        backend: str = "auto",
+        backend: str = "torch",
     ) -> None:
         if num_value_heads % num_key_heads:
             raise ValueError(
@@ -230,7 +230,7 @@ class KimiDeltaAttention(DeltaRuleAttention):
         conv_kernel_size: int,
         norm_eps: float,
         chunk_size: int = 64,
-        backend: str = "auto",
+        backend: str = "torch",
     ) -> None:
         super().__init__(
             dim=dim,
