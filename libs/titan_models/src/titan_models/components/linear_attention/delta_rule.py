@@ -147,7 +147,7 @@ def chunk_delta_rule(
     )
 
 
-def chunk_masks(
+def _chunk_masks(
     document_ids: torch.Tensor | None, S: int, N: int, C: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Intra-chunk masks (strict and inclusive lower triangles, within one document) ``(B?, 1,
@@ -188,7 +188,7 @@ def _torch_chunk_delta_rule(
         return t.reshape(B, H, N, C, *t.shape[3:])
 
     q_c, k_c, v_c, b_c, g_c = chunks(q, scale), chunks(k), chunks(v), chunks(beta), chunks(g)
-    strict, inclusive, carry, last = chunk_masks(document_ids, S, N, C, q.device)
+    strict, inclusive, carry, last = _chunk_masks(document_ids, S, N, C, q.device)
 
     G = g_c.cumsum(dim=3)  # (B, H, N, C[, K])
     Gk = G if per_channel else G[..., None]  # broadcastable over K
@@ -198,8 +198,9 @@ def _torch_chunk_delta_rule(
     # UT transform: T = (I + A_kk)^-1 applied by unit-triangular solves (two narrow solves
     # measured 2-3x faster on CPU than one over the concatenated right-hand sides).
     u = torch.linalg.solve_triangular(A_kk, v_c * b_c[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(A_kk, kb_c * Gk.exp(), upper=False, unitriangular=True)
-    q_e = q_c * Gk.exp()
+    eG = Gk.exp()  # <= 1: decays since the chunk start
+    w = torch.linalg.solve_triangular(A_kk, kb_c * eG, upper=False, unitriangular=True)
+    q_e = q_c * eG
     gamma = Gk[:, :, :, -1]  # (B, H, N, K | 1): the chunk's total log decay
     k_tail = k_c * (gamma[:, :, :, None] - Gk).exp()
     decay = gamma.exp()

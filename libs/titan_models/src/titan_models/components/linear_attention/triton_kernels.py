@@ -22,7 +22,7 @@ backward
 
 Decays per key channel are exact and stable: ``exp(G_i - G_j)`` is formed per pair (never as
 ``exp(G_i) exp(-G_j)``), one column of the ``C x C`` matrix at a time. Per-head decays use
-``tl.dot``. Packed documents: a segment id per token; the masks are those of ``chunk_masks``.
+``tl.dot``. Packed documents: a segment id per token; the masks are those of the torch form.
 Every product is fp32 (``input_precision="ieee"``: no TF32).
 
 Shapes: B batch, H heads, S padded sequence, N chunks, C chunk size, K / V head dims (BK / BV
