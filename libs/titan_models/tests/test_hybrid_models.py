@@ -27,6 +27,8 @@ from titan_models.components.linear_attention import DeltaRuleAttention
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "kimi_linear"]
 TOL = 1e-5
+# Two blocks cover every path: linear attention then attention (Kimi: a dense then a MoE one).
+TWO = {"num_layers": 2}
 
 
 def _model(family: str, seed: int = 0, **overrides) -> titan_models.Transformer:
@@ -52,7 +54,7 @@ def _active_params(model: nn.Module) -> int:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_debug_flavor_trains_with_the_byte_tokenizer_vocab(family):
-    model = _model(family, vocab_size=264)
+    model = _model(family, vocab_size=264, **TWO)
     tokens = torch.randint(0, 264, (2, 25), generator=torch.Generator().manual_seed(0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
@@ -72,7 +74,7 @@ def test_debug_flavor_trains_with_the_byte_tokenizer_vocab(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cached_decoding_matches_full_forward_for_ragged_prompts(family):
-    model = _model(family, vocab_size=512, seed=3).eval()
+    model = _model(family, vocab_size=512, seed=3, **TWO).eval()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 17, 9)]
     new_tokens, step_logits = titan_models.greedy_generate(model, prompts, max_new_tokens=12)
@@ -87,7 +89,7 @@ def test_cached_decoding_matches_full_forward_for_ragged_prompts(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chunked_prefill_equals_one_prefill(family):
     # 8-token chunks: a 13-token prefill continues the cached state over two chunks.
-    model = _model(family, vocab_size=512, chunk_size=8).eval()
+    model = _model(family, vocab_size=512, chunk_size=8, **TWO).eval()
     tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(tokens)
@@ -122,7 +124,7 @@ def test_cache_holds_fixed_size_states_for_linear_layers_and_buffers_for_attenti
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_batch_equals_documents_run_separately(family):
-    model = _model(family, vocab_size=512, chunk_size=8).eval()  # documents cross chunks
+    model = _model(family, vocab_size=512, chunk_size=8, **TWO).eval()  # docs cross chunks
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 512, (n,), generator=g) for n in (7, 20, 5)]
     ids = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)])[None]
@@ -133,7 +135,7 @@ def test_packed_batch_equals_documents_run_separately(family):
 
 
 def test_packed_gradients_equal_the_sum_over_documents():
-    model = _model("qwen3_5", vocab_size=128, chunk_size=8)
+    model = _model("qwen3_5", vocab_size=128, chunk_size=8, **TWO)
     g = torch.Generator().manual_seed(1)
     docs = [torch.randint(0, 128, (n,), generator=g) for n in (6, 11)]
     targets = [torch.randint(0, 128, (len(d),), generator=g) for d in docs]
