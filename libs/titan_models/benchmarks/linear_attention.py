@@ -5,14 +5,14 @@ sequence lengths; and generation with the recurrent state vs recomputing the who
     uv run python libs/titan_models/benchmarks/linear_attention.py            # S = 1k, 4k, 16k
     uv run python libs/titan_models/benchmarks/linear_attention.py --seq-lens 1024 4096 --rounds 3
 
-Every (implementation, operator, S) runs in a fresh process: its peak memory is the process's
-peak RSS (``ru_maxrss``) minus its RSS once the inputs exist, over one forward + backward;
-its time is the median of ``--rounds`` further steps. fp32, batch 1, ``--heads`` heads of
-width 128 (Qwen3.5 / Kimi Linear's), chunk 64, 2 threads. q/k are L2-normalised beforehand for
-every implementation (the same work left outside each). The recurrent form and transformers'
-KDA hold per-token (K x V) states or (C x C x K) decay tensors for the backward: they run up to
-``--max-recurrent`` / ``--max-hf-kda`` tokens only (longer rows print ``-``). Timings on a
-shared machine are noisy: compare the ratios of one run.
+Time: all implementations in one process, steps interleaved (ours, recurrent, theirs, ours,
+...), the median per implementation and the median of the per-round ratios (robust to the
+load of a shared machine drifting). Peak memory: each (implementation, operator, S) once in a
+fresh process, its peak RSS (``ru_maxrss``) minus its RSS once the inputs exist, over one
+forward + backward. fp32, batch 1, ``--heads`` heads of width 128 (Qwen3.5's and Kimi Linear's),
+chunk 64, 2 threads. q/k are L2-normalised beforehand for every implementation. The recurrent
+form keeps a (K x V) state per token for the backward and transformers' KDA a (C x C x K) decay
+tensor per chunk: they run up to ``--max-recurrent`` / ``--max-hf-kda`` tokens (``-`` beyond).
 """
 
 from __future__ import annotations
@@ -66,23 +66,35 @@ def _step_fn(impl: str, op: str):
     return lambda q, k, v, g, b: chunk_kimi_delta_attention(q, k, v, g=g, beta=b)[0]
 
 
-def _worker(impl: str, op: str, S: int, heads: int, rounds: int) -> dict:
+def _worker(impl: str, op: str, S: int, heads: int) -> dict:
+    """Peak memory of one forward + backward, in a fresh process."""
     torch.set_num_threads(2)
     fn = _step_fn(impl, op)
     inputs = _inputs(op, S, heads)
     before = _rss_kib()
-    start = time.perf_counter()
     fn(*inputs).sum().backward()
-    first = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-    times = []
-    for _ in range(rounds):
-        for t in inputs:
-            t.grad = None
-        start = time.perf_counter()
-        fn(*inputs).sum().backward()
-        times.append(time.perf_counter() - start)
-    return {"ms": 1e3 * statistics.median(times or [first]), "peak_mib": peak / 1024}
+    return {"peak_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024}
+
+
+def _interleaved_times(op: str, S: int, impls: list[str], heads: int, rounds: int) -> dict:
+    """Median fwd+bwd seconds per implementation and the median per-round ratio to ours."""
+    torch.set_num_threads(2)
+    fns = {impl: _step_fn(impl, op) for impl in impls}
+    inputs = _inputs(op, S, heads)
+    times: dict[str, list[float]] = {impl: [] for impl in impls}
+    for r in range(rounds + 1):  # round 0 warms up
+        for impl, fn in fns.items():
+            for t in inputs:
+                t.grad = None
+            start = time.perf_counter()
+            fn(*inputs).sum().backward()
+            if r:
+                times[impl].append(time.perf_counter() - start)
+    out = {impl: statistics.median(t) for impl, t in times.items()}
+    for impl in impls:
+        ratios = [a / b for a, b in zip(times[impl], times["ours_chunked"], strict=True)]
+        out[f"{impl}/ours"] = statistics.median(ratios)
+    return out
 
 
 def _generation(tokens: int, prompt: int) -> dict:
@@ -122,41 +134,41 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         impl, op, S = args.worker
-        print(json.dumps(_worker(impl, op, int(S), args.heads, args.rounds)))
+        print(json.dumps(_worker(impl, op, int(S), args.heads)))
         return
 
-    impls = ["ours_chunked", "ours_recurrent", *([] if args.skip_hf else ["transformers"])]
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     print(f"load average at start: {os.getloadavg()[0]:.1f}; heads {args.heads}, K = V = 128")
     for op, name in (
         ("gdn", "Gated DeltaNet (per-head decay)"),
         ("kda", "KDA (per-channel decay)"),
     ):
-        print(f"\n{name}: forward + backward, ms (peak MiB)")
-        print("| S | " + " | ".join(impls) + " | chunked vs transformers |")
-        print("|---:|" + "---:|" * (len(impls) + 1))
+        print(f"\n{name}: forward + backward, median ms (peak MiB)")
+        print(
+            "| S | ours chunked | ours recurrent | transformers | transformers / ours: time, memory |"
+        )
+        print("|---:|---:|---:|---:|---|")
         for S in args.seq_lens:
-            cells, results = [], {}
+            impls = ["ours_chunked"]
+            if args.max_recurrent >= S:
+                impls.append("ours_recurrent")
+            if not args.skip_hf and (op == "gdn" or args.max_hf_kda >= S):
+                impls.append("transformers")
+            peaks = {}
             for impl in impls:
-                limit = {"ours_recurrent": args.max_recurrent}.get(impl)
-                if impl == "transformers" and op == "kda":
-                    limit = args.max_hf_kda
-                if limit is not None and limit < S:
-                    cells.append("-")
-                    continue
                 cmd = [sys.executable, __file__, "--worker", impl, op, str(S)]
-                cmd += ["--heads", str(args.heads), "--rounds", str(args.rounds)]
+                cmd += ["--heads", str(args.heads)]
                 out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
-                results[impl] = json.loads(out.stdout.strip().splitlines()[-1])
-                r = results[impl]
-                cells.append(f"{r['ms']:.0f} ({r['peak_mib']:.0f})")
+                peaks[impl] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
+            times = _interleaved_times(op, S, impls, args.heads, args.rounds)
+            cells = [
+                f"{1e3 * times[i]:.0f} ({peaks[i]:.0f})" if i in impls else "-"
+                for i in ("ours_chunked", "ours_recurrent", "transformers")
+            ]
             ratio = "-"
-            if "transformers" in results:
-                ours, theirs = results["ours_chunked"], results["transformers"]
-                ratio = (
-                    f"{theirs['ms'] / ours['ms']:.2f}x faster, "
-                    f"{theirs['peak_mib'] / max(ours['peak_mib'], 1e-9):.2f}x less memory"
-                )
+            if "transformers" in impls:
+                memory = peaks["transformers"] / max(peaks["ours_chunked"], 1e-9)
+                ratio = f"{times['transformers/ours']:.2f}x, {memory:.2f}x"
             print(f"| {S} | " + " | ".join(cells) + f" | {ratio} |")
     gen = _generation(args.gen_tokens, args.gen_prompt)
     print(
