@@ -46,6 +46,7 @@ def test_package_layout_and_version(dist):
 # transformers), each with its number of processes (> 1: launched with torchrun). The slow
 # test below runs each in an empty venv holding only that library's wheel.
 EXAMPLES: dict[str, list[tuple[str, int]]] = {
+    "titan-checkpointing": [("fsdp2_checkpoint.py", 1)],  # it starts its own 2 and 3 ranks
     "titan-pipeline": [("plain_pipeline.py", 2)],
     "titan-remat": [("hf_remat.py", 1)],
 }

@@ -135,3 +135,16 @@ def test_moe_recipe_logs_expert_load_and_learns(tmp_path):
     rows = [json.loads(x) for x in (out["run_dir"] / "metrics.jsonl").read_text().splitlines()]
     assert all(r["moe_load_max"] >= r["moe_load_mean"] >= 1.0 for r in rows)
     assert out["losses"][-1] < out["losses"][0]
+
+
+def test_attention_backend_reaches_the_model_and_backends_train_alike(tmp_path):
+    from titan_train.data.tokenizers import build_tokenizer
+    from titan_train.trainer import build_model
+
+    dense = _cfg(tmp_path / "a", "--training.steps", "3", "--model.attention-backend", "sdpa")
+    model = build_model(dense, build_tokenizer("byte"), torch.device("cpu"))
+    assert model.config.attention_backend == "sdpa"
+    # Packed rows of many short documents: the dense mask vs varlen's tiles.
+    a = train(dense)["losses"]
+    b = train(_cfg(tmp_path / "b", "--training.steps", "3", "--model.attention-backend", "varlen"))
+    assert torch.allclose(torch.tensor(a), torch.tensor(b["losses"]), rtol=0, atol=1e-5)

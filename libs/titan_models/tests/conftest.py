@@ -41,6 +41,10 @@ def _hf_config(family: str, **overrides):
         )
         kw.update(overrides)
         return transformers.LlamaConfig(**kw)
+    if family == "mistral":
+        kw = dict(common, head_dim=16, rope_theta=10_000.0, rms_norm_eps=1e-5, sliding_window=8)
+        kw.update(overrides)
+        return transformers.MistralConfig(**kw)
     if family == "qwen3_moe":
         kw = dict(
             common,

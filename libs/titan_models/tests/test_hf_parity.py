@@ -51,6 +51,48 @@ def test_logits_and_gradients_match_transformers(
     assert checked == len(hf_params)
 
 
+WINDOW_CASES = [
+    # Qwen3 with layer 1 of 2 sliding over 8 tokens (seq 64); Mistral: every layer over 8.
+    pytest.param(
+        "qwen3",
+        {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+        (8, (1,)),
+        id="qwen3-window8-layer1",
+    ),
+    pytest.param("mistral", {"sliding_window": 8}, (8, None), id="mistral-window8"),
+]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize(("family", "overrides", "windows"), WINDOW_CASES)
+def test_sliding_window_models_match_transformers(
+    hf_checkpoint, backward_both, family, overrides, windows, attn
+):
+    hf, folder = hf_checkpoint(family, attn=attn, **overrides)
+    ours = titan_models.from_hf(folder)
+    assert (ours.config.sliding_window, ours.config.sliding_window_layers) == windows
+    backward_both(ours, hf)
+    hf_params = dict(hf.named_parameters())
+    for fqn, param in ours.named_parameters():
+        diff = (param.grad - hf_params[_hf_name(fqn)].grad).abs().max().item()
+        assert diff <= 1e-4, f"{fqn}: gradient differs by {diff}"
+
+
+@pytest.mark.parametrize(("family", "overrides", "windows"), WINDOW_CASES)
+def test_sliding_window_models_round_trip_through_hf_files(
+    token_batch, hf_checkpoint, tmp_path, family, overrides, windows
+):
+    transformers = pytest.importorskip("transformers")
+    hf, folder = hf_checkpoint(family, **overrides)
+    out = titan_models.to_hf(titan_models.from_hf(folder), tmp_path / "exported")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(reloaded) is type(hf)
+    assert titan_models.from_hf(out).config.sliding_window_layers == windows[1]
+    tokens, _ = token_batch(hf.config.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=tokens).logits, hf(input_ids=tokens).logits)
+
+
 @pytest.mark.parametrize(("family", "overrides"), CASES)
 def test_to_hf_then_from_pretrained_gives_the_same_logits(
     token_batch, hf_checkpoint, tmp_path, family, overrides

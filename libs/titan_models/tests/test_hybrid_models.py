@@ -17,6 +17,7 @@ import titan_models
 from dist_moe import MoE
 from titan_models import fqn_matches
 from titan_models.components import (
+    AttentionMetadata,
     GatedRMSNorm,
     LayerKVCache,
     LayerRecurrentState,
@@ -213,9 +214,10 @@ def test_on_the_tp_plan_head_shards_sum_to_the_whole_mixer(family, layer):
     shards = [_shard(whole, prefix, tp, r) for r in range(2)]
     x = torch.randn(2, 12, model.config.dim, generator=torch.Generator().manual_seed(0))
     rope = model.rope(torch.arange(12).expand(2, 12), x.dtype)
+    meta = AttentionMetadata.causal(2, 12, "cpu")
     with torch.no_grad():
-        expected = whole(x, rope, None)
-        assert (sum(s(x, rope, None) for s in shards) - expected).abs().max().item() <= TOL
+        expected = whole(x, rope, meta)
+        assert (sum(s(x, rope, meta) for s in shards) - expected).abs().max().item() <= TOL
         if isinstance(whole, DeltaRuleAttention):
             caches = [m.new_kv_cache(2, 16) for m in (model, model)]
             local = [
@@ -226,7 +228,7 @@ def test_on_the_tp_plan_head_shards_sum_to_the_whole_mixer(family, layer):
             ]
             for c in caches:
                 c.begin(12)
-            summed = sum(s(x, rope, None, st) for s, st in zip(shards, local, strict=True))
+            summed = sum(s(x, rope, meta, st) for s, st in zip(shards, local, strict=True))
             assert (summed - expected).abs().max().item() <= TOL
 
 

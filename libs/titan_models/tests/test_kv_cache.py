@@ -8,8 +8,8 @@ import torch
 import titan_models
 
 
-def _model(family: str) -> titan_models.Transformer:
-    cls, config = titan_models.get_model(family, "debug", num_layers=2, vocab_size=512)
+def _model(family: str, **overrides) -> titan_models.Transformer:
+    cls, config = titan_models.get_model(family, "debug", num_layers=2, vocab_size=512, **overrides)
     with torch.device("meta"):
         model = cls(config)
     return model.init_weights(device="cpu", seed=3).eval()
@@ -79,3 +79,66 @@ def test_cache_batch_must_match_the_input():
     model = _model("llama3")
     with pytest.raises(ValueError, match="batch_size=3"):
         model(torch.zeros(2, 3, dtype=torch.long), kv_cache=model.new_kv_cache(3, 8))
+
+
+def _windowed(family: str = "qwen3", **overrides) -> titan_models.Transformer:
+    # Layer 1 slides over 6 tokens: its cache is a ring of 5 (+1 scratch slot).
+    return _model(family, sliding_window=6, sliding_window_layers=(1,), **overrides)
+
+
+def test_sliding_window_layer_keeps_a_ring_and_decodes_like_the_full_forward():
+    model = _windowed()
+    cache = model.new_kv_cache(3, 64)
+    assert cache.layers[0].k_BKLD.shape[2] == 64 and cache.layers[1].k_BKLD.shape[2] == 6
+    assert cache.bytes_per_token() == 2 * 4 * 64 * 4  # the full layer only: K and V, fp32
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 17, 9)]
+    new_tokens, step_logits = titan_models.greedy_generate(model, prompts, max_new_tokens=20)
+    with torch.no_grad():
+        for row, prompt in enumerate(prompts):
+            logits = model(torch.tensor(prompt + new_tokens[row].tolist())[None])[0]
+            expected = logits[len(prompt) - 1 : len(prompt) - 1 + 20]
+            assert (step_logits[row] - expected).abs().max().item() <= 1e-5, row
+
+
+def test_chunked_prefill_through_a_ring_equals_one_prefill():
+    model = _windowed("llama3")
+    tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = model.new_kv_cache(2, 32)
+        chunks = [model(part, kv_cache=cache) for part in tokens.split([10, 1, 3, 10], dim=1)]
+    assert (torch.cat(chunks, dim=1) - full).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "varlen"])
+def test_prefill_with_documents_then_decode_continues_the_last_document(backend):
+    # Row 0 packs documents of 5 and 7 tokens, row 1 of 9 and 3; then 6 tokens are decoded one
+    # at a time. The reference is one forward over each whole row with its document ids.
+    model = _windowed(attention_backend=backend)
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, 512, (2, 12 + 6), generator=g)
+    ids = torch.tensor([[0] * 5 + [1] * 13, [4] * 9 + [7] * 9])
+    with torch.no_grad():
+        expected = model(tokens, document_ids=ids)
+        cache = model.new_kv_cache(2, 24)
+        steps = [model(tokens[:, :12], kv_cache=cache, document_ids=ids[:, :12])]
+        steps += [model(tokens[:, t : t + 1], kv_cache=cache) for t in range(12, 18)]
+    assert (torch.cat(steps, dim=1) - expected).abs().max().item() <= 1e-5
+
+
+def test_documents_in_a_cache_step_must_not_go_back():
+    model = _model("llama3")
+    cache = model.new_kv_cache(1, 16)
+    with torch.no_grad():
+        model(
+            torch.zeros(1, 4, dtype=torch.long),
+            kv_cache=cache,
+            document_ids=torch.tensor([[3] * 4]),
+        )
+        with pytest.raises(ValueError, match="non-decreasing along each row"):
+            model(
+                torch.zeros(1, 2, dtype=torch.long),
+                kv_cache=cache,
+                document_ids=torch.tensor([[2, 2]]),
+            )

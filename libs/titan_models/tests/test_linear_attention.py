@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from titan_models.components import init_state
 from titan_models.components.linear_attention import (
     ShortConvolution,
     chunk_delta_rule,
@@ -141,7 +142,7 @@ def test_chunked_activation_memory_grows_linearly_with_the_sequence():
 
 def test_short_convolution_resets_at_documents_and_its_decode_state_continues_it():
     conv = ShortConvolution(6, 4)
-    conv.init_weights(torch.Generator().manual_seed(0))
+    init_state(dict(conv.named_parameters()), conv.param_init(), seed=0)
     x = torch.randn(1, 12, 6, generator=torch.Generator().manual_seed(1))
     ids = torch.tensor([[0] * 5 + [1] * 7])
     packed = conv(x, segments_BS=document_segments(ids))

@@ -14,7 +14,7 @@ from torch import nn
 
 import titan_models
 from dist_moe import MoE, update_expert_biases
-from titan_models import fqn_matches
+from titan_models import AttentionMetadata, fqn_matches
 from titan_models.components import MoEFeedForward, RMSNorm
 from titan_models.hf_io import named_state
 
@@ -129,16 +129,19 @@ def test_mla_on_the_tp_plans_head_shards_sums_to_the_whole(q_lora_rank):
             else:
                 assert any(fqn_matches(p, fqn) for p in tp.replicated), fqn
         shards.append(shard)
+    meta = AttentionMetadata.causal(2, 12, "cpu")
     with torch.no_grad():
-        whole = full(x, rope, None)
-        summed = sum(shard(x, rope, None) for shard in shards)
+        whole = full(x, rope, meta)
+        summed = sum(shard(x, rope, meta) for shard in shards)
         assert (summed - whole).abs().max().item() <= 1e-5
         # The latent-space (cached) path reads the local heads off the sharded wkv_b as well.
         caches = [model.new_kv_cache(2, 16) for _ in range(3)]
-        for cache in caches:
-            cache.begin(12)
-        whole = full(x, rope, None, caches[0].layers[0])
-        summed = sum(s(x, rope, None, c.layers[0]) for s, c in zip(shards, caches[1:], strict=True))
+        steps = [AttentionMetadata.for_cache_step(cache.begin(12)) for cache in caches]
+        whole = full(x, rope, steps[0], caches[0].layers[0])
+        summed = sum(
+            s(x, rope, m, c.layers[0])
+            for s, m, c in zip(shards, steps[1:], caches[1:], strict=True)
+        )
         assert (summed - whole).abs().max().item() <= 1e-5
 
 

@@ -10,9 +10,18 @@ import titan_models
 from titan_models.components import positions_from_document_ids
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
-def test_packed_batch_equals_documents_run_separately(family):
-    cls, config = titan_models.get_model(family, "debug", num_layers=2, vocab_size=512)
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [
+        ("llama3", {}),
+        ("qwen3", {}),
+        # Layer 1 slides over 6 tokens, shorter and longer than the documents; both backends.
+        ("qwen3", {"sliding_window": 6, "sliding_window_layers": (1,)}),
+        ("qwen3", {"sliding_window": 6, "attention_backend": "sdpa"}),
+    ],
+)
+def test_packed_batch_equals_documents_run_separately(family, overrides):
+    cls, config = titan_models.get_model(family, "debug", num_layers=2, vocab_size=512, **overrides)
     model = cls(config).eval()
     g = torch.Generator().manual_seed(0)
     rows = [[7, 20, 5], [32]]  # document lengths per packed row, 32 tokens each

@@ -148,6 +148,7 @@ def test_compiled_decode_equals_eager_and_compiles_once(tiny_model, tmp_path, mo
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch._dynamo.reset()
+    counters.clear()  # reset() keeps them: graphs of earlier tests in this process would count
     eager, compiled = TorchGenerator(tiny_model), TorchGenerator(tiny_model, compile_decode=True)
     sampled = SamplingParams(max_new_tokens=12, temperature=0.8, top_k=20)
     stop = int(eager.generate(PROMPTS, sampled, seeds=[1, 2, 3]).tokens[0, 4])  # row 0 stops

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from titan_testing import run_distributed
 from torch_checkpointing import (
     CheckpointError,
     CheckpointManager,
+    CheckpointWarning,
     PerRank,
     load_hf,
     save_hf,
@@ -94,6 +96,25 @@ def count_module_collectives():
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
+
+
+@contextlib.contextmanager
+def count_offset_computations():
+    """Count calls of torch's DTensor offset computation (an arange over the sharded dim)."""
+    import torch.distributed.tensor._utils as dt_utils
+
+    calls: list[int] = []
+    real = dt_utils.compute_local_shape_and_global_offset
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dt_utils.compute_local_shape_and_global_offset = counted
+    try:
+        yield calls
+    finally:
+        dt_utils.compute_local_shape_and_global_offset = real
 
 
 class Progress:
@@ -320,7 +341,7 @@ def _four_rank_save(root: str) -> dict:
 def _four_rank_load(root: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = _mesh()
-    mgr = CheckpointManager(Path(root) / "ckpt2", async_mode="off")
+    mgr = CheckpointManager(Path(root) / "ckpt2", read_only=True)
     meta: dict = {}
     reload_all(mgr, mesh, rank, world, "2->4", {"meta": meta})
     assert meta["who"] == "two"
@@ -359,10 +380,13 @@ def _two_rank(root: str) -> dict:
         mgr = CheckpointManager(
             root_p / "train", process_group=pg, async_mode="process", keep_last=2
         )
+        out["offset_calls"] = []
         for step in range(1, 7):
             progress.tokens += 100
             progress.history.append(step)
-            mgr.save(step, state)
+            with count_offset_computations() as calls:
+                mgr.save(step, state)
+            out["offset_calls"].append(len(calls))
             snaps[step] = (local_snapshot(model.state_dict()), local_snapshot(opt.state_dict()))
             expected_draw = torch.rand(3)  # what the restored RNG must produce next
             fake_step(model, opt, seed=step)  # mutate right after save() returned
@@ -397,6 +421,24 @@ def _two_rank(root: str) -> dict:
     check_layout(owned2["emb"], full["w1"], "owned emb")
     mgr.load({"model": model2}, 5)
     assert same(local_snapshot(model2.state_dict()), snaps[5][0])
+    # -- damage that only rank 1 reads: with fallback=True both ranks load step 5, not just 1.
+    folder6 = next((root_p / "train").glob("step-000000000006.*"))
+    dist.barrier()
+    if rank == 1:
+        f = folder6 / "model-00001.safetensors"
+        data = bytearray(f.read_bytes())
+        data[-5] ^= 0x10
+        f.write_bytes(bytes(data))
+    dist.barrier()
+    model3 = build_model(mesh, seed=11)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert mgr.load({"model": model3}, fallback=True) == 5
+    assert same(local_snapshot(model3.state_dict()), snaps[5][0])
+    said = " ".join(str(w.message) for w in caught if w.category is CheckpointWarning)
+    assert "loaded step 5" in said and folder6.name in said, said
+    assert ("model-00001.safetensors" if rank == 1 else "ranks [1] found it damaged") in said
+    assert folder6.exists()  # left in place
     mgr.close()
 
     # -- async and sync writers produce identical data files.
@@ -410,7 +452,7 @@ def _two_rank(root: str) -> dict:
 
     # -- 4 -> 2 resharding, reading only the files that hold needed bytes.
     storage = CountingStorage(root_p / "ckpt4")
-    mgr4 = CheckpointManager(None, storage=storage, async_mode="off")
+    mgr4 = CheckpointManager(None, storage=storage, read_only=True)
     meta: dict = {}
     reload_all(mgr4, mesh, rank, world, "4->2", {"meta": meta})
     assert meta == {"step": 6, "who": "four"}
@@ -472,6 +514,8 @@ def test_two_ranks_round_trip_counts_and_4_to_2(two_ran):
     for r in two_ran:
         assert r["first"] == ["allgather"] and r["six"] == ["allgather"]
         assert r["module"] == []
+        # Shard offsets depend only on the layout: computed at the first save, never again.
+        assert r["offset_calls"][0] > 0 and r["offset_calls"][1:] == [0] * 5, r["offset_calls"]
     for rank, r in enumerate(two_ran):
         # Rank r needs rows [128 r, 128 r + 128): the files of saved ranks 2r and 2r+1. From
         # any other file it reads at most one checksum block (rank 0's file: the header).
@@ -491,7 +535,7 @@ def test_four_ranks_load_two_rank_checkpoint(shared, two_ran):
 def test_one_process_loads_both_and_hf_files_are_standard(shared, two_ran, four_saved):
     full = global_tensors()
     for name in ("ckpt2", "ckpt4"):
-        mgr = CheckpointManager(shared / name, async_mode="off")
+        mgr = CheckpointManager(shared / name, read_only=True)
         for layouts in (
             dict.fromkeys(full, "plain"),
             {"w1": "rows", "w2": "tiles", "w3": "owned", "e": "rows", "s": "plain"},

@@ -25,7 +25,11 @@ def _launcher_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", default=DEFAULT_RECIPE, help="recipe name (see --list-recipes)")
     p.add_argument("--list-recipes", action="store_true", help="list recipes and exit")
     p.add_argument("--print-config", action="store_true", help="print the resolved config, exit")
-    p.add_argument("--dry-run", action="store_true", help="plan memory on the meta device, exit")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="per-rank memory of the layout from the fake backend, with no step; exit",
+    )
     p.add_argument("--nproc", type=int, default=1, help="processes to launch through torchrun")
     p.add_argument("-h", "--help", action="store_true")
     return p
@@ -65,19 +69,51 @@ def main(argv: list[str] | None = None) -> int:
     if launcher.nproc < 1:
         print(f"titan-train: error: --nproc={launcher.nproc} must be >= 1", file=sys.stderr)
         return 2
-    if launcher.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        return _relaunch(launcher.nproc, argv)
-    from titan_train.memory_plan import dry_run
-    from titan_train.trainer import ConfigError, train
+    if launcher.dry_run:  # the fake backend with no step: the layout's per-rank memory
+        try:
+            cfg = _dry_run_config(cfg)
+        except ValueError as e:
+            print(f"titan-train: error: {e}", file=sys.stderr)
+            return 2
+    if launcher.nproc > 1 and cfg.comm.fake_world_size:
+        print(
+            "titan-train: error: --comm.fake-world-size runs one process standing for a whole "
+            f"job; it cannot be combined with --nproc {launcher.nproc}",
+            file=sys.stderr,
+        )
+        return 2
+    from titan_train.trainer import ConfigError, prepare, train
 
+    if launcher.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        try:  # every check that needs no process, before launching any
+            prepare(dataclasses.replace(cfg), world_size=launcher.nproc)
+        except ConfigError as e:
+            print(f"titan-train: error: {e}", file=sys.stderr)
+            return 2
+        return _relaunch(launcher.nproc, argv)
     # Only errors about the config become one line; anything else keeps its traceback.
-    expected = ValueError if launcher.dry_run else ConfigError
     try:
-        dry_run(cfg) if launcher.dry_run else train(cfg)
-    except expected as e:
+        train(cfg)
+    except ConfigError as e:
         print(f"titan-train: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _dry_run_config(cfg: JobConfig) -> JobConfig:
+    """``--dry-run``: fake-backend mode with 0 steps on the layout's world size."""
+    p = cfg.parallel
+    world = cfg.comm.fake_world_size
+    if not world:
+        if p.dp_shard == -1:
+            raise ValueError(
+                "--dry-run needs the world size: pass --comm.fake-world-size N or set "
+                "parallel.dp_shard (not -1)"
+            )
+        world = p.dp_replicate * p.dp_shard * p.tp * p.pp
+    cfg.comm.fake_world_size = world
+    cfg.training.steps = 0
+    return cfg
 
 
 def _relaunch(nproc: int, argv: list[str]) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,9 @@ IGNORE_INDEX = -100
 
 
 class TorchRMSNorm(nn.Module):
-    """RMSNorm through ``torch.nn.functional.rms_norm`` (ATen's kernel, fused under compile)."""
+    """RMSNorm as one ``F.rms_norm`` call with the weight inside the kernel (the default norm
+    multiplies by the weight after rounding to the input dtype, as HF does: in bf16 the two
+    differ by an ulp)."""
 
     def __init__(self, weight: nn.Parameter, eps: float) -> None:
         super().__init__()
@@ -36,6 +39,10 @@ class TorchRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def param_init(self, *, std: float = 0.0, out_std: float = 0.0) -> dict[str, Any]:
+        """Scale of one on every channel, as the norm it replaces."""
+        return {"weight": titan_models.Constant(1.0)}
 
 
 class ChunkedCrossEntropyHead(nn.Module):

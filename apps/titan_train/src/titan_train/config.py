@@ -17,9 +17,14 @@ class ModelConfig:
     vocab_size: int | None = None
     """Override of the flavour's vocabulary size; None keeps the flavour's (the app sets it
     from the tokenizer for debug models)."""
+    num_mtp_modules: int = -1
+    """Multi-token-prediction modules (DeepSeek-V3); -1 keeps the flavour's."""
     overrides: tuple[str, ...] = ()
     """Component overrides, ``"module-glob=replacement"`` (see titan_train.components), e.g.
     ``output=chunked_cross_entropy`` or ``layers.*.ffn_norm=torch_rms_norm``."""
+    attention_backend: str = "auto"
+    """titan_models attention backend: auto (flex on CUDA, varlen elsewhere), flex, varlen, or
+    sdpa (dense mask: reference and short sequences)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -98,6 +103,21 @@ class TrainingConfig:
     """Use deterministic algorithms (bitwise-repeatable runs on CPU)."""
     mixed_precision: Literal["fp32", "bf16"] = "fp32"
     """Parameter/compute dtype; bf16 keeps fp32 master weights and reductions."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where each rank trains: auto takes the accelerator (``torch.accelerator``, device
+    ``LOCAL_RANK``) when there is one, else the CPU."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CommConfig:
+    """Process groups: their timeout, and the fake backend that runs one rank of a large job."""
+
+    timeout_s: float = 600.0
+    """Timeout of every collective (and of process-group setup), in seconds."""
+    fake_world_size: int = 0
+    """> 0: fake-backend mode. Run rank 0 of a job of this many ranks on this machine with a
+    fake process group and fake tensors (nothing is allocated or communicated) and write
+    ``memory.json``; 0: a real run."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -192,12 +212,16 @@ class JobConfig:
     remat: RematConfig = field(default_factory=RematConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
 
 
 def validate(cfg: JobConfig) -> None:
     """Reject values no job can run with, naming the field and what is allowed."""
     t = cfg.training
-    _positive("training.steps", t.steps)
+    if cfg.comm.fake_world_size and t.steps == 0:
+        pass  # a fake-backend plan with no step (--dry-run)
+    else:
+        _positive("training.steps", t.steps)
     _positive("training.batch_size", t.batch_size)
     _positive("training.seq_len", t.seq_len)
     _positive("training.grad_accum", t.grad_accum)
@@ -225,6 +249,14 @@ def validate(cfg: JobConfig) -> None:
         raise ValueError(f"data.validation_fraction={d.validation_fraction} must be in [0, 1)")
     if not 0.0 <= d.arithmetic_slip_rate <= 1.0:
         raise ValueError(f"data.arithmetic_slip_rate={d.arithmetic_slip_rate} must be in [0, 1]")
+    if cfg.model.attention_backend not in _BUILTIN_ATTENTION_BACKENDS:
+        import titan_models  # torch: only for a backend registered beyond the built-in ones
+
+        backends = ["auto", *titan_models.attention_backends()]
+        if cfg.model.attention_backend not in backends:
+            raise ValueError(
+                f"model.attention_backend={cfg.model.attention_backend!r} is not one of {backends}"
+            )
     p = cfg.parallel
     for name in ("dp_replicate", "tp", "pp", "ep", "cp"):
         _positive(f"parallel.{name}", getattr(p, name))
@@ -240,8 +272,18 @@ def validate(cfg: JobConfig) -> None:
     if cfg.metrics.validate_every < 0:
         raise ValueError(f"metrics.validate_every={cfg.metrics.validate_every} must be >= 0")
     _positive("remat.every_nth", cfg.remat.every_nth)
+    if not cfg.comm.timeout_s > 0:
+        raise ValueError(f"comm.timeout_s={cfg.comm.timeout_s} must be > 0 (seconds)")
+    if cfg.comm.fake_world_size < 0:
+        raise ValueError(
+            f"comm.fake_world_size={cfg.comm.fake_world_size} must be >= 0 (0: a real run)"
+        )
     if not cfg.name or "/" in cfg.name or cfg.name in (".", ".."):
         raise ValueError(f"name={cfg.name!r} must be a non-empty folder name without '/'")
+
+
+_BUILTIN_ATTENTION_BACKENDS = ("auto", "flex", "sdpa", "varlen")
+"""titan_models' own attention backends (checked without importing torch)."""
 
 
 def _positive(name: str, value: int) -> None:

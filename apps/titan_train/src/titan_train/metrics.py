@@ -11,16 +11,28 @@ from typing import Any
 import torch
 
 
-def measure_matmul_flops(*, size: int = 1024, dtype: torch.dtype = torch.float32) -> float:
-    """Achieved FLOP/s of a square matmul on this device: the "peak" MFU is measured against."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
+def measure_matmul_flops(
+    device: torch.device, *, size: int = 1024, dtype: torch.dtype = torch.float32
+) -> float:
+    """Achieved FLOP/s of a square matmul on ``device``: the "peak" MFU is measured against
+    when no ``metrics.peak_flops`` is given (4096² on an accelerator, ``size``² on the CPU)."""
+    if device.type != "cpu":
+        size = max(size, 4096)
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
     a @ b  # warm-up
+    _synchronize(device)
     reps, start = 0, time.perf_counter()
     while reps < 3 or time.perf_counter() - start < 0.3:
         a @ b
         reps += 1
+        _synchronize(device)
     return 2 * size**3 * reps / (time.perf_counter() - start)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
 
 
 class MetricsLogger:
@@ -111,10 +123,10 @@ def _fmt(v: float) -> str:
     return f"{v:.3e}"
 
 
-def memory_bytes() -> dict[str, Any]:
-    """Current and peak device memory (CUDA) or the process's max RSS (CPU)."""
-    if torch.cuda.is_available():
-        return {"mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+def memory_bytes(device: torch.device) -> dict[str, Any]:
+    """Peak memory allocated on ``device`` (an accelerator) or the process's max RSS (CPU)."""
+    if device.type != "cpu":
+        return {"mem_gib": torch.accelerator.max_memory_allocated(device) / 2**30}
     import resource
 
     return {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}

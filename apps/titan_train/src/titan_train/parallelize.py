@@ -1,17 +1,23 @@
 """The parallelize step: one device mesh, the model's declarative plan, and the libraries.
 
-``parallelize`` builds the mesh from the configured degrees and, for each of this rank's model
-parts (the whole model, or its pipeline stages), applies in order: tensor parallelism (torch
+``parallelize`` takes the model *on the meta device* and, for each of this rank's model parts
+(the whole model, or its pipeline stages), applies in order: tensor parallelism (torch
 DTensor ``parallelize_module`` from the plan's layout), expert parallelism (``dist_moe``),
 rematerialisation (``torch_remat``, per block), per-block ``torch.compile``, and data-parallel
-sharding (``flexshard``; Muon puts matrices ``Owned``). The pipeline split happens first, so
-each stage is parallelised on its own, as in torchtitan; its schedule comes from
-``titan_pipeline`` by name. No sharding, schedule or MoE logic lives here: only the wiring.
+sharding (``flexshard``; Muon puts matrices ``Owned``). Nothing is allocated: ``materialize``
+then gives each rank the pieces it holds. The pipeline split happens first, so each stage is
+parallelised on its own, as in torchtitan. No sharding, schedule or MoE logic lives here: only
+the wiring.
 
-Mesh axes, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``. Data-parallel
-ranks (``dp_replicate`` x ``dp_shard``) read different data; ``tp`` and ``pp`` ranks of one
-data-parallel rank read the same. ``dp_replicate > 1`` is HSDP: flexshard shards over
-``dp_shard`` and the trainer averages the shards' gradients over the replicas.
+Mesh axes, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``; ``dp`` is
+``dp_replicate x dp_shard`` flattened, and under expert parallelism ``dp_shard`` unflattens
+into ``dp_shard_mod_ep x ep``.
+Data-parallel ranks read different data; ``tp`` and ``pp`` ranks of one data-parallel rank
+read the same. Experts are split over ``ep`` and sharded by flexshard over what remains of the
+data-parallel ranks (``dp_replicate x dp_shard_mod_ep``); everything else over
+``dp_replicate x dp_shard`` (HSDP when ``dp_replicate > 1``). flexshard averages gradients
+over the data-parallel ranks; an expert's gradient already sums the tokens of its ``ep`` group
+(the all-to-all's backward), so its own sharding divides by the whole data-parallel size.
 """
 
 from __future__ import annotations
@@ -26,15 +32,6 @@ from torch import nn
 
 import titan_models
 from titan_train.config import JobConfig
-
-PP_SCHEDULE_STAGES_PER_RANK = {
-    "gpipe": 1,
-    "1f1b": 1,
-    "zb_h1": 1,
-    "interleaved_1f1b": 2,
-    "zbv": 2,
-    "dualpipev": 2,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,11 +71,10 @@ class ParallelDims:
                 f"parallel degrees dp_replicate*dp_shard*tp*pp = {p.dp_replicate}*{dp_shard}*"
                 f"{p.tp}*{p.pp} = {product} must equal the world size {world_size}"
             )
-        if p.ep > 1 and p.ep != dp_shard:
+        if dp_shard % p.ep:
             raise ValueError(
-                f"parallel.ep={p.ep}: expert parallelism is carved out of the data-parallel "
-                f"shards and must equal parallel.dp_shard={dp_shard} (other ratios are not "
-                "supported yet)"
+                f"parallel.ep={p.ep} must divide parallel.dp_shard={dp_shard}: expert "
+                "parallelism is carved out of the data-parallel shards"
             )
         return cls(world_size, p.dp_replicate, dp_shard, p.tp, p.pp, p.ep)
 
@@ -90,25 +86,29 @@ class ParallelModel:
     parts: list[nn.Module]
     """The whole model, or this rank's pipeline stages in stage order."""
     dims: ParallelDims
-    mesh: Any = None
-    """The ``DeviceMesh`` (None on one process)."""
+    meshes: dict[str, Any] = field(default_factory=dict)
+    """``build_mesh``'s device meshes by axis (empty on one process)."""
     schedule: Any = None
     """The ``titan_pipeline.Schedule`` when ``pp > 1``."""
     stages: list[Any] = field(default_factory=list)
-    """The ``titan_pipeline.PipelineStage`` objects of this rank."""
+    """The ``titan_pipeline.PipelineStage`` objects of this rank (built once materialised)."""
     sharded: bool = False
     """Whether ``parts`` are flexshard-sharded (gradients reduced by hooks)."""
-    tp_summed: list[torch.nn.Parameter] = field(default_factory=list)
-    """Replicated parameters applied to tensor-parallel-local heads: gradients summed over tp."""
-    _groups: dict[tuple[str, ...], Any] = field(default_factory=dict)
-    expert_params: list[torch.nn.Parameter] = field(default_factory=list)
-    """This rank's experts under expert parallelism: whole experts, left out of flexshard;
-    their gradients already hold every data-parallel rank's tokens."""
+    stage_outputs: list[tuple[int, torch.dtype]] = field(default_factory=list)
+    """Per pipeline stage: the width and dtype of its output (hidden size; vocabulary last)."""
+    experts: list[tuple[str, nn.Module, Any]] = field(default_factory=list)
+    """Under expert parallelism: (FQN, experts module, ``dist_moe.ExpertPlacement``) of every
+    MoE layer this rank holds."""
 
     @property
     def has_head(self) -> bool:
         """Whether this rank computes logits (the last pipeline stage, or no pipeline)."""
         return self.schedule is None or any(st.is_last for st in self.stages)
+
+    @property
+    def expert_params(self) -> list[nn.Parameter]:
+        """This rank's routed-expert weights (different on every rank of the ``ep`` group)."""
+        return [p for _, module, _ in self.experts for p in module.parameters()]
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """Local parameters of every part, each once."""
@@ -129,49 +129,44 @@ class ParallelModel:
     @property
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks (which data it reads)."""
-        if self.mesh is None:
-            return 0
-        replica = self.mesh["dp_replicate"].get_local_rank()
-        return replica * self.dims.dp_shard + self.mesh["dp_shard"].get_local_rank()
+        return self.meshes["dp"].get_local_rank() if self.meshes else 0
 
-    def dp_group(self) -> dist.ProcessGroup | None:
-        """All data-parallel ranks (replicas x shards) of this rank's tp / pp position."""
-        return self.group("dp_replicate", "dp_shard")
-
-    def group(self, *axes: str) -> dist.ProcessGroup | None:
-        """The process group of one mesh axis, or of several flattened (None: one process)."""
-        if self.mesh is None:
-            return None
-        if axes not in self._groups:  # flattening creates a group: once per job
-            mesh = (
-                self.mesh[axes[0]] if len(axes) == 1 else self.mesh[axes]._flatten("_".join(axes))
-            )
-            self._groups[axes] = mesh.get_group()
-        return self._groups[axes]
+    def group(self, axis: str) -> dist.ProcessGroup | None:
+        """The process group of one mesh axis (None: one process)."""
+        return self.meshes[axis].get_group() if self.meshes else None
 
 
 def check_plan(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:
     """Checks that need the model's config and plan; raise before anything is built."""
     plan = titan_models.get_plan(model_config)
     p = cfg.parallel
+    name = f"{cfg.model.family} {cfg.model.flavor}"
     if dims.tp > 1:
-        for name in ("num_heads", "num_kv_heads"):
-            heads = getattr(model_config, name, None)
+        for field_name in ("num_heads", "num_kv_heads"):
+            heads = getattr(model_config, field_name, None)
             if heads is not None and heads % dims.tp:
                 raise ValueError(
-                    f"parallel.tp={dims.tp} must divide the model's {name}={heads} "
-                    f"({cfg.model.family} {cfg.model.flavor})"
+                    f"parallel.tp={dims.tp} must divide the model's {field_name}={heads} ({name})"
                 )
         hidden = getattr(model_config, "ffn_hidden_dim", None)
         if hidden is not None and hidden % dims.tp:
             raise ValueError(f"parallel.tp={dims.tp} must divide ffn_hidden_dim={hidden}")
+        latent = [m for m in plan.tensor_parallel.replicated if not m.endswith("_norm")]
+        if latent:
+            raise ValueError(
+                f"parallel.tp={dims.tp}: {name} has replicated projections whose outputs the "
+                f"local heads share ({latent[0]}, MLA's latents); their gradients need a sum no "
+                "tensor-parallel style expresses yet (use parallel.tp=1)"
+            )
     if dims.pp > 1:
-        if p.pp_schedule not in PP_SCHEDULE_STAGES_PER_RANK:
+        import titan_pipeline
+
+        if p.pp_schedule not in titan_pipeline.STAGES_PER_RANK:
             raise ValueError(
                 f"parallel.pp_schedule={p.pp_schedule!r} is not one of "
-                f"{sorted(PP_SCHEDULE_STAGES_PER_RANK)}"
+                f"{sorted(titan_pipeline.STAGES_PER_RANK)}"
             )
-        stages = dims.pp * PP_SCHEDULE_STAGES_PER_RANK[p.pp_schedule]
+        stages = dims.pp * titan_pipeline.STAGES_PER_RANK[p.pp_schedule]
         units = len(plan.pipeline_units)
         if stages > units:
             raise ValueError(
@@ -186,8 +181,8 @@ def check_plan(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:
             )
     if (dims.pp > 1 or dims.tp > 1) and plan.tied_parameters:
         raise ValueError(
-            f"{cfg.model.family} {cfg.model.flavor} ties its embedding and output head; "
-            "tied weights under parallel.tp > 1 or parallel.pp > 1 are not supported yet"
+            f"{name} ties its embedding and output head; tied weights under parallel.tp > 1 "
+            "or parallel.pp > 1 are not supported yet"
         )
     if dims.pp > 1 and getattr(model_config, "num_mtp_modules", 0):
         raise ValueError(
@@ -195,92 +190,100 @@ def check_plan(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:
             f"{model_config.num_mtp_modules}) needs the embedding and the head on one stage; "
             "not supported under pipelining yet"
         )
-    experts = plan.experts
-    if dims.ep > 1 and not experts:
-        raise ValueError(
-            f"parallel.ep={dims.ep} but {cfg.model.family} {cfg.model.flavor} has no MoE layers"
-        )
-    if dims.ep > 1 and dims.tp > 1:
-        raise ValueError("parallel.ep > 1 together with parallel.tp > 1 is not supported yet")
+    if dims.ep > 1:
+        experts = getattr(model_config, "num_experts", 0)
+        if not plan.experts:
+            raise ValueError(f"parallel.ep={dims.ep} but {name} has no MoE layers")
+        if experts % dims.ep:
+            raise ValueError(
+                f"parallel.ep={dims.ep} must divide the model's num_experts={experts} ({name})"
+            )
+        if dims.tp > 1:
+            raise ValueError("parallel.ep > 1 together with parallel.tp > 1 is not supported yet")
 
 
-def build_mesh(dims: ParallelDims) -> Any:
-    """The 4-D device mesh (pp, dp_replicate, dp_shard, tp), or None on one process."""
+def build_mesh(dims: ParallelDims, device_type: str) -> dict[str, Any]:
+    """The device meshes of the job, by axis (empty on one process): ``pp``, ``tp``,
+    ``dp_replicate``, ``dp_shard``, ``dp`` (the two flattened), ``dp_2d`` (replicate x shard,
+    flexshard's HSDP mesh) and, under expert parallelism, ``ep`` and ``experts_dp`` (replicate
+    x ``dp_shard / ep``: where an expert's copies live)."""
     if dims.world_size == 1:
-        return None
+        return {}
     from torch.distributed.device_mesh import init_device_mesh
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return init_device_mesh(
-        device,
+    root = init_device_mesh(
+        device_type,
         (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
         mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
     )
+    dp_2d = root[("dp_replicate", "dp_shard")]
+    meshes = {axis: root[axis] for axis in ("pp", "dp_replicate", "dp_shard", "tp")}
+    meshes |= {"dp_2d": dp_2d, "dp": dp_2d._flatten("dp")}
+    if dims.ep > 1:
+        split = dp_2d._unflatten(1, (dims.dp_shard // dims.ep, dims.ep), ("dp_shard_mod_ep", "ep"))
+        meshes |= {"ep": split["ep"], "experts_dp": split[("dp_replicate", "dp_shard_mod_ep")]}
+    return meshes
 
 
-def parallelize(model: nn.Module, cfg: JobConfig, dims: ParallelDims) -> ParallelModel:
-    """Split, shard and wrap ``model`` (materialised, identical on every rank) for this rank."""
+def parallelize(
+    model: nn.Module, cfg: JobConfig, dims: ParallelDims, meshes: dict[str, Any]
+) -> ParallelModel:
+    """Split, shard and wrap ``model`` (on the meta device) for this rank; nothing is
+    allocated (``materialize`` does that)."""
     plan = titan_models.get_plan(model.config)
-    mesh = build_mesh(dims)
-    pm = ParallelModel(parts=[model], dims=dims, mesh=mesh)
+    pm = ParallelModel(parts=[model], dims=dims, meshes=meshes)
     if dims.pp > 1:
         _split_pipeline(pm, model, plan, cfg)
     for part in pm.parts:
         if dims.tp > 1:
-            pm.tp_summed += _apply_tensor_parallel(part, plan.tensor_parallel, mesh["tp"])
+            _apply_tensor_parallel(part, plan.tensor_parallel, meshes["tp"])
         if dims.ep > 1:
-            pm.expert_params += _apply_expert_parallel(part, plan, pm.group("dp_shard"))
+            pm.experts += _apply_expert_parallel(part, plan, pm.group("ep"))
         _apply_remat(part, plan, cfg)
         if cfg.compile.enabled:
             _apply_compile(part, plan)
-        if dims.dp_shard > 1:
-            _apply_data_parallel(part, cfg, mesh["dp_shard"], pm.expert_params)
+        if dims.dp > 1:
+            _apply_data_parallel(part, cfg, pm)
             pm.sharded = True
-    if dims.pp > 1:
-        _build_stages(pm, cfg)
     return pm
 
 
 # --- tensor parallelism -------------------------------------------------------------------
 
 
-def _apply_tensor_parallel(module: nn.Module, tp_plan: Any, tp_mesh: Any) -> list[nn.Parameter]:
-    """Megatron-style TP from the plan: column-wise / row-wise linears, vocab-parallel
+def _apply_tensor_parallel(module: nn.Module, tp_plan: Any, tp_mesh: Any) -> None:
+    """Megatron-style TP from the plan: column-wise / row-wise linears, a vocab-parallel
     embedding, full logits gathered at the head. Norms on the residual stream stay replicated
-    (no sequence parallelism yet). Returns the parameters whose gradients must be summed over
-    tp (the plan's ``replicated`` modules, which see only local heads)."""
+    (no sequence parallelism yet). The plan's ``replicated`` norms run on the local heads: they
+    become replicated DTensors over the head dimension (``SequenceParallel`` on dim 2), so
+    DTensor sums their partial gradients."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
+        SequenceParallel,
         parallelize_module,
     )
 
     layout: dict[str, Any] = {}
-    names = [n for n, _ in module.named_modules()]
-    for pattern in tp_plan.colwise:
-        for n in names:
-            if titan_models.fqn_matches(pattern, n):
-                head = n == "output"
-                layout[n] = (
-                    ColwiseParallel(output_layouts=Replicate()) if head else ColwiseParallel()
-                )
     modules = dict(module.named_modules())
+    for pattern in tp_plan.colwise:
+        for n in _matching(modules, pattern):
+            head = n == "output"
+            layout[n] = ColwiseParallel(output_layouts=Replicate()) if head else ColwiseParallel()
     for pattern in tp_plan.rowwise:
-        for n in names:
-            if titan_models.fqn_matches(pattern, n):  # an embedding takes replicated token ids
-                vocab = isinstance(modules[n], nn.Embedding)
-                layout[n] = (
-                    RowwiseParallel(input_layouts=Replicate()) if vocab else RowwiseParallel()
-                )
+        for n in _matching(modules, pattern):  # an embedding takes replicated token ids
+            vocab = isinstance(modules[n], nn.Embedding)
+            layout[n] = RowwiseParallel(input_layouts=Replicate()) if vocab else RowwiseParallel()
+    for pattern in tp_plan.replicated:
+        for n in _matching(modules, pattern):
+            layout[n] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if layout:
         parallelize_module(module, tp_mesh, layout)
-    summed = []
-    for pattern in tp_plan.replicated:
-        for n, sub in module.named_modules():
-            if titan_models.fqn_matches(pattern, n):
-                summed += list(sub.parameters())
-    return summed
+
+
+def _matching(modules: dict[str, nn.Module], pattern: str) -> list[str]:
+    return [n for n in modules if n and titan_models.fqn_matches(pattern, n)]
 
 
 # --- expert parallelism -------------------------------------------------------------------
@@ -288,16 +291,16 @@ def _apply_tensor_parallel(module: nn.Module, tp_plan: Any, tp_mesh: Any) -> lis
 
 def _apply_expert_parallel(
     module: nn.Module, plan: Any, group: dist.ProcessGroup
-) -> list[nn.Parameter]:
-    """Shard each MoE's routed experts over ``group`` (all-to-all dispatch); returns them."""
+) -> list[tuple[str, nn.Module, Any]]:
+    """Split each MoE's routed experts over ``group`` (all-to-all dispatch)."""
     import dist_moe
 
-    local = []
+    out = []
     for n, sub in list(module.named_modules()):
         if any(titan_models.fqn_matches(p, n) for p in plan.experts):
-            dist_moe.expert_parallel(sub, group)
-            local += list(sub.experts.parameters())
-    return local
+            placement = dist_moe.expert_parallel(sub, group)
+            out.append((f"{n}.experts", sub.experts, placement))
+    return out
 
 
 # --- rematerialisation and compile --------------------------------------------------------
@@ -335,21 +338,29 @@ def _units(module: nn.Module, patterns: tuple[str, ...]) -> list[tuple[str, nn.M
 # --- data parallelism (flexshard) ---------------------------------------------------------
 
 
-def _apply_data_parallel(
-    module: nn.Module, cfg: JobConfig, dp_mesh: Any, experts: list[nn.Parameter]
-) -> None:
-    """flexshard over ``dp_shard``: one bucket per block plus the root; with Muon the blocks'
-    matrices are ``Owned`` (whole on one rank, orthogonalised there with no gather). Experts
-    already sharded by expert parallelism are left out (each rank holds whole experts)."""
+def _apply_data_parallel(module: nn.Module, cfg: JobConfig, pm: ParallelModel) -> None:
+    """flexshard over ``dp_replicate x dp_shard``: one bucket per block plus the root; with
+    Muon the blocks' matrices are ``Owned`` (whole on one rank, orthogonalised there with no
+    gather). Experts split by expert parallelism are sharded first, over the data-parallel
+    ranks of their own ``ep`` position (``dp_replicate x dp_shard_mod_ep``)."""
     import flexshard as fs
 
-    mine = {id(p) for p in module.parameters()}
-    ignored = [p for p in experts if id(p) in mine]
     mp = None
     if cfg.training.mixed_precision == "bf16":
         mp = fs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mine = {id(m) for m in module.modules()}
+    for _, experts, _ in pm.experts:
+        if id(experts) in mine:  # their gradients already hold the tokens of the ep group
+            fs.shard(
+                experts,
+                pm.meshes["experts_dp"],
+                mp=mp,
+                gradient_divide_factor=float(pm.dims.dp),
+            )
+    local_experts = [p for _, e, _ in pm.experts if id(e) in mine for p in e.parameters()]
     buckets = []
-    for bucket in _merge_into_root(fs.default_buckets(module, ignored_params=ignored), "mtp."):
+    defaults = fs.default_buckets(module, ignored_params=local_experts)
+    for bucket in _merge_into_root(defaults, "mtp."):
         params = list(bucket.match)
         if cfg.optimizer.name == "muon" and bucket.name != "<root>":
             mats = [p for p in params if _local(p).ndim == 2]
@@ -360,7 +371,13 @@ def _apply_data_parallel(
                 buckets.append(fs.Bucket(rest, fs.Shard(0), name=f"{bucket.name}.vectors"))
         else:
             buckets.append(bucket)
-    fs.shard(module, dp_mesh, buckets=buckets, mp=mp, ignored_params=ignored)
+    fs.shard(
+        module,
+        pm.meshes["dp_2d"],
+        buckets=buckets,
+        mp=mp,
+        ignored_params=local_experts,
+    )
 
 
 def _merge_into_root(buckets: list[Any], prefix: str) -> list[Any]:
@@ -393,17 +410,13 @@ def _split_pipeline(pm: ParallelModel, model: nn.Module, plan: Any, cfg: JobConf
     import titan_pipeline
 
     p = cfg.parallel
-    per_rank = PP_SCHEDULE_STAGES_PER_RANK[p.pp_schedule]
     schedule = titan_pipeline.build_schedule(
-        p.pp_schedule,
-        num_ranks=pm.dims.pp,
-        num_microbatches=p.pp_microbatches,
-        stages_per_rank=per_rank,
+        p.pp_schedule, num_ranks=pm.dims.pp, num_microbatches=p.pp_microbatches
     )
     units = plan.pipeline_units
     ranges = titan_pipeline.balance([u.num_params for u in units], schedule.num_stages)
     bounds = [[units[i] for i in r] for r in ranges]
-    pp_rank = pm.mesh["pp"].get_local_rank()
+    pp_rank = pm.meshes["pp"].get_local_rank()
     pm.schedule = schedule
     pm.parts = []
     for s in schedule.stages_of_rank(pp_rank):
@@ -426,23 +439,18 @@ def _prune(model: nn.Module, keep: set[str]) -> nn.Module:
     return part
 
 
-def _build_stages(pm: ParallelModel, cfg: JobConfig) -> None:
+def build_stages(pm: ParallelModel, cfg: JobConfig) -> None:
+    """The ``titan_pipeline`` stages of this rank's parts (once their weights exist), and what
+    every stage outputs per microbatch (hidden states; logits at the last)."""
     import titan_pipeline
 
     num_stages = pm.schedule.num_stages
+    local = pm.schedule.stages_of_rank(pm.meshes["pp"].get_local_rank())
+    pm.stages = [
+        titan_pipeline.PipelineStage(part, s, num_stages, group=pm.group("pp"))
+        for s, part in zip(local, pm.parts, strict=True)
+    ]
+    config = pm.parts[0].config
     dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
-    stages = []
-    local = pm.schedule.stages_of_rank(pm.mesh["pp"].get_local_rank())
-    for s, part in zip(local, pm.parts, strict=True):
-        last = s == num_stages - 1
-        width = part.config.vocab_size if last else part.config.dim
-
-        def spec(shape: tuple[int, ...], _dtype: torch.dtype, width: int = width):
-            return (*shape[:2], width), dtype
-
-        stages.append(
-            titan_pipeline.PipelineStage(
-                part, s, num_stages, group=pm.group("pp"), output_spec=spec
-            )
-        )
-    pm.stages = stages
+    widths = [config.dim] * (num_stages - 1) + [config.vocab_size]
+    pm.stage_outputs = [(width, dtype) for width in widths]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import titan_models
 from titan_train.config import (
     CheckpointConfig,
     JobConfig,
@@ -59,9 +60,12 @@ def qwen3_debug() -> JobConfig:
 
 
 def _full_size(name: str, family: str, flavor: str, parallel: ParallelConfig) -> JobConfig:
+    """A published-size model at a production layout. The vocabulary is the flavour's (the
+    built-in byte tokenizer's ids fit in it; pass ``--data.tokenizer`` for the real one)."""
+    vocab = titan_models.get_model(family, flavor)[1].vocab_size
     return JobConfig(
         name=name,
-        model=ModelConfig(family=family, flavor=flavor),
+        model=ModelConfig(family=family, flavor=flavor, vocab_size=vocab),
         parallel=parallel,
         optimizer=OptimizerConfig(lr=3e-4, weight_decay=0.1),
         lr_schedule=LRScheduleConfig(warmup_steps=2000, decay="cosine", min_lr_ratio=0.1),
@@ -82,18 +86,49 @@ def llama3_8b() -> JobConfig:
 @recipe
 def llama3_70b() -> JobConfig:
     """Llama 3.1 70B on 256 GPUs: TP 8 within a node, PP 4 (interleaved), FSDP 8."""
-    return _full_size(
+    cfg = _full_size(
         "llama3_70b",
         "llama3",
         "70B",
-        ParallelConfig(dp_shard=8, tp=8, pp=4, pp_schedule="interleaved_1f1b", pp_microbatches=16),
+        ParallelConfig(dp_shard=8, tp=8, pp=4, pp_schedule="interleaved_1f1b", pp_microbatches=8),
     )
+    cfg.training.batch_size = 8
+    return cfg
+
+
+@recipe
+def llama3_405b() -> JobConfig:
+    """Llama 3.1 405B on 512 GPUs: TP 8 within a node, PP 8 (interleaved, 16 stages), FSDP 8;
+    full remat."""
+    cfg = _full_size(
+        "llama3_405b",
+        "llama3",
+        "405B",
+        ParallelConfig(dp_shard=8, tp=8, pp=8, pp_schedule="interleaved_1f1b", pp_microbatches=8),
+    )
+    cfg.training.batch_size = 8
+    cfg.remat = RematConfig(policy="full")
+    return cfg
 
 
 @recipe
 def qwen3_32b() -> JobConfig:
     """Qwen3 32B on 128 GPUs: TP 8, FSDP 16."""
     return _full_size("qwen3_32b", "qwen3", "32B", ParallelConfig(dp_shard=16, tp=8))
+
+
+@recipe
+def qwen3_moe_235b() -> JobConfig:
+    """Qwen3-235B-A22B on 256 GPUs: PP 4, FSDP 64 with its 128 experts over EP 64 (two per
+    GPU, their copies sharded over the other FSDP ranks)."""
+    cfg = _full_size(
+        "qwen3_moe_235b",
+        "qwen3_moe",
+        "235B-A22B",
+        ParallelConfig(dp_shard=64, pp=4, ep=64, pp_microbatches=4),
+    )
+    cfg.training.seq_len = 4096
+    return cfg
 
 
 @recipe
@@ -117,12 +152,17 @@ def deepseek_v3_debug() -> JobConfig:
 
 @recipe
 def deepseek_v3_671b() -> JobConfig:
-    """DeepSeek-V3 671B on 256 GPUs: EP 256 = DP-shard 256 (one routed expert per GPU), MTP on.
+    """DeepSeek-V3 671B on 256 GPUs as in the published GB300 table: PP 2, FSDP 128, routed
+    experts over EP 64 (four per GPU, each sharded over two FSDP ranks); full remat.
 
-    No pipeline: multi-token prediction needs the embedding and head on one stage here."""
+    Multi-token prediction is off: it needs the embedding and the head on one stage."""
     cfg = _full_size(
-        "deepseek_v3_671b", "deepseek_v3", "671B", ParallelConfig(dp_shard=256, ep=256)
+        "deepseek_v3_671b",
+        "deepseek_v3",
+        "671B",
+        ParallelConfig(dp_shard=128, pp=2, ep=64, pp_microbatches=2),
     )
+    cfg.model.num_mtp_modules = 0
     cfg.training.seq_len = 4096
     cfg.training.batch_size = 2
     cfg.remat = RematConfig(policy="full")

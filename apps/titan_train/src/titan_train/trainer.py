@@ -1,14 +1,17 @@
-"""The training loop: build, parallelize, (resume), train with accumulation and clipping, log,
-save, export.
+"""The training loop: build on meta, parallelize, materialise per shard, (resume), train with
+accumulation and clipping, log, save, export.
 
 This file composes the libraries; it implements none of their logic. One code path serves
-one process and ``torchrun`` jobs: ``parallelize`` returns this rank's model parts, and the
-step either runs them directly (micro-batches) or through the pipeline schedule.
+one process, ``torchrun`` jobs on any device, and the fake backend (``comm.fake_world_size``):
+``parallelize`` returns this rank's model parts, ``materialize`` gives them their weights, and
+the step runs them directly (micro-batches) or through the pipeline schedule.
 
 Loss scaling: every rank divides its summed cross-entropy by the step's *global* count of
-target tokens (one all-reduce of an int per step) and multiplies by the data-parallel size,
-because gradient reduction averages over data-parallel ranks. The result is the gradient of
-the mean loss over every target token of the global batch, however it is split.
+target tokens (one all-reduce of a device scalar per step) and multiplies by the
+data-parallel size, because flexshard averages gradients over the data-parallel ranks. The
+result is the gradient of the mean loss over every target token of the global batch, however
+it is split. Nothing in a step reads a device value on the host: losses and norms stay on the
+device and are read only when logged.
 """
 
 from __future__ import annotations
@@ -27,47 +30,46 @@ import torch.nn.functional as F
 from torch import nn
 
 import titan_models
+from titan_train.checkpointing import (
+    ConfigError,
+    TrainState,
+    checkpoint_state,
+    export_hf,
+    resume,
+)
 from titan_train.components import apply_overrides, loss_head, parse_overrides
 from titan_train.config import JobConfig, validate
 from titan_train.data.packing import IGNORE_INDEX, Batch, PackedLoader
 from titan_train.data.sources import DocumentSource
 from titan_train.data.tokenizers import Tokenizer, build_tokenizer
+from titan_train.device import (
+    FAKE_DEVICE,
+    free_memory_bytes,
+    init_fake_process_group,
+    init_process_group,
+    resolve_device,
+)
 from titan_train.lr_schedule import build_lr_scheduler
+from titan_train.materialize import local_bytes, materialize
 from titan_train.metrics import MetricsLogger, measure_matmul_flops, memory_bytes
-from titan_train.parallelize import ParallelDims, ParallelModel, check_plan, parallelize
+from titan_train.parallelize import (
+    ParallelDims,
+    ParallelModel,
+    build_mesh,
+    build_stages,
+    check_plan,
+    parallelize,
+)
 
-
-class ConfigError(ValueError):
-    """The job cannot start with this config; raised before anything is written."""
-
-
-@dataclasses.dataclass(slots=True)
-class TrainState:
-    """Progress that a checkpoint must restore besides model, optimizer and data."""
-
-    step: int = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "rng": _rng_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
-        _set_rng_state(state["rng"])
-
-
-def _rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate((3, tuple(int(x) for x in state["python"]), None))
+__all__ = ["ConfigError", "StepResult", "build_model", "build_optimizer", "train", "train_step"]
 
 
 def check_supported(cfg: JobConfig, dims: ParallelDims) -> None:
     """Reject combinations this trainer cannot run yet, before anything is built or written."""
     if dims.pp > 1 and cfg.checkpoint.export_hf:
         raise ValueError("checkpoint.export_hf with parallel.pp > 1 is not supported yet")
+    if dims.ep > 1 and cfg.checkpoint.export_hf:
+        raise ValueError("checkpoint.export_hf with parallel.ep > 1 is not supported yet")
     if dims.pp > 1 and cfg.compile.enabled:
         raise ValueError("compile.enabled with parallel.pp > 1 is not supported yet")
     chunked = any(n == "chunked_cross_entropy" for _, n in parse_overrides(cfg.model.overrides))
@@ -76,49 +78,65 @@ def check_supported(cfg: JobConfig, dims: ParallelDims) -> None:
             "model.overrides output=chunked_cross_entropy needs parallel.pp=1 and parallel.tp=1 "
             "(the head must see whole rows of the vocabulary and the labels)"
         )
+    if cfg.comm.fake_world_size and "LOCAL_RANK" in os.environ:
+        raise ValueError(
+            "comm.fake_world_size runs one process standing for a whole job: do not combine it "
+            "with --nproc or torchrun"
+        )
 
 
-def build_model(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device) -> nn.Module:
-    """The recipe's model: from an HF folder, or built on meta and initialised on ``device``."""
+def model_config(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[type, Any]:
+    """The model class and config: from the HF folder when initialising from one, else the
+    family's flavour (vocabulary from the tokenizer unless set)."""
     if cfg.checkpoint.init_from_hf:
-        model = titan_models.from_hf(cfg.checkpoint.init_from_hf, device=str(device))
-        vocab = model.config.vocab_size
-        if vocab < tokenizer.vocab_size:
+        model_cls, config = titan_models.hf_model_config(cfg.checkpoint.init_from_hf)
+        config = dataclasses.replace(config, attention_backend=cfg.model.attention_backend)
+        if config.vocab_size < tokenizer.vocab_size:
             raise ValueError(
-                f"checkpoint.init_from_hf model has vocab_size={vocab}, smaller than the "
-                f"tokenizer's {tokenizer.vocab_size} (data.tokenizer={cfg.data.tokenizer!r})"
+                f"checkpoint.init_from_hf model has vocab_size={config.vocab_size}, smaller than "
+                f"the tokenizer's {tokenizer.vocab_size} (data.tokenizer={cfg.data.tokenizer!r})"
             )
-    else:
-        model_cls, model_cfg = _model_config(cfg, tokenizer)
-        with torch.device("meta"):
-            model = model_cls(model_cfg)
-        model.init_weights(device=device, seed=cfg.training.seed)
-    apply_overrides(model, cfg.model.overrides)
-    return model
-
-
-def _model_config(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[type, Any]:
-    overrides = {"vocab_size": cfg.model.vocab_size or tokenizer.vocab_size}
+        return model_cls, config
+    overrides = {
+        "vocab_size": cfg.model.vocab_size or tokenizer.vocab_size,
+        "attention_backend": cfg.model.attention_backend,
+    }
+    if cfg.model.num_mtp_modules >= 0:
+        overrides["num_mtp_modules"] = cfg.model.num_mtp_modules
     return titan_models.get_model(cfg.model.family, cfg.model.flavor, **overrides)
 
 
-def _global_ndim(p: torch.Tensor) -> int:
-    import flexshard
-
-    info = flexshard.param_info(p)
-    return len(info.shape) if info is not None else p.ndim
+def build_model(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device) -> nn.Module:
+    """The whole model on one device, as one process would train it (the reference the
+    parallel layouts are compared with: they hold pieces of exactly these weights)."""
+    if cfg.checkpoint.init_from_hf:
+        model = titan_models.from_hf(cfg.checkpoint.init_from_hf, device=device)
+        backend = cfg.model.attention_backend
+        model.config = dataclasses.replace(model.config, attention_backend=backend)
+    else:
+        model_cls, config = model_config(cfg, tokenizer)
+        with torch.device("meta"):
+            model = model_cls(config)
+        model.init_weights(device=device, seed=cfg.training.seed)
+    apply_overrides(model, cfg.model.overrides)
+    return model
 
 
 def build_optimizer(pm: ParallelModel, cfg: JobConfig) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only; or Muon on the blocks' matrices (flexshard's
     distributed Muon: Owned matrices are orthogonalised on their owner) with AdamW for the
     rest (embeddings, head, norms)."""
+    import flexshard
+
     named = [(n, p) for n, p in pm.named_parameters() if p.requires_grad]
+
+    def ndim(p: torch.Tensor) -> int:
+        info = flexshard.param_info(p)
+        return len(info.shape) if info is not None else p.ndim
+
     o = cfg.optimizer
     if o.name == "muon":
-        import flexshard
-
-        muon = [p for n, p in named if n.startswith("layers.") and _global_ndim(p) == 2]
+        muon = [p for n, p in named if n.startswith("layers.") and ndim(p) == 2]
         ids = {id(p) for p in muon}
         rest = [p for _, p in named if id(p) not in ids]
         return flexshard.optim.Muon(
@@ -137,20 +155,14 @@ def build_optimizer(pm: ParallelModel, cfg: JobConfig) -> torch.optim.Optimizer:
 
     groups = []
     for decays in (True, False):
-        params = [p for _, p in named if (_global_ndim(p) >= 2) == decays]
+        params = [p for _, p in named if (ndim(p) >= 2) == decays]
         # Fused (foreach) updates need one tensor type per group: TP's DTensors apart from
         # the plain tensors of unsharded modules (norms, MoE experts under TP).
         for is_dtensor in (True, False):
             same = [p for p in params if isinstance(p, DTensor) == is_dtensor]
             if same:
                 groups.append({"params": same, "weight_decay": o.weight_decay if decays else 0.0})
-    return torch.optim.AdamW(
-        groups,
-        lr=o.lr,
-        betas=o.betas,
-        eps=o.eps,
-        foreach=True,
-    )
+    return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, foreach=True)
 
 
 def _loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -171,7 +183,8 @@ def _loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
             weight=model.config.mtp_loss_weight,
             ignore_index=IGNORE_INDEX,
         )
-        return _cross_entropy_sum(logits, batch.labels) + mtp * batch.num_target_tokens
+        targets = (batch.labels != IGNORE_INDEX).sum()
+        return _cross_entropy_sum(logits, batch.labels) + mtp * targets
     logits = model(batch.input_ids, **inputs)
     return _cross_entropy_sum(logits, batch.labels)
 
@@ -182,65 +195,94 @@ def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one step measured, on the device (read at log steps only)."""
+
+    loss: torch.Tensor
+    """Mean cross-entropy over every target token of the global batch."""
+    grad_norm: torch.Tensor
+    """Global gradient norm before clipping."""
+    expert_counts: torch.Tensor | None
+    """Tokens per expert of this rank's MoE layers, ``(layers, E)``; None without MoE."""
+
+
 def train_step(
     pm: ParallelModel,
     optimizer: torch.optim.Optimizer,
     batch: Batch,
     cfg: JobConfig,
-) -> tuple[float, float, dict[str, float]]:
-    """One optimizer step over ``grad_accum`` micro-batches; returns (loss, grad norm, extra
-    metrics), the loss being the mean over every target token of the global batch (see the
-    module doc)."""
+    *,
+    on_grads: Any = None,
+) -> StepResult:
+    """One optimizer step over ``grad_accum`` micro-batches of ``batch`` (on the training
+    device); the loss is the mean over every target token of the global batch (see the module
+    doc). Forces no host synchronisation. ``on_grads()`` runs once the gradients are
+    complete, before clipping."""
+    import flexshard
+
     dims = pm.dims
-    num_tokens = torch.tensor(batch.num_target_tokens, dtype=torch.int64)
+    num_tokens = (batch.labels != IGNORE_INDEX).sum().to(torch.float32)
     if dims.dp > 1:
-        dist.all_reduce(num_tokens, group=pm.dp_group())
-    scale = dims.dp / max(1, int(num_tokens))
+        dist.all_reduce(num_tokens, group=pm.group("dp"))
+    scale = dims.dp / num_tokens.clamp(min=1)
     micro = batch.split(cfg.training.grad_accum)
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float32, device=num_tokens.device)
     for i, mb in enumerate(micro):
-        _set_gradient_sync(pm, i == len(micro) - 1)
+        last = i == len(micro) - 1
+        if pm.sharded:  # accumulate locally, reduce in the last micro-batch's backward
+            for part in pm.parts:
+                part.set_requires_gradient_sync(last)
         if pm.schedule is not None:
-            total += _pipeline_micro_step(pm, mb, scale, cfg, sync=i == len(micro) - 1)
+            total += _pipeline_micro_step(pm, mb, scale, cfg, sync=last)
             continue
-        with _autocast(cfg):
+        with _autocast(cfg, mb.input_ids.device):
             loss = _loss_sum(pm.parts[0], mb) * scale
         loss.backward()
         total += loss.detach()
-    for p in pm.tp_summed:  # replicated weights applied to local heads: sum their gradients
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=pm.group("tp"))
-    for p in pm.expert_params:  # all shards' tokens, each scaled by dp: average like DP does
-        if p.grad is not None:
-            p.grad.div_(dims.dp_shard)
-    if dims.dp_replicate > 1:  # HSDP: the replicas hold the same shards; average their grads
-        group = pm.group("dp_replicate")
-        for p in pm.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=group)
-                p.grad.div_(dims.dp_replicate)
-    norm = _clip_grad_norm(pm, cfg.training.max_grad_norm)
+    if on_grads is not None:
+        on_grads()
+    clip = dict(
+        extra_groups=[pm.group("pp")] if dims.pp > 1 else [],
+        disjoint={pm.group("ep"): pm.expert_params} if pm.experts else None,
+    )
+    params = pm.parameters()
+    if cfg.training.max_grad_norm > 0:
+        norm = flexshard.clip_grad_norm_(params, cfg.training.max_grad_norm, **clip)
+    else:
+        norm = flexshard.global_grad_norm(params, **clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    extra = _moe_load(pm)  # read before the bias update resets the counts
+    counts = _expert_counts(pm)
     _update_expert_biases(pm)
-    if dims.world_size > 1:  # each data-parallel rank's share; tp ranks hold copies of it
-        dist.all_reduce(total)
-        total /= dims.tp * dims.dp
-    return float(total), float(norm), extra
+    if dims.dp > 1:  # each data-parallel rank's share (of dp times the mean); tp ranks agree
+        dist.all_reduce(total, group=pm.group("dp"))
+    if dims.pp > 1:  # only the last stage holds the loss
+        dist.all_reduce(total, group=pm.group("pp"))
+    return StepResult(loss=total / dims.dp, grad_norm=norm, expert_counts=counts)
 
 
-def _moe_load(pm: ParallelModel) -> dict[str, float]:
-    """This rank's routing balance this step: max and mean over MoE layers of max/mean load."""
+def _expert_counts(pm: ParallelModel) -> torch.Tensor | None:
+    """This step's tokens per expert of every MoE layer this rank routes, ``(layers, E)`` on
+    the device (taken before the bias update resets them); None without MoE layers."""
     import dist_moe
 
-    ratios = [
-        m.load().max_over_mean
+    counts = [
+        m.router.tokens_per_expert
         for part in pm.parts
         for m in part.modules()
         if isinstance(m, dist_moe.MoE)
     ]
-    ratios = [r for r in ratios if r == r]  # nan: a layer that saw no token
+    return torch.stack(counts).float() if counts else None
+
+
+def _moe_load(counts: torch.Tensor | None) -> dict[str, float]:
+    """Routing balance: max and mean over MoE layers of max/mean load (reads ``counts`` on
+    the host: call it at log steps only)."""
+    if counts is None:
+        return {}
+    mean = counts.mean(1)
+    ratios = (counts.amax(1) / mean)[mean > 0].tolist()  # a layer that saw no token: left out
     if not ratios:
         return {}
     return {"moe_load_max": max(ratios), "moe_load_mean": sum(ratios) / len(ratios)}
@@ -256,15 +298,14 @@ def _sync_on_last(pm: ParallelModel, m: int) -> Any:
 
 
 def _pipeline_micro_step(
-    pm: ParallelModel, mb: Batch, scale: float, cfg: JobConfig, *, sync: bool
-) -> float:
-
+    pm: ParallelModel, mb: Batch, scale: torch.Tensor, cfg: JobConfig, *, sync: bool
+) -> torch.Tensor:
     m = cfg.parallel.pp_microbatches
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return _cross_entropy_sum(logits, labels) * scale
 
-    with _autocast(cfg):
+    with _autocast(cfg, mb.input_ids.device):
         return _run_pipeline(
             pm,
             mb,
@@ -275,28 +316,36 @@ def _pipeline_micro_step(
         )
 
 
-def _run_pipeline(pm: ParallelModel, batch: Batch, m: int, loss_fn: Any, **options: Any) -> float:
+def _run_pipeline(
+    pm: ParallelModel, batch: Batch, m: int, loss_fn: Any, **options: Any
+) -> torch.Tensor:
     """One titan_pipeline step over ``batch`` in ``m`` microbatches; the summed losses (zero on
-    ranks without the last stage)."""
+    ranks without the last stage), on the device."""
     import titan_pipeline
 
+    inputs = titan_pipeline.split_microbatches(batch.input_ids, m)
+    size = tuple(inputs[0].shape)
     losses = titan_pipeline.run(
         pm.schedule,
         pm.stages,
-        titan_pipeline.split_microbatches(batch.input_ids, m),
+        inputs,
         titan_pipeline.split_microbatches(batch.labels, m),
         loss_fn,
         stage_kwargs=_side_inputs(batch, m),
+        stage_outputs=[((*size, width), dtype) for width, dtype in pm.stage_outputs],
         **options,
     )
-    return float(sum(float(x) for x in losses))
+    total = torch.zeros((), dtype=torch.float32, device=batch.input_ids.device)
+    for loss in losses:
+        total += loss.detach().float()
+    return total
 
 
 def _update_expert_biases(pm: ParallelModel) -> None:
     """Aux-loss-free balancing: one bias update per step from the loads of every DP rank."""
     import dist_moe
 
-    group = pm.dp_group() if pm.mesh is not None else None  # same calls on each rank
+    group = pm.group("dp")  # same calls on each rank (None: one process)
     for part in pm.parts:
         dist_moe.update_expert_biases(part, group)
 
@@ -309,57 +358,26 @@ def _side_inputs(batch: Batch, m: int) -> list[dict[str, torch.Tensor]]:
     ]
 
 
-def _set_gradient_sync(pm: ParallelModel, sync: bool) -> None:
-    """Accumulate locally on all but the last micro-batch (flexshard ``no_sync``)."""
-    if pm.sharded:
-        for part in pm.parts:
-            part.set_requires_gradient_sync(sync)
-
-
-def _clip_grad_norm(pm: ParallelModel, max_norm: float) -> torch.Tensor:
-    """Global gradient norm over every shard, tensor-parallel piece and pipeline stage;
-    gradients scaled down to ``max_norm`` when it is > 0."""
-    params = [p for p in pm.parameters() if p.grad is not None]
-    if pm.dims.world_size == 1:
-        if max_norm > 0:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return torch.nn.utils.get_total_norm([p.grad for p in params])
-    import flexshard
-
-    experts = {id(p) for p in pm.expert_params}
-    norm = flexshard.global_grad_norm([p for p in params if id(p) not in experts])
-    if experts:  # each rank holds other experts: add their squares over the ep ranks
-        sq = sum((p.grad.double().square().sum() for p in pm.expert_params), torch.zeros(()))
-        dist.all_reduce(sq, group=pm.group("dp_shard"))
-        norm = (norm.double().square() + sq).sqrt().to(norm.dtype)
-    if pm.dims.pp > 1:  # each stage's norm covers its parameters: add the squares over stages
-        sq = norm.double() ** 2
-        dist.all_reduce(sq, group=pm.group("pp"))
-        norm = sq.sqrt().to(norm.dtype)
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in params:
-            p.grad.mul_(coef.to(p.grad.dtype))
-    return norm
-
-
-def _autocast(cfg: JobConfig) -> Any:
-    if cfg.training.mixed_precision == "bf16":
-        return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
-    return torch.autocast(device_type="cpu", enabled=False)
+def _autocast(cfg: JobConfig, device: torch.device) -> Any:
+    if device.type == FAKE_DEVICE.type:  # autocast has no meta variant; flexshard casts
+        return torch.autocast("cpu", enabled=False)
+    bf16 = cfg.training.mixed_precision == "bf16"
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: PackedLoader, num_batches: int) -> tuple[float, int]:
+def evaluate(
+    model: nn.Module, loader: PackedLoader, num_batches: int, device: torch.device
+) -> tuple[float, int]:
     """Summed cross-entropy and target-token count over ``num_batches`` batches of ``loader``."""
     model.eval()
-    total, tokens = 0.0, 0
+    total, tokens = torch.zeros((), dtype=torch.float64, device=device), 0
     for _ in range(num_batches):
         batch = next(loader)
-        total += float(_loss_sum(model, batch))
         tokens += batch.num_target_tokens
+        total += _loss_sum(model, batch.to(device)).double()
     model.train()
-    return total, tokens
+    return float(total), tokens
 
 
 def _loaders(
@@ -384,90 +402,110 @@ def _loaders(
     return PackedLoader(train_src, tokenizer, seq_len=t.seq_len, batch_size=t.batch_size), val_src
 
 
-def _init_distributed() -> int:
-    """World size; joins the process group torchrun describes (gloo on CPU, NCCL on GPU)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return world
+def _check_memory(pm: ParallelModel, cfg: JobConfig, device: torch.device) -> None:
+    """Fail before allocating when this rank's parameters, gradients and optimizer state
+    cannot fit on its device (activations come on top)."""
+    need = local_bytes(
+        pm, optimizer=cfg.optimizer.name, bf16=cfg.training.mixed_precision == "bf16"
+    )
+    free = free_memory_bytes(device)
+    if sum(need.values()) > free:
+        gib = {k: f"{v / 2**30:.2f}" for k, v in need.items()}
+        raise ConfigError(
+            f"{cfg.model.family} {cfg.model.flavor} needs {sum(need.values()) / 2**30:.2f} GiB "
+            f"per rank on {device} before activations (params {gib['params']}, grads "
+            f"{gib['grads']}, optimizer {gib['optimizer']}, gathered {gib['gathered']} GiB) but "
+            f"{free / 2**30:.2f} GiB are free; use more ranks or a smaller model (see "
+            f"--comm.fake-world-size for the per-rank memory of a layout)"
+        )
 
 
-class _ModelState:
-    """The model's checkpoint item: sharded pieces (flexshard's protocol objects, DTensors)
-    of every local part under the unsplit model's FQNs."""
+def prepare(
+    cfg: JobConfig, *, world_size: int | None = None
+) -> tuple[ParallelDims, Tokenizer, type, Any]:
+    """Every check that can reject ``cfg``, before any process group, allocation or file:
+    ``ConfigError`` naming the field. ``world_size``: that of a job about to be launched
+    (default: the fake world size, or torchrun's ``WORLD_SIZE``)."""
+    try:
+        validate(cfg)
+        fake = cfg.comm.fake_world_size
+        world = world_size or fake or int(os.environ.get("WORLD_SIZE", "1"))
+        dims = ParallelDims.resolve(cfg, world)
+        check_supported(cfg, dims)
+        tokenizer = build_tokenizer(cfg.data.tokenizer)
+        model_cls, config = model_config(cfg, tokenizer)
+        check_plan(cfg, dims, config)
+        with torch.device("meta"):  # overrides checked on a model that allocates nothing
+            apply_overrides(model_cls(config), cfg.model.overrides)
+        _loaders(cfg, tokenizer)  # checks data files and fields
+        if not fake:
+            resolve_device(cfg.training.device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return dims, tokenizer, model_cls, config
 
-    def __init__(self, pm: ParallelModel) -> None:
-        self.pm = pm
 
-    def state_dict(self) -> dict[str, Any]:
-        import flexshard
+def build(
+    cfg: JobConfig, dims: ParallelDims, model_cls: type, config: Any, *, fake_rank: int = 0
+) -> ParallelModel:
+    """This rank's model parts, parallelised on the meta device (nothing allocated); in
+    fake-backend mode, those of rank ``fake_rank``."""
+    from titan_train.device import device_type
 
-        out: dict[str, Any] = {}
-        for part in self.pm.parts:
-            out.update(flexshard.sharded_state_dict(part) if self.pm.sharded else part.state_dict())
-        return out
+    if cfg.comm.fake_world_size:
+        init_fake_process_group(cfg.comm.fake_world_size, fake_rank)
+        mesh_type = "cuda" if cfg.training.device == "auto" else cfg.training.device
+    else:
+        device = resolve_device(cfg.training.device)
+        init_process_group(device, cfg.comm.timeout_s)
+        mesh_type = device_type(cfg.training.device)
+    mesh = build_mesh(dims, mesh_type)
+    with torch.device("meta"):
+        model = model_cls(config)
+    apply_overrides(model, cfg.model.overrides)
+    if cfg.comm.fake_world_size:
+        from titan_train.fake import static_moe
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        # torch_checkpointing fills sharded pieces and tensors in place.
-        pass
-
-
-class _OptimizerState:
-    """The optimizer's checkpoint item under flexshard: state keyed by parameter FQN, moments
-    as sharded pieces with their parameter's layout (filled in place on load)."""
-
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.module, self.optimizer = module, optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        import flexshard
-
-        flexshard.init_optim_state(self.optimizer)  # a fresh optimizer: targets to load into
-        return flexshard.sharded_optim_state_dict(self.module, self.optimizer)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        import flexshard
-
-        flexshard.load_sharded_optim_state_dict(self.module, self.optimizer, state)
+        static_moe(model)
+    try:
+        return parallelize(model, cfg, dims, mesh)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     """Run ``cfg`` to the end (or to step ``stop_after``, for resume tests); returns a summary.
 
     Outputs go to ``<output_dir>/<name>/``: ``config.json``, ``metrics.jsonl``, TensorBoard
-    events, ``loss.png``, ``checkpoints/`` and, when asked, ``hf/`` (written by rank 0).
+    events, ``loss.png``, ``checkpoints/`` and, when asked, ``hf/`` (written by rank 0). With
+    ``comm.fake_world_size`` it runs the fake backend instead (``titan_train.fake``).
     """
-    try:  # everything that can reject the config runs before anything is written
-        validate(cfg)
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        dims = ParallelDims.resolve(cfg, world)
-        check_supported(cfg, dims)
-        tokenizer = build_tokenizer(cfg.data.tokenizer)
-        if not cfg.checkpoint.init_from_hf:
-            check_plan(cfg, dims, _model_config(cfg, tokenizer)[1])
-        _loaders(cfg, tokenizer)  # checks data files and fields
-        if cfg.training.deterministic:
-            torch.use_deterministic_algorithms(True)
-        device = torch.device("cpu")
-        model = build_model(cfg, tokenizer, device)
-        if cfg.checkpoint.init_from_hf:
-            check_plan(cfg, dims, model.config)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    _init_distributed()
-    pm = parallelize(model, cfg, dims)
-    del model
+    dims, tokenizer, model_cls, config = prepare(cfg)
+    if cfg.comm.fake_world_size:
+        from titan_train.fake import run_fake
+
+        return run_fake(cfg, dims, tokenizer, model_cls, config)
+    device = resolve_device(cfg.training.device)
+    if cfg.training.deterministic:
+        if device.type == "cuda":  # cuBLAS needs a fixed workspace to be deterministic
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    pm = build(cfg, dims, model_cls, config)
+    _check_memory(pm, cfg, device)
+    materialize(pm, device, seed=cfg.training.seed, hf_path=cfg.checkpoint.init_from_hf)
+    if dims.pp > 1:
+        build_stages(pm, cfg)
     rank = dist.get_rank() if dims.world_size > 1 else 0
     torch.manual_seed(cfg.training.seed + pm.dp_rank)
     random.seed(cfg.training.seed + pm.dp_rank)
     loader, val_src = _loaders(cfg, tokenizer, dp_rank=pm.dp_rank, dp_size=dims.dp)
     optimizer = build_optimizer(pm, cfg)
     scheduler = build_lr_scheduler(optimizer, cfg.training.steps, cfg.lr_schedule)
-    state = TrainState()
+    state = TrainState(device)
 
     run_dir = Path(cfg.output_dir) / cfg.name
-    stateful = _checkpoint_state(pm, optimizer, scheduler, loader, state)
-    ckpt = _resume(cfg, run_dir, stateful)  # before anything is written to the run folder
+    stateful = checkpoint_state(pm, optimizer, scheduler, loader, state)
+    ckpt = resume(cfg, run_dir, stateful)  # before anything is written to the run folder
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
@@ -480,43 +518,47 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict[str, Any]:
         tensorboard=cfg.metrics.tensorboard,
         enabled=rank == 0,
     )
-    peak = cfg.metrics.peak_flops or measure_matmul_flops()
-    model_config = pm.parts[0].config
-    flops_per_token = titan_models.flops_per_token(model_config, cfg.training.seq_len)
+    bf16 = cfg.training.mixed_precision == "bf16"
+    peak = cfg.metrics.peak_flops or measure_matmul_flops(
+        device, dtype=torch.bfloat16 if bf16 and device.type != "cpu" else torch.float32
+    )
+    flops_per_token = titan_models.flops_per_token(config, cfg.training.seq_len)
     tokens_per_step = cfg.training.batch_size * cfg.training.seq_len * dims.dp
     losses: list[float] = []
+    pending: list[torch.Tensor] = []  # device losses not yet read
     last_log = time.perf_counter()
     steps_since_log = 0
     end = cfg.training.steps if stop_after is None else min(stop_after, cfg.training.steps)
     while state.step < end:
-        batch = next(loader)
-        loss, grad_norm, extra = train_step(pm, optimizer, batch, cfg)
+        batch = next(loader).to(device)
+        result = train_step(pm, optimizer, batch, cfg)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         state.step += 1
         steps_since_log += 1
-        losses.append(loss)
+        pending.append(result.loss)
         if state.step % cfg.metrics.log_every == 0 or state.step == end:
+            losses += torch.stack(pending).tolist()  # the one host read per log interval
+            pending.clear()
             elapsed = time.perf_counter() - last_log
             tps = steps_since_log * tokens_per_step / elapsed
             logger.log(
                 state.step,
                 {
-                    "loss": loss,
-                    "grad_norm": grad_norm,
+                    "loss": losses[-1],
+                    "grad_norm": float(result.grad_norm),
                     "lr": lr,
                     "tokens_per_s": tps,
                     "mfu": tps * flops_per_token / (peak * dims.world_size),
-                    **extra,
-                    **memory_bytes(),
+                    **_moe_load(result.expert_counts),
+                    **memory_bytes(device),
                 },
             )
             last_log, steps_since_log = time.perf_counter(), 0
         every = cfg.metrics.validate_every
         if every and (state.step % every == 0 or state.step == cfg.training.steps):
-            val = _validate(pm, cfg, tokenizer, val_src)
-            if val is not None:
-                logger.log(state.step, {"loss": val}, prefix="validation")
+            val = _validate(pm, cfg, tokenizer, val_src, device)
+            logger.log(state.step, {"loss": val}, prefix="validation")
         if ckpt is not None and state.step % cfg.checkpoint.interval == 0:
             ckpt.save(state.step, stateful)
     if ckpt is not None:
@@ -524,135 +566,48 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict[str, Any]:
         ckpt.close()
     logger.close()
     if cfg.checkpoint.export_hf and state.step == cfg.training.steps:
-        _export_hf(pm, cfg, tokenizer, run_dir / "hf", rank)
+        export_hf(pm, model_cls, config, run_dir / "hf")
     return {"losses": losses, "run_dir": run_dir, "model": pm.parts[0], "step": state.step}
 
 
-def _checkpoint_state(
-    pm: ParallelModel, optimizer: Any, scheduler: Any, loader: PackedLoader, state: TrainState
-) -> dict[str, Any]:
-    """What a checkpoint holds. On several ranks, what differs per rank (data position, RNG,
-    optimizer state of local shards, pipeline stages' weights) is saved per rank."""
-    if pm.dims.world_size == 1:
-        return {
-            "model": pm.parts[0],
-            "optim": optimizer,
-            "lr": scheduler,
-            "data": loader,
-            "train": state,
-        }
-    from torch_checkpointing import PerRank
-
-    # Stages and experts differ per rank; HSDP replicas hold duplicate shards.
-    per_rank = pm.dims.pp > 1 or pm.expert_params or pm.dims.dp_replicate > 1
-    model = PerRank(_ModelState(pm)) if per_rank else _ModelState(pm)
-    if pm.sharded and not per_rank:  # reshardable, like the parameters
-        optim = _OptimizerState(pm.parts[0], optimizer)
-    else:
-        optim = PerRank(optimizer)
-    return {
-        "model": model,
-        "optim": optim,
-        "lr": scheduler,
-        "data": PerRank(loader),
-        "train": PerRank(state),
-    }
-
-
 def _validate(
-    pm: ParallelModel, cfg: JobConfig, tokenizer: Tokenizer, val_src: DocumentSource
-) -> float | None:
+    pm: ParallelModel,
+    cfg: JobConfig,
+    tokenizer: Tokenizer,
+    val_src: DocumentSource,
+    device: torch.device,
+) -> float:
     """Mean validation loss over every data-parallel rank's batches (under pipelining: the
     schedule's forward actions only)."""
     t = cfg.training
     val_loader = PackedLoader(val_src, tokenizer, seq_len=t.seq_len, batch_size=t.batch_size)
     if pm.schedule is None:
-        total, tokens = evaluate(pm.parts[0], val_loader, cfg.metrics.validation_batches)
+        total, tokens = evaluate(pm.parts[0], val_loader, cfg.metrics.validation_batches, device)
     else:
-        total, tokens = _evaluate_pipeline(pm, val_loader, cfg)
+        total, tokens = _evaluate_pipeline(pm, val_loader, cfg, device)
     if pm.dims.world_size > 1:
-        both = torch.tensor([total, float(tokens)], dtype=torch.float64)
-        dist.all_reduce(both, group=pm.dp_group())
+        both = torch.tensor([total, float(tokens)], dtype=torch.float64, device=device)
+        dist.all_reduce(both, group=pm.group("dp"))
         total, tokens = float(both[0]), int(both[1])
     return total / max(1, tokens)
 
 
 @torch.no_grad()
 def _evaluate_pipeline(
-    pm: ParallelModel, loader: PackedLoader, cfg: JobConfig
+    pm: ParallelModel, loader: PackedLoader, cfg: JobConfig, device: torch.device
 ) -> tuple[float, int]:
-
     for part in pm.parts:
         part.eval()
-    total, tokens = 0.0, 0
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = 0
     m = cfg.parallel.pp_microbatches
     for _ in range(cfg.metrics.validation_batches):
         batch = next(loader)
-        total += _run_pipeline(pm, batch, m, _cross_entropy_sum, forward_only=True)
         tokens += batch.num_target_tokens
+        total += _run_pipeline(pm, batch.to(device), m, _cross_entropy_sum, forward_only=True)
     for part in pm.parts:
         part.train()
     if not pm.has_head:
-        total = 0.0
-    summed = torch.tensor([total], dtype=torch.float64)
-    dist.all_reduce(summed, group=pm.group("pp"))  # the last stage's sum to every stage
-    return float(summed[0]), tokens
-
-
-def _export_hf(
-    pm: ParallelModel, cfg: JobConfig, tokenizer: Tokenizer, path: Path, rank: int
-) -> None:
-    """HF safetensors of the final weights: full tensors gathered to rank 0, written there."""
-    model = pm.parts[0]
-    if pm.dims.world_size > 1:
-        from torch.distributed.tensor import DTensor
-
-        import flexshard
-
-        if pm.sharded:
-            full = flexshard.full_state_dict(model, rank0_only=False)
-        else:
-            full = model.state_dict()
-        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in full.items()}
-        if rank == 0:
-            model_cls, model_cfg = _model_config(cfg, tokenizer)
-            with torch.device("meta"):
-                model = model_cls(model_cfg)
-            model.to_empty(device="cpu")
-            model.load_state_dict(full)
-        dist.barrier()
-    if rank == 0:
-        titan_models.to_hf(model, path)
-    if pm.dims.world_size > 1:
-        dist.barrier()
-
-
-def _resume(cfg: JobConfig, run_dir: Path, stateful: dict[str, Any]) -> Any:
-    """The checkpoint manager (None without checkpoints), after loading the latest complete
-    checkpoint of the run folder when resuming. A checkpoint that does not fit this job (another
-    model, another layout) is a ``ConfigError`` and nothing is written."""
-    if cfg.checkpoint.interval == 0:
-        return None
-    from torch_checkpointing import CheckpointManager, StateMismatchError
-
-    ckpt = CheckpointManager(
-        run_dir / "checkpoints",
-        async_mode=cfg.checkpoint.async_mode,
-        keep_last=cfg.checkpoint.keep_last,
-    )
-    step = ckpt.latest_step() if cfg.checkpoint.resume else None
-    if step is None:
-        return ckpt
-    try:
-        ckpt.load(stateful, step)
-    except StateMismatchError as e:
-        ckpt.close()
-        diff = [*e.missing[:2], *e.unexpected[:2]]
-        diff += [f"{name} ({ours} here, {theirs} saved)" for name, ours, theirs in e.mismatched[:2]]
-        raise ConfigError(
-            f"checkpoint step {step} in {run_dir / 'checkpoints'} does not fit this job "
-            f"({cfg.model.family} {cfg.model.flavor}): {len(e.missing)} missing, "
-            f"{len(e.unexpected)} unexpected, {len(e.mismatched)} mismatched entries, e.g. "
-            f"{', '.join(diff)}; use another --name or --checkpoint.no-resume"
-        ) from None
-    return ckpt
+        total.zero_()
+    dist.all_reduce(total, group=pm.group("pp"))  # the last stage's sum to every stage
+    return float(total), tokens

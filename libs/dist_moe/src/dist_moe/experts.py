@@ -36,7 +36,7 @@ def grouped_mm_available(x: torch.Tensor, *dims: int) -> bool:
     """Whether grouped GEMM can run on ``x``'s device/dtype with these inner dims."""
     if _grouped_mm_fn() is None:
         return False
-    if x.device.type == "cpu":
+    if x.device.type in ("cpu", "meta"):  # meta: shapes only (planning, fake backends)
         ok_dtype = x.dtype in (torch.float32, torch.bfloat16)
     elif x.device.type == "cuda":
         ok_dtype = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 8

@@ -71,9 +71,15 @@ class Pending:
 
 @dataclass
 class GroupInfo:
+    """The ranks a bucket is laid out over (``group``) and, under HSDP, the replicas of this
+    rank's shard (``replicate_group``); gradients are divided by ``divide`` once reduced."""
+
     group: Any
     rank: int
     world: int
+    replicate_group: Any = None
+    replicate_world: int = 1
+    divide: float = 1.0
 
 
 class Layout:
@@ -144,7 +150,7 @@ class Layout:
     ) -> Pending:
         """Start the (optionally pre-divided) sum-reduce-scatter of ``send`` into a new buffer."""
         if predivide:
-            send.div_(self.g.world)
+            send.div_(self.g.divide)
         if self.rank_ordered:  # every rank's segment for this rank, summed at finish
             recv = torch.empty(self.g.world * out_numel, dtype=send.dtype, device=send.device)
             work = dist.all_to_all_single(recv, send, group=self.g.group, async_op=True)
@@ -162,7 +168,7 @@ class Layout:
         p.wait()
         out = self._sum_over_ranks(p.recv) if self.rank_ordered else p.recv
         if not predivide:
-            out.div_(self.g.world)
+            out.div_(self.g.divide)
         return out
 
     def _full_send(
@@ -182,7 +188,7 @@ class Layout:
             else:
                 v.copy_(gr)
         if predivide:
-            send.div_(self.g.world)
+            send.div_(self.g.divide)
         return send
 
     def _sum_over_ranks(self, recv: torch.Tensor) -> torch.Tensor:
@@ -530,7 +536,7 @@ class OwnedLayout(Layout):
                 else:
                     v.copy_(grads[i])
             if predivide:
-                send.div_(self.g.world)
+                send.div_(self.g.divide)
             works.append(
                 dist.reduce(
                     send, group=self.g.group, group_dst=r, op=dist.ReduceOp.SUM, async_op=True
@@ -565,7 +571,7 @@ class OwnedLayout(Layout):
                 _r, start, _numel, members = region
                 out = self._sum_over_ranks(p.recv)
                 if not predivide:
-                    out.div_(self.g.world)
+                    out.div_(self.g.divide)
                 for i in members:
                     off = self.full_offsets[i] - start
                     res[i] = out[off : off + self.infos[i].numel].view(self.infos[i].shape)
@@ -575,7 +581,7 @@ class OwnedLayout(Layout):
             if r != self.g.rank:
                 continue
             if not predivide:
-                send.div_(self.g.world)
+                send.div_(self.g.divide)
             for i in members:
                 off = self.full_offsets[i] - start
                 res[i] = send[off : off + self.infos[i].numel].view(self.infos[i].shape)
@@ -622,7 +628,7 @@ class ReplicateLayout(Layout):
         out = self._sum_over_ranks(p.recv) if self.rank_ordered else p.recv
         p.keep = []
         if not predivide:
-            out.div_(self.g.world)
+            out.div_(self.g.divide)
         return [self.out_view(out, i) for i in range(len(self.infos))]
 
 

@@ -300,6 +300,8 @@ class BucketRuntime:
 
     def finish_reduce(self, p: Pending) -> None:
         res = self.layout.finish_reduce(p, self.predivide)
+        if self.layout.g.replicate_group is not None:
+            self._sum_over_replicas(res)
         for info, g in zip(self.infos, res, strict=True):
             if not info.requires_grad:
                 continue
@@ -314,6 +316,20 @@ class BucketRuntime:
                 local.grad = g
             else:
                 local.grad.add_(g)
+
+    def _sum_over_replicas(self, grads: list[torch.Tensor | None]) -> None:
+        """HSDP: add this rank's reduced shards to those of its replicas (one all-reduce per
+        bucket; every replica holds the same layout, so the buffers agree in size)."""
+        held = [g for g in grads if g is not None and g.numel()]
+        if not held:
+            return
+        flat = torch.cat([g.reshape(-1) for g in held])
+        dist.all_reduce(flat, group=self.layout.g.replicate_group)
+        self.state.comm.add("all_reduce", flat.nbytes)
+        offset = 0
+        for g in held:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
 
 def _dtensor_local_grad(g: torch.Tensor, info: ParamInfo) -> torch.Tensor:
@@ -356,6 +372,14 @@ class FlexShardState:
         self.max_inflight_reduces = 2
         self.handles: list[Any] = []
         self.keep_gathered = False  # no-sync micro-step without resharding: reuse next forward
+        self.nested: list[FlexShardState] = []  # states of submodules sharded before this one
+
+    def all_states(self) -> list[FlexShardState]:
+        """This state and those of nested sharded submodules, outermost first."""
+        out = [self]
+        for st in self.nested:
+            out += st.all_states()
+        return out
 
     def _sync_locals(self) -> None:
         """Adopt parameter objects that ``Module._apply`` replaced (``to_empty`` from meta,
@@ -514,19 +538,23 @@ class FlexShardModule:
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """``False``: following backwards accumulate full gradients locally, with no
-        communication; the next backward with ``True`` reduces the accumulated sum."""
-        self.flexshard_state.sync_grads = bool(requires_gradient_sync)
+        communication; the next backward with ``True`` reduces the accumulated sum. Applies to
+        nested sharded submodules too."""
+        for st in self.flexshard_state.all_states():
+            st.sync_grads = bool(requires_gradient_sync)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Context manager form of ``set_requires_gradient_sync(False)``."""
-        st = self.flexshard_state
-        prev = st.sync_grads
-        st.sync_grads = False
+        states = self.flexshard_state.all_states()
+        prev = [st.sync_grads for st in states]
+        for st in states:
+            st.sync_grads = False
         try:
             yield
         finally:
-            st.sync_grads = prev
+            for st, flag in zip(states, prev, strict=True):
+                st.sync_grads = flag
 
     def unshard(self) -> None:
         """Gather every bucket now and register the full parameters (e.g. before calling
@@ -554,7 +582,9 @@ def _swap_class(module: nn.Module) -> None:
 
 
 def group_info(mesh: Any) -> GroupInfo:
-    """Resolve ``mesh`` (None, a 1-D DeviceMesh or a ProcessGroup) and check membership."""
+    """Resolve ``mesh`` (None, a 1-D or 2-D DeviceMesh, or a ProcessGroup) and check
+    membership. A 2-D mesh is HSDP: shard over its last dimension, replicate over its first.
+    Uses no tensor op on the mesh, so it also works under ``FakeTensorMode``."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("flexshard.shard: torch.distributed is not initialised")
     me = dist.get_rank()
@@ -565,28 +595,31 @@ def group_info(mesh: Any) -> GroupInfo:
             f"flexshard.shard: mesh (a process group from new_group) does not contain the "
             f"current rank {me}"
         )
+    replicate = None
     if mesh is None:
         group = dist.group.WORLD
     else:
         from torch.distributed.device_mesh import DeviceMesh
 
         if isinstance(mesh, DeviceMesh):
-            if mesh.ndim != 1:
+            if mesh.ndim not in (1, 2):
                 raise ValueError(
                     f"flexshard.shard: mesh must be 1-D (the data-parallel dimension, e.g. "
-                    f"mesh['dp']), got a {mesh.ndim}-D mesh {mesh.mesh.tolist()}"
+                    f"mesh['dp_shard']) or 2-D (dp_replicate, dp_shard) for HSDP, got a "
+                    f"{mesh.ndim}-D mesh with dims {mesh.mesh_dim_names}"
                 )
-            ranks = mesh.mesh.flatten().tolist()
-            if me not in ranks:
+            if mesh.get_coordinate() is None:
                 raise ValueError(
-                    f"flexshard.shard: mesh {ranks} does not contain the current rank {me}"
+                    f"flexshard.shard: mesh {mesh} does not contain the current rank {me}"
                 )
-            group = mesh.get_group()
+            group = mesh.get_group(mesh.ndim - 1)
+            if mesh.ndim == 2:
+                replicate = mesh.get_group(0)
         elif isinstance(mesh, dist.ProcessGroup):
             group = mesh
         else:
             raise ValueError(
-                f"flexshard.shard: mesh must be None, a 1-D DeviceMesh or a ProcessGroup, "
+                f"flexshard.shard: mesh must be None, a 1-D or 2-D DeviceMesh or a ProcessGroup, "
                 f"got {type(mesh).__name__}"
             )
     if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
@@ -594,4 +627,13 @@ def group_info(mesh: Any) -> GroupInfo:
     ranks = dist.get_process_group_ranks(group)
     if me not in ranks:
         raise ValueError(f"flexshard.shard: mesh {ranks} does not contain the current rank {me}")
-    return GroupInfo(group, dist.get_rank(group), dist.get_world_size(group))
+    world = dist.get_world_size(group)
+    replicas = dist.get_world_size(replicate) if replicate is not None else 1
+    return GroupInfo(
+        group,
+        dist.get_rank(group),
+        world,
+        replicate_group=replicate if replicas > 1 else None,
+        replicate_world=replicas,
+        divide=float(world * replicas),
+    )

@@ -131,9 +131,11 @@ def shard(
     prefetch: int = 1,
     ignored_params: Iterable[nn.Parameter] = (),
     reduce_order: Literal["backend", "rank"] = "backend",
+    gradient_divide_factor: float | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh`` (a 1-D DeviceMesh, a ProcessGroup or None
-    for the default group), in place; returns ``module``.
+    for the default group; a 2-D DeviceMesh ``(replicate, shard)`` for HSDP), in place;
+    returns ``module``.
 
     Each parameter must be matched by exactly one of ``buckets`` (default:
     :func:`default_buckets`). Afterwards ``module.parameters()`` are the local shards (hand
@@ -144,13 +146,27 @@ def shard(
     gradients are complete on their rank). ``reduce_order="rank"`` sums gradients in rank
     order (an all-to-all instead of a reduce-scatter; all-gather instead of all-reduce):
     bitwise the same sums on every backend and world size, the sums one process would make.
+    ``gradient_divide_factor``: reduced gradients are divided by it (default: the number of
+    data-parallel ranks, replicas included, i.e. an average; 1.0 gives the sum, for losses
+    already normalised by the global token count).
+
+    Submodules sharded by an earlier call (e.g. experts over their own mesh) keep their
+    parameters: they are left out here, as FSDP2's nested ``fully_shard`` does, and
+    ``set_requires_gradient_sync`` on the outer module reaches them.
     Every check happens before any communication.
     """
     if isinstance(module, FlexShardModule):
         raise ValueError("flexshard.shard: module is already sharded")
-    for name, sub in module.named_modules():
-        if isinstance(sub, FlexShardModule):
-            raise ValueError(f"flexshard.shard: submodule {name!r} is already sharded")
+    sharded = [n for n, sub in module.named_modules() if isinstance(sub, FlexShardModule)]
+    outermost = [n for n in sharded if not any(n.startswith(o + ".") for o in sharded)]
+    nested = [module.get_submodule(n) for n in outermost]
+    if gradient_divide_factor is not None and not (
+        isinstance(gradient_divide_factor, (int, float)) and gradient_divide_factor > 0
+    ):
+        raise ValueError(
+            f"flexshard.shard: gradient_divide_factor must be a number > 0 or None, got "
+            f"{gradient_divide_factor!r}"
+        )
     if reduce_order not in ("backend", "rank"):
         raise ValueError(
             f"flexshard.shard: reduce_order must be 'backend' or 'rank', got {reduce_order!r}"
@@ -165,7 +181,10 @@ def shard(
     if not isinstance(mp, MixedPrecision):
         raise ValueError(f"flexshard.shard: mp must be a MixedPrecision, got {mp!r}")
     g = group_info(mesh)
+    if gradient_divide_factor is not None:
+        g.divide = float(gradient_divide_factor)
     ignored = {id(p) for p in ignored_params}
+    ignored.update(id(p) for sub in nested for p in sub.parameters())
     if buckets is None:
         buckets = default_buckets(module, ignored_params=ignored)
     buckets = list(buckets)
@@ -275,6 +294,7 @@ def shard(
 
     # Build runtime.
     state = FlexShardState(module, g, mp, reshard_after_forward, prefetch)
+    state.nested = [sub.flexshard_state for sub in nested]
     root_has_forward = _has_forward(module)
     for bi, b in enumerate(buckets):
         infos: list[ParamInfo] = []

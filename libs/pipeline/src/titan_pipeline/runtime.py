@@ -67,6 +67,7 @@ def run(
     forward_only: bool = False,
     before_backward: Callable[[PipelineStage, int], None] | None = None,
     broadcast_losses: bool = False,
+    stage_outputs: Sequence[tuple[tuple[int, ...], torch.dtype]] | None = None,
 ) -> list[torch.Tensor]:
     """Run one step of ``schedule`` on this rank's ``stages``; return the losses.
 
@@ -82,8 +83,11 @@ def run(
     rank of the last stage and ``[]`` elsewhere; with ``broadcast_losses`` every rank gets
     them (one broadcast of ``num_microbatches`` float32 values from the last stage's rank at
     the end of the step: the other ranks get float32 scalars, equal to the losses when those
-    are fp32, bf16 or fp16; each loss must then be a scalar). Bad input raises
-    ``ValueError`` on every rank before any activation is sent.
+    are fp32, bf16 or fp16; each loss must then be a scalar). ``stage_outputs``: every
+    stage's output (shape, dtype) per microbatch, when the caller knows them; the ranks then
+    skip the first run's shape agreement (no collective beyond the schedule's sends and
+    receives; bad input raises on the rank that has it). Bad input raises ``ValueError`` on
+    every rank before any activation is sent.
     """
     if not stages:
         raise ValueError("stages must list this rank's PipelineStage objects, got none")
@@ -119,7 +123,17 @@ def run(
             )
     except ValueError as e:
         problem = f"rank {rank}: {e}"
-    out_meta = _stage_output_meta(schedule, local, microbatches, rank, group, problem)
+    if stage_outputs is None:
+        out_meta = _stage_output_meta(schedule, local, microbatches, rank, group, problem)
+    elif problem is not None:
+        raise ValueError(problem)
+    elif len(stage_outputs) != schedule.num_stages:
+        raise ValueError(
+            f"stage_outputs must give the num_stages={schedule.num_stages} stages' outputs, got "
+            f"{len(stage_outputs)}"
+        )
+    else:
+        out_meta = [(tuple(shape), dtype) for shape, dtype in stage_outputs]
     scale = 1.0 / m if loss_scale is None else float(loss_scale)
     device = _device_of(stages)
     owner = schedule.stage_to_rank

@@ -1,11 +1,25 @@
 """Model zoo (Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3, Qwen3.5, Qwen3.5-MoE, Kimi Linear), Hugging
 Face interop, KV-cache decoding, declarative plans."""
 
-from .components import KVCache, RopeConfig, Transformer, TransformerConfig
+from .components import (
+    AttentionMetadata,
+    Constant,
+    Init,
+    KVCache,
+    Normal,
+    RopeConfig,
+    Transformer,
+    TransformerConfig,
+    attend,
+    attention_backends,
+    init_state,
+    register_attention_backend,
+    resolve_attention_backend,
+)
 from .decoding import greedy_generate
 from .deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from .flops import flops_per_token, matmul_params
-from .hf_io import from_hf, to_hf
+from .hf_io import from_hf, hf_model_config, load_hf_state, to_hf
 from .kimi_linear import KimiLinear, KimiLinearConfig
 from .llama3 import Llama3, Llama3Config
 from .mtp import mtp_loss
@@ -25,14 +39,18 @@ from .registry import get_model, get_plan, list_models
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionMetadata",
+    "Constant",
     "DeepSeekV3",
     "DeepSeekV3Config",
+    "Init",
     "KVCache",
     "KimiLinear",
     "KimiLinearConfig",
     "Llama3",
     "Llama3Config",
     "ModelPlan",
+    "Normal",
     "PipelineUnit",
     "Qwen3",
     "Qwen3Config",
@@ -47,6 +65,8 @@ __all__ = [
     "Transformer",
     "TransformerConfig",
     "__version__",
+    "attend",
+    "attention_backends",
     "check_tensor_parallel",
     "flops_per_token",
     "fqn_matches",
@@ -54,8 +74,13 @@ __all__ = [
     "get_model",
     "get_plan",
     "greedy_generate",
+    "hf_model_config",
+    "init_state",
     "list_models",
+    "load_hf_state",
     "matmul_params",
     "mtp_loss",
+    "register_attention_backend",
+    "resolve_attention_backend",
     "to_hf",
 ]

@@ -228,8 +228,23 @@ class DenseHFAdapter(HFAdapter):
 
     def config_from_hf(self, hf: Mapping[str, Any]) -> TransformerConfig:
         """Our config for an HF ``config.json``; ``ValueError`` naming any field we do not model."""
-        check_supported(hf)
-        return self.config_cls(**self.config_fields_from_hf(hf))
+        check_supported(hf, sliding_window=True)
+        return self.config_cls(**self.config_fields_from_hf(hf), **self.windows_from_hf(hf))
+
+    def windows_from_hf(self, hf: Mapping[str, Any]) -> dict[str, Any]:
+        """``sliding_window`` / ``sliding_window_layers`` of an HF config (default: the format
+        has none, so any window field is refused)."""
+        refuse_sliding_window(hf)
+        return {}
+
+    def windows_to_hf(self, config: TransformerConfig) -> dict[str, Any]:
+        """The HF window fields of our config (default: refused when it has a window)."""
+        if config.sliding_window is not None:
+            raise ValueError(
+                f"{type(config).__name__}.sliding_window={config.sliding_window} cannot be "
+                f"written as an HF {self.model_types[0]!r} checkpoint (no sliding window there)"
+            )
+        return {}
 
     def config_fields_from_hf(self, hf: Mapping[str, Any]) -> dict[str, Any]:
         """The ``TransformerConfig`` fields of an HF config (a family adds its own)."""
@@ -272,20 +287,33 @@ class DenseHFAdapter(HFAdapter):
             "tie_word_embeddings": config.tie_embeddings,
             "attention_bias": False,
             "attention_dropout": 0.0,
+            **self.windows_to_hf(config),
         }
 
 
 def check_supported(
-    hf: Mapping[str, Any], *, layer_types: tuple[str, ...] = ("full_attention",)
+    hf: Mapping[str, Any],
+    *,
+    sliding_window: bool = False,
+    layer_types: tuple[str, ...] = ("full_attention",),
 ) -> None:
     """``ValueError`` naming the first HF config field whose value we do not model
-    (``layer_types``: the entries of HF's ``layer_types`` the family models)."""
+    (``sliding_window``: the caller reads the window fields itself; ``layer_types``: the
+    entries of HF's ``layer_types`` the family models)."""
     for name, allowed in _NEUTRAL.items():
         if name in hf and hf[name] not in allowed:
             raise ValueError(
                 f"HF config field {name}={hf[name]!r} is not supported (supported: "
                 f"{', '.join(repr(a) for a in allowed if a is not None) or 'absent'})"
             )
+    if not sliding_window:
+        refuse_sliding_window(hf, layer_types=layer_types)
+
+
+def refuse_sliding_window(
+    hf: Mapping[str, Any], *, layer_types: tuple[str, ...] = ("full_attention",)
+) -> None:
+    """``ValueError`` when an HF config asks for sliding-window layers."""
     if "use_sliding_window" in hf:
         if hf["use_sliding_window"]:
             raise ValueError(
@@ -303,6 +331,46 @@ def check_supported(
             f"HF config field layer_types contains {other} (supported: "
             f"{', '.join(repr(t) for t in layer_types)})"
         )
+
+
+def qwen_windows_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen2/3-style windows: ``use_sliding_window`` switches them on, ``layer_types`` (or, when
+    absent, the layers from ``max_window_layers`` on) says which layers slide."""
+    if not hf.get("use_sliding_window"):
+        return {}
+    window = required(hf, "sliding_window")
+    num_layers = required(hf, "num_hidden_layers")
+    types = hf.get("layer_types")
+    if types:
+        unknown = sorted({t for t in types} - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(
+                f"HF config field layer_types contains {unknown} (supported: "
+                "'full_attention', 'sliding_attention')"
+            )
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    else:
+        layers = tuple(range(hf.get("max_window_layers", num_layers), num_layers))
+    if not layers:
+        return {}
+    if len(layers) == num_layers:
+        return {"sliding_window": window}
+    return {"sliding_window": window, "sliding_window_layers": layers}
+
+
+def qwen_windows_to_hf(config: TransformerConfig) -> dict[str, Any]:
+    """The Qwen2/3 window fields (``layer_types`` spelled out; ``max_window_layers`` as HF's
+    older code reads it where the sliding layers are a suffix)."""
+    L = config.num_layers
+    sliding = [config.layer_window(i) is not None for i in range(L)]
+    types = ["sliding_attention" if s else "full_attention" for s in sliding]
+    first = sliding.index(True) if any(sliding) else L
+    return {
+        "use_sliding_window": any(sliding),
+        "sliding_window": config.sliding_window,
+        "max_window_layers": first if all(sliding[first:]) else L,
+        "layer_types": types,
+    }
 
 
 def required(hf: Mapping[str, Any], name: str) -> Any:

@@ -16,15 +16,16 @@ import re
 import shutil
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from .components import Transformer
+from .components import Transformer, TransformerConfig, local_chunks
 from .hf_adapter import HFAdapter, HFTensor
 from .registry import family_for_hf, family_of
 
@@ -44,6 +45,15 @@ _DTYPE_NAMES = {
     "bfloat16": torch.bfloat16,
 }
 _MAX_LISTED = 20
+
+
+def hf_model_config(
+    path: str | os.PathLike,
+) -> tuple[type[Transformer], TransformerConfig]:
+    """The model class and config of the HF checkpoint folder ``path`` (nothing is read but
+    ``config.json`` and the tensor names). ``ValueError`` naming an unsupported HF field."""
+    _, hf_config, adapter, _ = _open_checkpoint(path)
+    return family_for_hf(hf_config.get("model_type")).model_cls, adapter.config_from_hf(hf_config)
 
 
 def from_hf(
@@ -67,17 +77,9 @@ def from_hf(
             unexpected, mis-shaped or wrongly typed tensors (naming each key). Nothing is
             allocated before these checks pass.
     """
-    root = Path(path)
-    config_file = root / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{config_file} does not exist: not an HF checkpoint folder")
-    hf_config = json.loads(config_file.read_text())
+    root, hf_config, adapter, files = _open_checkpoint(path)
     family = family_for_hf(hf_config.get("model_type"))
-    adapter = family.hf_adapter
-    files = checkpoint_files(root)
-    hf_config = adapter.adapt_to_checkpoint(hf_config, files.keys())
     config = adapter.config_from_hf(hf_config)
-
     with torch.device("meta"):
         model = family.model_cls(config)
     declared = _declared_dtype(hf_config)
@@ -90,8 +92,106 @@ def from_hf(
     with torch.no_grad():
         for buffer in model.buffers():
             buffer.zero_()  # those the checkpoint holds are overwritten next; the rest start at 0
-    _load(model, adapter, files, hf_config)
+    load_hf_state(model.state_dict(keep_vars=True), root)
     return model
+
+
+@torch.no_grad()
+def load_hf_state(state: Mapping[str, Any], path: str | os.PathLike) -> None:
+    """Fill ``state`` in place from the HF checkpoint folder ``path``, reading only what it
+    holds.
+
+    ``state`` maps our FQNs to plain tensors (whole) or objects of the sharded-tensor protocol
+    (``global_shape``, ``local_chunks()``: a rank's pieces, e.g. flexshard shards, tensor- or
+    expert-parallel slices, one pipeline stage's layers). Each piece is read from the
+    checkpoint as a slice (safetensors reads just those bytes; each file is mapped only while
+    one tensor is read), so a rank's memory holds its pieces and one slice in flight, never
+    the full model. Keys and shapes are validated first against the model the checkpoint's
+    ``config.json`` describes; dtypes convert on copy. Entries the checkpoint does not hold
+    (a router's selection bias) are left as they are.
+    """
+    _, hf_config, adapter, files = _open_checkpoint(path)
+    family = family_for_hf(hf_config.get("model_type"))
+    with torch.device("meta"):
+        model = family.model_cls(adapter.config_from_hf(hf_config))
+    _validate(model, adapter, files, hf_config, torch.float32, convert=True)
+    whole = dict(named_state(model))
+    aliases = set(model.state_dict()) - set(whole)  # a tied head: filled with the embedding
+    for key, value in state.items():
+        if key in aliases:
+            continue
+        if key not in whole:
+            raise ValueError(f"load_hf_state: {key!r} is not a tensor of {type(model).__name__}")
+        global_shape, chunks = local_chunks(value)
+        if tuple(global_shape) != tuple(whole[key].shape):
+            raise ValueError(
+                f"load_hf_state: {key!r} has global shape {tuple(global_shape)}, the "
+                f"checkpoint's model {tuple(whole[key].shape)}"
+            )
+        for ht in adapter.hf_tensors(key, whole[key], hf_config):
+            _copy_pieces(ht, whole[key], chunks, files[ht.key])
+
+
+def _copy_pieces(
+    ht: HFTensor,
+    whole: torch.Tensor,
+    chunks: list[tuple[tuple[int, ...], torch.Tensor]],
+    file: Path,
+) -> None:
+    """Copy the parts of HF tensor ``ht`` that fall into our ``chunks`` (global offsets in
+    ``whole``, our parameter on meta): ``ht.ours`` is ``whole[lead...]``, so a chunk holding
+    that leading index receives the slice of the HF tensor its trailing ranges cover."""
+    lead = _leading_index(ht.ours, whole)
+    if lead is None:
+        raise ValueError(f"{ht.key}: not a whole-trailing-dims view of our tensor")
+    k = len(lead)
+    transformed = None  # an HF layout that needs a transform is read whole, once
+    for offset, chunk in chunks:
+        inside = all(o <= i < o + n for i, o, n in zip(lead, offset, chunk.shape, strict=False))
+        if chunk.numel() == 0 or not inside:
+            continue
+        rest = tuple(slice(o, o + n) for o, n in zip(offset[k:], chunk.shape[k:], strict=True))
+        target = chunk[tuple(i - o for i, o in zip(lead, offset, strict=False))]
+        if ht.from_hf is not None:
+            if transformed is None:
+                with safe_open(file, framework="pt") as f:
+                    transformed = ht.from_hf(f.get_tensor(ht.key))
+            target.copy_(transformed[rest])
+            continue
+        with safe_open(file, framework="pt") as f:  # mapped only while this slice is read
+            piece = f.get_slice(ht.key)[rest] if rest else f.get_tensor(ht.key)
+        target.copy_(piece.reshape(target.shape))
+
+
+def _leading_index(view: torch.Tensor, whole: torch.Tensor) -> tuple[int, ...] | None:
+    """``view`` is ``whole[i, j, ...]`` (whole trailing dims): those leading indices; None
+    when it is some other view (then the HF tensor is read whole)."""
+    k = whole.dim() - view.dim()
+    if k < 0 or tuple(view.shape) != tuple(whole.shape[k:]):
+        return None
+    if k == 0:
+        return ()
+    inner = math.prod(whole.shape[k:])
+    flat, rem = divmod(view.storage_offset(), inner)
+    if rem:
+        return None
+    index = []
+    for size in reversed(whole.shape[:k]):
+        flat, i = divmod(flat, size)
+        index.append(i)
+    return tuple(reversed(index))
+
+
+def _open_checkpoint(path: str | os.PathLike) -> tuple[Path, dict, HFAdapter, dict[str, Path]]:
+    """(folder, HF config as it applies to the tensors present, adapter, key → file)."""
+    root = Path(path)
+    config_file = root / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} does not exist: not an HF checkpoint folder")
+    hf_config = json.loads(config_file.read_text())
+    adapter = family_for_hf(hf_config.get("model_type")).hf_adapter
+    files = checkpoint_files(root)
+    return root, adapter.adapt_to_checkpoint(hf_config, files.keys()), adapter, files
 
 
 def to_hf(
@@ -296,25 +396,6 @@ def _listing(what: str, items: list[str]) -> str:
         return ""
     more = f" and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else ""
     return f"{len(items)} {what}: {', '.join(items[:_MAX_LISTED])}{more}"
-
-
-@torch.no_grad()
-def _load(model: Transformer, adapter: HFAdapter, files: dict[str, Path], hf_config: dict) -> None:
-    # A fused checkpoint tensor (transformers' gate_up_proj) fills several of our parameters.
-    targets: dict[str, list[HFTensor]] = defaultdict(list)
-    for fqn, tensor in named_state(model):
-        for ht in adapter.hf_tensors(fqn, tensor, hf_config):
-            targets[ht.key].append(ht)
-    by_file: dict[Path, list[str]] = defaultdict(list)
-    for key in targets:
-        by_file[files[key]].append(key)
-    for file, keys in by_file.items():
-        with safe_open(file, framework="pt") as f:
-            for key in keys:
-                tensor = f.get_tensor(key)
-                for ht in targets[key]:
-                    ht.ours.copy_(ht.from_hf(tensor) if ht.from_hf else tensor)
-                del tensor
 
 
 def _hf_tensors_for_saving(

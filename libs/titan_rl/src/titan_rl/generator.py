@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from titan_models import KVCache
+from titan_models import AttentionMetadata, KVCache
+from titan_models.components import CacheStep
 
 from .batch_invariant import batch_invariant
 from .logprobs import token_logprobs
@@ -369,11 +370,11 @@ def _decode_step(
     capacity = buffers[0][0].shape[2]
     h_B1D = model.tok_embeddings(tokens_B1)
     rope = model.rope(slots_B[:, None], h_B1D.dtype)
-    keys_L = torch.arange(capacity, device=slots_B.device)
-    mask_B11L = (keys_L[None, :] <= slots_B[:, None])[:, None, None, :]
+    step = CacheStep(slots=slots_B[:, None], lengths=slots_B, kv_len=capacity, reads_cache=True)
+    meta = AttentionMetadata.for_cache_step(step)
     with _DecodeKernels():
         for layer, (k_BKLE, v_BKLE) in zip(model.layers.values(), buffers, strict=True):
-            h_B1D = layer(h_B1D, rope, mask_B11L, _StepCache(k_BKLE, v_BKLE, slots_B))
+            h_B1D = layer(h_B1D, rope, meta, _StepCache(k_BKLE, v_BKLE, slots_B))
     slots_B.add_(1)
     return _sample(model.head(h_B1D)[:, 0], params, noise_BV)
 

@@ -27,7 +27,7 @@ from . import _format as fmt
 from . import _reshard as rs
 from . import _tree as tr
 from ._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
-from .storage import FileSystemStorage, PrefixedStorage
+from .storage import FileSystemStorage, PrefixedStorage, Storage
 
 __all__ = ["load_hf", "save_hf"]
 
@@ -35,7 +35,7 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
-def _storage(path: Any, storage: Any, create: bool) -> Any:
+def _storage(path: Any, storage: Storage | None, create: bool) -> Storage:
     if storage is None:
         if path is None:
             raise ValueError("pass path=... (a folder) or storage=...")
@@ -73,7 +73,7 @@ def save_hf(
     state_dict: dict[str, Any],
     path: str | os.PathLike[str] | None = None,
     *,
-    storage: Any = None,
+    storage: Storage | None = None,
     process_group: Any = None,
     max_shard_size: int | str = "5GB",
     metadata: dict[str, str] | None = None,
@@ -196,7 +196,7 @@ def load_hf(
     path: str | os.PathLike[str] | None = None,
     state_dict: dict[str, Any] | None = None,
     *,
-    storage: Any = None,
+    storage: Storage | None = None,
     strict: bool = True,
 ) -> dict[str, Any]:
     """Read HF safetensors: into new full CPU tensors (``state_dict=None``), or in place.

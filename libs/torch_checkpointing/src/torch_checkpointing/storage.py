@@ -369,7 +369,7 @@ class FsspecStorage:
 class PrefixedStorage:
     """A folder inside another storage (``CheckpointManager(root, storage=s)``)."""
 
-    def __init__(self, inner: Any, prefix: str) -> None:
+    def __init__(self, inner: Storage, prefix: str) -> None:
         self.inner = inner
         self.prefix = _check_relative(str(prefix).replace(os.sep, "/"))
         self.process_safe = getattr(inner, "process_safe", True)

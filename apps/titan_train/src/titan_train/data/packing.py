@@ -34,9 +34,14 @@ class Batch:
         fields = (self.input_ids, self.labels, self.document_ids, self.positions)
         return [Batch(*parts) for parts in zip(*(t.chunk(n) for t in fields), strict=True)]
 
+    def to(self, device: torch.device) -> Batch:
+        """The same batch on ``device`` (asynchronous copies from the host)."""
+        fields = (self.input_ids, self.labels, self.document_ids, self.positions)
+        return Batch(*(t.to(device, non_blocking=True) for t in fields))
+
     @property
     def num_target_tokens(self) -> int:
-        """Tokens that carry a loss."""
+        """Tokens that carry a loss (read on the host: call it on a CPU batch)."""
         return int((self.labels != IGNORE_INDEX).sum())
 
 

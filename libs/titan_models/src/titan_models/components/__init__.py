@@ -1,7 +1,18 @@
 """Building blocks shared by every model family."""
 
-from .attention import Attention, attention_inputs, positions_from_document_ids
+from .attention import Attention, build_attention_metadata, cached_keys
+from .attention_metadata import AttentionMetadata, CacheStep, positions_from_document_ids
+from .backends import (
+    AttentionBackend,
+    attend,
+    attention_backends,
+    prepare_attention,
+    register_attention_backend,
+    resolve_attention_backend,
+)
+from .dense_attention import math_attention, sdpa
 from .feedforward import FeedForward
+from .init import Constant, Init, Normal, init_state, local_chunks
 from .kv_cache import KVCache, LayerKVCache, LayerRecurrentState
 from .mla import MultiHeadLatentAttention
 from .moe import MoEFeedForward
@@ -24,14 +35,20 @@ from .transformer import (
 
 __all__ = [
     "Attention",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "CacheStep",
+    "Constant",
     "FeedForward",
     "GatedRMSNorm",
+    "Init",
     "KVCache",
     "LayerKVCache",
     "LayerRecurrentState",
     "Llama3RopeScaling",
     "MoEFeedForward",
     "MultiHeadLatentAttention",
+    "Normal",
     "RMSNorm",
     "RopeConfig",
     "RotaryEmbedding",
@@ -40,9 +57,19 @@ __all__ = [
     "TransformerConfig",
     "YarnRopeScaling",
     "apply_rotary",
-    "attention_inputs",
+    "attend",
+    "attention_backends",
+    "build_attention_metadata",
+    "cached_keys",
     "dense_blocks",
     "gqa_attention",
+    "init_state",
+    "local_chunks",
+    "math_attention",
     "positions_from_document_ids",
+    "prepare_attention",
+    "register_attention_backend",
+    "resolve_attention_backend",
     "rope_frequencies",
+    "sdpa",
 ]

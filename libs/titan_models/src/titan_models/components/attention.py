@@ -1,4 +1,4 @@
-"""Grouped-query attention through ``scaled_dot_product_attention``, with optional QK-norm.
+"""Grouped-query attention with optional QK-norm, through the ``attend`` interface.
 
 Shapes: B batch, S queries, L keys, D model dim, H query heads, K kv heads, E head dim.
 The head counts are read off the projections at run time (``view(B, S, -1, E)``), so a
@@ -8,9 +8,11 @@ tensor-parallel plan that shards the projections by heads needs no change here.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .attention_metadata import AttentionMetadata
+from .backends import attend, prepare_attention, resolve_attention_backend
+from .init import Init, Normal, prefixed
 from .kv_cache import KVCache, LayerKVCache
 from .norm import RMSNorm
 from .rope import apply_rotary
@@ -30,15 +32,22 @@ class Attention(nn.Module):
         qk_norm_offset: float = 0.0,
         softmax_scale: float | None = None,
         output_gate: bool = False,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         """``qk_norm_eps``: RMSNorm q and k per head (Qwen3) with this eps; ``None`` for none.
         ``qk_norm_offset``: 1 for zero-centred QK-norm weights (Qwen3.5). ``output_gate``: ``wq``
         also yields a per-channel sigmoid gate of the attention output (Qwen3.5's gated
-        attention; each head's rows are its query then its gate)."""
+        attention; each head's rows are its query then its gate). ``window``: sliding window of
+        this layer (``attend``); ``softcap``: logit soft cap."""
         super().__init__()
         self.head_dim = head_dim
         self.softmax_scale = softmax_scale
         self.output_gate = output_gate
+        self.window = window
+        self.softcap = softcap
+        self.backend: str | None = None
+        """This layer's attention backend instead of the run's (``None``: the run's)."""
         q_rows = num_heads * head_dim * (2 if output_gate else 1)
         self.wq = nn.Linear(dim, q_rows, bias=False)
         self.wk = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
@@ -52,12 +61,10 @@ class Attention(nn.Module):
         self,
         x_BSD: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        meta: AttentionMetadata,
         kv_cache: LayerKVCache | None = None,
-        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``mask``: ``None`` for plain causal attention, else a boolean ``(B, 1, S, L)`` (it
-        already holds the document boundaries; ``document_ids`` is for recurrent mixers)."""
+        """``meta``: the batch's masks and positions (``build_attention_metadata``)."""
         B, S, _ = x_BSD.shape
         gate_BSHE = None
         if self.output_gate:
@@ -69,47 +76,48 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q_BSHE, k_BSKE = self.q_norm(q_BSHE), self.k_norm(k_BSKE)
         q_BSHE, k_BSKE = apply_rotary(q_BSHE, rope), apply_rotary(k_BSKE, rope)
-
-        q_BHSE = q_BSHE.transpose(1, 2)
-        if kv_cache is not None:
-            k_BKLE, v_BKLE = kv_cache.update(k_BSKE, v_BSKE)
-        else:
-            k_BKLE, v_BKLE = k_BSKE.transpose(1, 2), v_BSKE.transpose(1, 2)
-        o_BHSE = F.scaled_dot_product_attention(
-            q_BHSE,
-            k_BKLE,
-            v_BKLE,
-            attn_mask=mask,
-            is_causal=mask is None,
+        k_BLKE, v_BLKE = cached_keys(kv_cache, meta, k_BSKE, v_BSKE)
+        o_BSHE = attend(
+            q_BSHE,
+            k_BLKE,
+            v_BLKE,
+            meta,
+            window=self.window,
             scale=self.softmax_scale,
-            enable_gqa=q_BHSE.shape[1] != k_BKLE.shape[1],
+            softcap=self.softcap,
+            backend=self.backend,
         )
-        o_BSHE = o_BHSE.transpose(1, 2)
         if gate_BSHE is not None:
             o_BSHE = o_BSHE * torch.sigmoid(gate_BSHE)
         return self.wo(o_BSHE.reshape(B, S, -1))
 
-    def init_weights(self, *, std: float, out_std: float, generator: torch.Generator) -> None:
+    def param_init(self, *, std: float, out_std: float) -> dict[str, Init]:
         """Normal ``std`` for q/k/v, ``out_std`` for the residual output ``wo``; norms to one."""
-        for linear in (self.wq, self.wk, self.wv):
-            nn.init.normal_(linear.weight, std=std, generator=generator)
-        nn.init.normal_(self.wo.weight, std=out_std, generator=generator)
-        for norm in (self.q_norm, self.k_norm):
-            if norm is not None:
-                norm.init_weights()
+        inits: dict[str, Init] = {f"{n}.weight": Normal(std) for n in ("wq", "wk", "wv")}
+        inits["wo.weight"] = Normal(out_std)
+        for name in ("q_norm", "k_norm"):
+            if getattr(self, name) is not None:
+                inits |= prefixed(name, getattr(self, name).param_init())
+        return inits
 
 
-def positions_from_document_ids(document_ids_BS: torch.Tensor) -> torch.Tensor:
-    """Each token's position inside its document: 0 at every change of document id."""
-    B, S = document_ids_BS.shape
-    index_BS = torch.arange(S, device=document_ids_BS.device).expand(B, S)
-    is_start_BS = torch.ones_like(document_ids_BS, dtype=torch.bool)
-    is_start_BS[:, 1:] = document_ids_BS[:, 1:] != document_ids_BS[:, :-1]
-    start_BS = torch.where(is_start_BS, index_BS, 0).cummax(dim=1).values
-    return index_BS - start_BS
+def cached_keys(
+    kv_cache: LayerKVCache | None,
+    meta: AttentionMetadata,
+    k_BSKE: torch.Tensor,
+    v_BSKV: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values a layer attends to, ``(B, L, K, ·)``: its own tokens' (no cache,
+    or a prefill into an empty one), else the cache's after storing this step's."""
+    if kv_cache is None:
+        return k_BSKE, v_BSKV
+    k_BKLE, v_BKLV = kv_cache.update(k_BSKE, v_BSKV)
+    if meta.cache is None or not meta.cache.reads_cache:
+        return k_BSKE, v_BSKV
+    return k_BKLE.transpose(1, 2), v_BKLV.transpose(1, 2)
 
 
-def attention_inputs(
+def build_attention_metadata(
     batch_size: int,
     seq_len: int,
     device: torch.device,
@@ -118,37 +126,36 @@ def attention_inputs(
     document_ids: torch.Tensor | None,
     kv_cache: KVCache | None,
     input_lengths: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Positions ``(B, S)`` and the attention mask (``None`` = plain causal) for one forward.
+    backend: str = "auto",
+    windows: tuple[int | None, ...] = (None,),
+) -> AttentionMetadata:
+    """The ``AttentionMetadata`` of one forward, with the backend's structures for each of
+    the model's ``windows`` built now (outside any compiled block).
 
-    - ``kv_cache``: tokens go to the rows' next free slots; a query sees the slots up to its own
-      (``input_lengths``: the real tokens of each row, for the cache's recurrent layers).
-    - ``document_ids``: causal within a document, nothing across (packed training sequences);
+    - ``kv_cache``: tokens go to the rows' next free slots (``KVCache.begin``); a query sees
+      the slots of its document up to its own; positions continue each row's document.
+    - ``document_ids``: causal within a document, nothing across (packed sequences);
       positions restart at 0 in every document unless given.
-    - neither: plain causal attention over ``0 .. S-1`` (SDPA's ``is_causal`` fast path).
+    - neither: plain causal attention over ``0 .. S-1``.
     """
+    name = resolve_attention_backend(backend, device)
     if kv_cache is not None:
-        if document_ids is not None:
-            raise ValueError("document_ids cannot be combined with kv_cache")
         if kv_cache.batch_size != batch_size:
             raise ValueError(
                 f"kv_cache has batch_size={kv_cache.batch_size}, the input has {batch_size}"
             )
-        slots_BS = kv_cache.begin(seq_len, input_lengths)
-        mask = kv_cache.attention_mask(slots_BS)
-        return (slots_BS if positions is None else positions), mask
-    if document_ids is not None:
-        if document_ids.shape != (batch_size, seq_len):
+        step = kv_cache.begin(seq_len, input_lengths=input_lengths, document_ids=document_ids)
+        meta = AttentionMetadata.for_cache_step(step, positions=positions, backend=name)
+    elif document_ids is not None:
+        if tuple(document_ids.shape) != (batch_size, seq_len):
             raise ValueError(
                 f"document_ids must have shape {(batch_size, seq_len)}, "
                 f"got {tuple(document_ids.shape)}"
             )
-        same_doc_BSS = document_ids[:, :, None] == document_ids[:, None, :]
-        causal_SS = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
-        mask = (same_doc_BSS & causal_SS).unsqueeze(1)
-        if positions is None:
-            positions = positions_from_document_ids(document_ids)
-        return positions, mask
-    if positions is None:
-        positions = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
-    return positions, None
+        meta = AttentionMetadata.from_document_ids(document_ids, positions=positions, backend=name)
+    else:
+        meta = AttentionMetadata.causal(
+            batch_size, seq_len, device, positions=positions, backend=name
+        )
+    prepare_attention(meta, windows)
+    return meta

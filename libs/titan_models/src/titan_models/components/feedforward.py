@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .init import Init, Normal
+
 
 class FeedForward(nn.Module):
     """Gated MLP; ``w1`` is the gate, ``w3`` the up projection, ``w2`` the down projection."""
@@ -19,8 +21,6 @@ class FeedForward(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x_BSD)) * self.w3(x_BSD))
 
-    def init_weights(self, *, std: float, out_std: float, generator: torch.Generator) -> None:
+    def param_init(self, *, std: float, out_std: float) -> dict[str, Init]:
         """Normal ``std`` for the input projections, ``out_std`` for the residual output ``w2``."""
-        nn.init.normal_(self.w1.weight, std=std, generator=generator)
-        nn.init.normal_(self.w3.weight, std=std, generator=generator)
-        nn.init.normal_(self.w2.weight, std=out_std, generator=generator)
+        return {"w1.weight": Normal(std), "w3.weight": Normal(std), "w2.weight": Normal(out_std)}

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek-V2/V3, DeepSeek-AI 2024) through SDPA.
+"""Multi-head latent attention (DeepSeek-V2/V3, DeepSeek-AI 2024) through ``attend``.
 
 Keys and values are compressed into one latent per token (``kv_lora_rank`` wide) plus one
 rope key shared by every head (``qk_rope_head_dim`` wide); those two are all the KV cache holds.
@@ -18,9 +18,12 @@ G = H·E, I = the input of ``wq``/``wq_b``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .attention import cached_keys
+from .attention_metadata import AttentionMetadata
+from .backends import attend
+from .init import Init, Normal, prefixed
 from .kv_cache import LayerKVCache
 from .norm import RMSNorm
 from .rope import apply_rotary
@@ -41,12 +44,17 @@ class MultiHeadLatentAttention(nn.Module):
         v_head_dim: int,
         latent_norm_eps: float,
         softmax_scale: float,
+        window: int | None = None,
         rotary: bool = True,
     ) -> None:
-        """``q_lora_rank=0``: queries straight from ``x`` (``wq``), as DeepSeek-V2-Lite.
-        ``rotary=False``: the "rope" parts carry no position either (Kimi Linear's NoPE MLA)."""
+        """``q_lora_rank=0``: queries straight from ``x`` (``wq``), as DeepSeek-V2-Lite;
+        ``window``: sliding window of this layer (``attend``); ``rotary=False``: the "rope"
+        parts carry no position either (Kimi Linear's NoPE MLA)."""
         super().__init__()
+        self.window = window
         self.rotary = rotary
+        self.backend: str | None = None
+        """This layer's attention backend instead of the run's (``None``: the run's)."""
         self.kv_lora_rank = kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.softmax_scale = softmax_scale
@@ -70,12 +78,10 @@ class MultiHeadLatentAttention(nn.Module):
         self,
         x_BSD: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        meta: AttentionMetadata,
         kv_cache: LayerKVCache | None = None,
-        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``mask``: ``None`` for plain causal attention, else a boolean ``(B, 1, S, L)`` (it
-        already holds the document boundaries; ``document_ids`` is for recurrent mixers)."""
+        """``meta``: the batch's masks and positions (``build_attention_metadata``)."""
         B, S, _ = x_BSD.shape
         q_in_BSI = x_BSD if self.wq_a is None else self.q_norm(self.wq_a(x_BSD))
         q_BSG = (self.wq if self.wq is not None else self.wq_b)(q_in_BSI)
@@ -90,8 +96,10 @@ class MultiHeadLatentAttention(nn.Module):
             k_rope_BS1R = apply_rotary(k_rope_BS1R, rope)
         if kv_cache is not None:
             # The cache holds the latent and the rope key only.
-            latent_B1LC, k_rope_B1LR = kv_cache.update(latent_BSC.unsqueeze(2), k_rope_BS1R)
-            o_BSHV = self._absorbed(q_nope_BSHN, q_rope_BSHR, latent_B1LC, k_rope_B1LR, mask)
+            latent_BL1C, k_rope_BL1R = cached_keys(
+                kv_cache, meta, latent_BSC.unsqueeze(2), k_rope_BS1R
+            )
+            o_BSHV = self._absorbed(q_nope_BSHN, q_rope_BSHR, latent_BL1C, k_rope_BL1R, meta)
             return self.wo(o_BSHV.reshape(B, S, -1))
 
         kv_BSHF = self.wkv_b(latent_BSC).view(B, S, -1, self.nope_dim + self.v_dim)
@@ -99,22 +107,21 @@ class MultiHeadLatentAttention(nn.Module):
         H = k_nope_BSHN.shape[2]
         k_BSHE = torch.cat([k_nope_BSHN, k_rope_BS1R.expand(B, S, H, self.rope_dim)], dim=-1)
         q_BSHE = torch.cat([q_nope_BSHN, q_rope_BSHR], dim=-1)
-        o_BHSV = _attention(
-            q_BSHE.transpose(1, 2),
-            k_BSHE.transpose(1, 2),
-            v_BSHV.transpose(1, 2),
-            mask,
-            self.softmax_scale,
+        o_BSHV = self._attend(q_BSHE, k_BSHE, v_BSHV, meta)
+        return self.wo(o_BSHV.reshape(B, S, -1))
+
+    def _attend(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        return attend(
+            q, k, v, meta, window=self.window, scale=self.softmax_scale, backend=self.backend
         )
-        return self.wo(o_BHSV.transpose(1, 2).reshape(B, S, -1))
 
     def _absorbed(
         self,
         q_nope_BSHN: torch.Tensor,
         q_rope_BSHR: torch.Tensor,
-        latent_B1LC: torch.Tensor,
-        k_rope_B1LR: torch.Tensor,
-        mask: torch.Tensor | None,
+        latent_BL1C: torch.Tensor,
+        k_rope_BL1R: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Attention in latent space (DeepSeek-V2 §2.1.2's weight absorption): the key
         up-projection folds into the query, the value up-projection into the output, so the
@@ -122,42 +129,20 @@ class MultiHeadLatentAttention(nn.Module):
         wkv_b_HFC = self.wkv_b.weight.view(-1, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk_HNC, w_uv_HVC = wkv_b_HFC.split([self.nope_dim, self.v_dim], dim=1)
         q_latent_BSHC = torch.einsum("bshn,hnc->bshc", q_nope_BSHN, w_uk_HNC)
-        q_BHSX = torch.cat([q_latent_BSHC, q_rope_BSHR], dim=-1).transpose(1, 2)
-        k_B1LX = torch.cat([latent_B1LC, k_rope_B1LR], dim=-1)
-        o_BHSC = _attention(q_BHSX, k_B1LX, latent_B1LC, mask, self.softmax_scale)
-        return torch.einsum("bhsc,hvc->bshv", o_BHSC, w_uv_HVC)
+        q_BSHX = torch.cat([q_latent_BSHC, q_rope_BSHR], dim=-1)
+        k_BL1X = torch.cat([latent_BL1C, k_rope_BL1R], dim=-1)
+        o_BSHC = self._attend(q_BSHX, k_BL1X, latent_BL1C, meta)
+        return torch.einsum("bshc,hvc->bshv", o_BSHC, w_uv_HVC)
 
-    def init_weights(self, *, std: float, out_std: float, generator: torch.Generator) -> None:
+    def param_init(self, *, std: float, out_std: float) -> dict[str, Init]:
         """Normal ``std`` for the projections into the heads/latents, ``out_std`` for ``wo``."""
-        for linear in (self.wq, self.wq_a, self.wq_b, self.wkv_a, self.wkv_b):
-            if linear is not None:
-                nn.init.normal_(linear.weight, std=std, generator=generator)
-        nn.init.normal_(self.wo.weight, std=out_std, generator=generator)
-        for norm in (self.q_norm, self.kv_norm):
-            if norm is not None:
-                norm.init_weights()
-
-
-def _attention(
-    q_BHSE: torch.Tensor,
-    k_BKLE: torch.Tensor,
-    v_BKLV: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
-    """SDPA of ``(B, H, S, E)`` queries on ``K`` key/value heads (1 or H), output ``(B, H, S, V)``.
-
-    SDPA's fused kernels want one width for q, k and v: zero columns appended to a narrower v
-    change no output value and spare the unfused (math) path.
-    """
-    pad = q_BHSE.shape[-1] - v_BKLV.shape[-1]
-    o_BHSE = F.scaled_dot_product_attention(
-        q_BHSE,
-        k_BKLE,
-        F.pad(v_BKLV, (0, pad)) if pad > 0 else v_BKLV,
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=scale,
-        enable_gqa=k_BKLE.shape[1] != q_BHSE.shape[1],
-    )
-    return o_BHSE[..., : v_BKLV.shape[-1]]
+        inits: dict[str, Init] = {
+            f"{name}.weight": Normal(std)
+            for name in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b")
+            if getattr(self, name) is not None
+        }
+        inits["wo.weight"] = Normal(out_std)
+        for name in ("q_norm", "kv_norm"):
+            if getattr(self, name) is not None:
+                inits |= prefixed(name, getattr(self, name).param_init())
+        return inits

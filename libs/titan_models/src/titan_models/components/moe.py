@@ -1,7 +1,7 @@
 """The mixture-of-experts feed-forward of the MoE families: ``dist_moe.MoE`` plus our init.
 
 Routing, permutation, grouped experts, shared experts, the balance loss and aux-loss-free bias
-balancing are dist_moe's; this module only adds the deterministic ``init_weights`` every block
+balancing are dist_moe's; this module only adds the ``param_init`` every block
 of a ``Transformer`` has, and the config validation the MoE families share. Expert parallelism
 is applied from outside (``dist_moe.expert_parallel`` on each module the plan lists in
 ``ModelPlan.experts``).
@@ -12,9 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from dist_moe import MoE, MoEConfig, RouterConfig
+
+from .init import Init, Normal
 
 __all__ = ["MoEFeedForward", "check_moe_fields"]
 
@@ -51,23 +52,18 @@ class MoEFeedForward(MoE):
             self.router.expert_bias = bias.float()
         return self
 
-    def init_weights(self, *, std: float, out_std: float, generator: torch.Generator) -> None:
+    def param_init(self, *, std: float, out_std: float) -> dict[str, Init]:
         """N(0, std²) for the router gate and every input projection, N(0, out_std²) for the
-        down projections into the residual stream (as ``FeedForward``); balancing state zero."""
-        experts, shared = self.experts, self.shared_experts
-        inputs = [self.router.gate.weight, experts.w_gate, experts.w_up]
-        outputs = [experts.w_down]
-        if shared is not None:
-            inputs += [shared.w_gate.weight, shared.w_up.weight]
-            if shared.gate is not None:
-                inputs.append(shared.gate.weight)
-            outputs.append(shared.w_down.weight)
-        for weight in inputs:
-            nn.init.normal_(weight, std=std, generator=generator)
-        for weight in outputs:
-            nn.init.normal_(weight, std=out_std, generator=generator)
-        self.router.expert_bias.zero_()
-        self.router.tokens_per_expert.zero_()
+        down projections into the residual stream (as ``FeedForward``); balancing state (buffers)
+        zero."""
+        inputs = ["router.gate.weight", "experts.w_gate", "experts.w_up"]
+        outputs = ["experts.w_down"]
+        if self.shared_experts is not None:
+            inputs += ["shared_experts.w_gate.weight", "shared_experts.w_up.weight"]
+            if self.shared_experts.gate is not None:
+                inputs.append("shared_experts.gate.weight")
+            outputs.append("shared_experts.w_down.weight")
+        return {n: Normal(std) for n in inputs} | {n: Normal(out_std) for n in outputs}
 
 
 def check_moe_fields(config: Any) -> None:

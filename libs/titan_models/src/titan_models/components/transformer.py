@@ -1,8 +1,9 @@
 """The decoder-only language model every family builds on: embedding → blocks → norm → head.
 
 A family supplies its config (a ``TransformerConfig`` subclass with its flavours) and the
-blocks; everything else — the forward pass, packed documents, the KV cache, meta-device
-construction and the initialisation scheme — lives here once.
+blocks; everything else — the forward pass, the per-batch attention metadata (packed
+documents, positions, the KV cache step), meta-device construction and the initialisation
+scheme — lives here once.
 
 Shapes: B batch, S sequence, D model dim, V vocabulary.
 """
@@ -15,8 +16,11 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from .attention import Attention, attention_inputs
+from .attention import Attention, build_attention_metadata
+from .attention_metadata import AttentionMetadata
+from .backends import check_attention_backend
 from .feedforward import FeedForward
+from .init import Constant, Init, Normal, init_state, prefixed
 from .kv_cache import KVCache, LayerKVCache, LayerRecurrentState
 from .norm import RMSNorm
 from .rope import RopeConfig, RotaryEmbedding
@@ -50,6 +54,14 @@ class TransformerConfig:
     """Share the output head's weight with the token embedding."""
     init_std: float = 0.02
     """Standard deviation of the weight initialisation (see ``Transformer.init_weights``)."""
+    sliding_window: int | None = None
+    """Window W of the sliding-window layers: a query sees itself and the W - 1 tokens before
+    it (inside its document); ``None``: every layer attends to the whole causal prefix."""
+    sliding_window_layers: tuple[int, ...] | None = None
+    """Indices of the layers that use ``sliding_window`` (``None``: all of them, Mistral)."""
+    attention_backend: str = "auto"
+    """Attention backend of a forward (``titan_models.attention_backends()``): ``sdpa``
+    (dense reference), ``flex``, ``varlen``; ``auto`` = flex on CUDA, varlen elsewhere."""
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim")
@@ -73,11 +85,25 @@ class TransformerConfig:
                 raise ValueError(
                     f"{type(self).__name__}.{name} must be > 0, got {getattr(self, name)!r}"
                 )
+        _check_windows(self)
+        check_attention_backend(self.attention_backend, f"{type(self).__name__}.attention_backend")
 
     @classmethod
     def field_names(cls) -> list[str]:
         """The names ``dataclasses.replace`` accepts."""
         return [f.name for f in fields(cls)]
+
+    def layer_window(self, index: int) -> int | None:
+        """Sliding window of layer ``index`` (``None``: full causal attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_window_layers is None or index in self.sliding_window_layers:
+            return self.sliding_window
+        return None
+
+    def attention_windows(self) -> tuple[int | None, ...]:
+        """The distinct windows of the layers (``None`` = full attention)."""
+        return tuple(dict.fromkeys(self.layer_window(i) for i in range(self.num_layers)))
 
     @property
     def rotary_dim(self) -> int:
@@ -114,6 +140,8 @@ class TransformerBlock(nn.Module):
         feed_forward: nn.Module,
         norm_offset: float = 0.0,
     ) -> None:
+        """``attention``: the token mixer (softmax attention, or a recurrent mixer such as
+        ``GatedDeltaNet`` that reads the documents off the metadata)."""
         super().__init__()
         self.attention_norm = RMSNorm(dim, eps=norm_eps, offset=norm_offset)
         self.attention = attention
@@ -124,31 +152,29 @@ class TransformerBlock(nn.Module):
         self,
         x_BSD: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        meta: AttentionMetadata,
         kv_cache: LayerKVCache | LayerRecurrentState | None = None,
-        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``document_ids``: packed documents, for recurrent token mixers (attention reads
-        them off ``mask``)."""
-        mixed_BSD = self.attention(self.attention_norm(x_BSD), rope, mask, kv_cache, document_ids)
-        h_BSD = x_BSD + mixed_BSD
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope, meta, kv_cache)
         return h_BSD + self.feed_forward(self.ffn_norm(h_BSD))
 
-    def init_weights(self, *, std: float, out_std: float, generator: torch.Generator) -> None:
-        self.attention_norm.init_weights()
-        self.ffn_norm.init_weights()
-        self.attention.init_weights(std=std, out_std=out_std, generator=generator)
-        self.feed_forward.init_weights(std=std, out_std=out_std, generator=generator)
+    def param_init(self, *, std: float, out_std: float) -> dict[str, Init]:
+        inits: dict[str, Init] = {}
+        for name in ("attention_norm", "ffn_norm", "attention", "feed_forward"):
+            inits |= prefixed(name, getattr(self, name).param_init(std=std, out_std=out_std))
+        return inits
 
 
-def gqa_attention(config: TransformerConfig, *, qk_norm: bool) -> Attention:
-    """The GQA attention of the Llama 3 / Qwen3 blocks (with per-head QK-norm for Qwen3)."""
+def gqa_attention(config: TransformerConfig, *, qk_norm: bool, layer: int = 0) -> Attention:
+    """The GQA attention of the Llama 3 / Qwen3 blocks (with per-head QK-norm for Qwen3) for
+    layer index ``layer`` (its sliding window)."""
     return Attention(
         dim=config.dim,
         num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
         qk_norm_eps=config.norm_eps if qk_norm else None,
+        window=config.layer_window(layer),
     )
 
 
@@ -158,10 +184,10 @@ def dense_blocks(config: TransformerConfig, *, qk_norm: bool) -> list[Transforme
         TransformerBlock(
             dim=config.dim,
             norm_eps=config.norm_eps,
-            attention=gqa_attention(config, qk_norm=qk_norm),
+            attention=gqa_attention(config, qk_norm=qk_norm, layer=i),
             feed_forward=FeedForward(dim=config.dim, hidden_dim=config.ffn_hidden_dim),
         )
-        for _ in range(config.num_layers)
+        for i in range(config.num_layers)
     ]
 
 
@@ -180,7 +206,8 @@ class Transformer(nn.Module):
         extra_modules: dict[str, nn.Module] | None = None,
     ) -> None:
         """``extra_modules``: a family's modules beside the stack (DeepSeek-V3's ``mtp``),
-        registered after ``output`` and initialised by the family's ``_init_extra_weights``."""
+        registered after ``output`` and initialised as the family's ``_extra_param_inits``
+        says."""
         super().__init__()
         if len(blocks) != config.num_layers:
             raise ValueError(f"got {len(blocks)} blocks for num_layers={config.num_layers}")
@@ -236,14 +263,14 @@ class Transformer(nn.Module):
         document_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         input_lengths: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]]:
+    ) -> tuple[torch.Tensor, tuple[tuple[torch.Tensor, torch.Tensor], AttentionMetadata]]:
         """Embedding and blocks: the residual stream ``(B, S, D)`` before the final norm, and
-        the ``(rope, mask)`` the blocks used (a family's extra heads reuse them)."""
+        the ``(rope, attention metadata)`` the blocks used (a family's extra heads reuse them)."""
         B, S = tokens.shape[:2]
         _check_shape("positions", positions, (B, S))
         if input_lengths is not None:
             _check_input_lengths(input_lengths, B, S, kv_cache)
-        positions_BS, mask = attention_inputs(
+        meta = build_attention_metadata(
             B,
             S,
             tokens.device,
@@ -251,16 +278,18 @@ class Transformer(nn.Module):
             document_ids=document_ids,
             kv_cache=kv_cache,
             input_lengths=input_lengths,
+            backend=self.config.attention_backend,
+            windows=self.config.attention_windows(),
         )
 
         h_BSD = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = self.rope(positions_BS, h_BSD.dtype)
+        rope = self.rope(meta.positions, h_BSD.dtype)
         for index, layer in self.layers.items():
             layer_cache = kv_cache.layers[int(index)] if kv_cache is not None else None
-            h_BSD = layer(h_BSD, rope, mask, layer_cache, document_ids)
+            h_BSD = layer(h_BSD, rope, meta, layer_cache)
         if kv_cache is not None:
             kv_cache.end(input_lengths)
-        return h_BSD, (rope, mask)
+        return h_BSD, (rope, meta)
 
     def head(self, h_BSD: torch.Tensor) -> torch.Tensor:
         """Final norm and output head (each skipped on a pipeline stage that lacks it)."""
@@ -277,38 +306,47 @@ class Transformer(nn.Module):
     ) -> Transformer:
         """Materialise (if on meta) and initialise every weight; returns ``self``.
 
-        Scheme (GPT-2 / Megatron "scaled init"): with ``std = config.init_std``, the token
-        embedding, the output head and every projection into a residual branch (q, k, v, w1,
-        w3; MLA's latent projections; a router gate and the experts' gate/up) are drawn from
-        N(0, std²); the projections out of a residual branch (``wo``, ``w2``, the experts'
-        down projections) from N(0, (std / √(2·num_layers))²), so the residual stream's
-        variance stays flat in depth; every RMSNorm weight is 1, a router's selection bias 0.
-        Deterministic for a given ``seed`` and device.
+        The values are those ``param_inits`` describes, drawn by ``init_state`` as a function
+        of (seed, FQN, index): a sharded copy of this model initialised with ``init_state``
+        holds, bit for bit, the same weights on the same device type.
         """
         if dtype is not None:
             self.to(dtype=dtype)  # before materialising: a cast on meta allocates nothing
         if device is not None or any(p.is_meta for p in self.parameters()):
             self.to_empty(device=device if device is not None else "cpu")
             self._tie()
-        target = next(self.parameters()).device
-        generator = torch.Generator(device=target).manual_seed(seed)
-        std = self.config.init_std
-        out_std = std / math.sqrt(2 * self.config.num_layers)
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, std=std, generator=generator)
-        for layer in self.layers.values():
-            layer.init_weights(std=std, out_std=out_std, generator=generator)
-        if self.norm is not None:
-            self.norm.init_weights()
-        if self.output is not None and not self.config.tie_embeddings:
-            nn.init.normal_(self.output.weight, std=std, generator=generator)
-        self._init_extra_weights(std=std, out_std=out_std, generator=generator)
+        state = dict(self.named_parameters()) | dict(self.named_buffers())  # unsaved buffers too
+        init_state(state, self.param_inits(), seed=seed)
         return self
 
-    def _init_extra_weights(
-        self, *, std: float, out_std: float, generator: torch.Generator
-    ) -> None:
+    def param_inits(self) -> dict[str, Init]:
+        """How every parameter and buffer of this model (or pipeline stage) starts, by FQN.
+
+        Scheme (GPT-2 / Megatron "scaled init"): with ``std = config.init_std``, the token
+        embedding, the output head and every projection into a residual branch (q, k, v, w1,
+        w3; MLA's latent projections; a router gate and the experts' gate/up) are drawn from
+        N(0, std²); the projections out of a residual branch (``wo``, ``w2``, the experts'
+        down projections) from N(0, (std / √(2·num_layers))²), so the residual stream's
+        variance stays flat in depth; every RMSNorm weight is 1; buffers (a router's selection
+        bias) start at 0.
+        """
+        std = self.config.init_std
+        out_std = std / math.sqrt(2 * self.config.num_layers)
+        inits: dict[str, Init] = {}
+        if self.tok_embeddings is not None:
+            inits["tok_embeddings.weight"] = Normal(std)
+        for index, layer in self.layers.items():
+            inits |= prefixed(f"layers.{index}", layer.param_init(std=std, out_std=out_std))
+        if self.norm is not None:
+            inits |= prefixed("norm", self.norm.param_init())
+        if self.output is not None and not self.config.tie_embeddings:
+            inits["output.weight"] = Normal(std)
+        inits |= self._extra_param_inits(std=std, out_std=out_std)
+        return inits | {name: Constant(0.0) for name, _ in self.named_buffers()}
+
+    def _extra_param_inits(self, *, std: float, out_std: float) -> dict[str, Init]:
         """Hook for modules a family adds beside the blocks (DeepSeek-V3's MTP modules)."""
+        return {}
 
     def new_kv_cache(
         self,
@@ -338,6 +376,7 @@ class Transformer(nn.Module):
             value_dim=value_dim,
             dtype=dtype or weight.dtype,
             device=device or weight.device,
+            windows={int(i): self.config.layer_window(int(i)) for i in self.layers},
         )
 
     def kv_cache_widths(self) -> tuple[int, int, int]:
@@ -358,6 +397,28 @@ class Transformer(nn.Module):
 def _check_shape(name: str, tensor: torch.Tensor | None, shape: tuple[int, ...]) -> None:
     if tensor is not None and tuple(tensor.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
+
+
+def _check_windows(config: TransformerConfig) -> None:
+    name = type(config).__name__
+    window = config.sliding_window
+    if window is not None and (
+        not isinstance(window, int) or isinstance(window, bool) or window < 1
+    ):
+        raise ValueError(
+            f"{name}.sliding_window must be an int >= 1 (a query sees itself and the window - 1 "
+            f"tokens before it) or None, got {window!r}"
+        )
+    layers = config.sliding_window_layers
+    if layers is not None:
+        if window is None:
+            raise ValueError(f"{name}.sliding_window_layers={layers!r} needs a sliding_window")
+        bad = [i for i in layers if not isinstance(i, int) or not 0 <= i < config.num_layers]
+        if bad:
+            raise ValueError(
+                f"{name}.sliding_window_layers has {bad}: layer indices lie in "
+                f"[0, {config.num_layers})"
+            )
 
 
 def _check_input_lengths(

@@ -151,6 +151,11 @@ class DeepSeekV3HFAdapter(HFAdapter):
 
     def config_to_hf(self, config: DeepSeekV3Config) -> dict[str, Any]:
         c = config
+        if c.sliding_window is not None:
+            raise ValueError(
+                f"DeepSeekV3Config.sliding_window={c.sliding_window} cannot be written as an HF "
+                "deepseek_v3 checkpoint (no sliding window there)"
+            )
         return {
             "architectures": [self.architecture],
             "model_type": self.model_types[0],

@@ -20,6 +20,7 @@ from torch import nn
 from dist_moe import RouterConfig
 
 from ..components import (
+    AttentionMetadata,
     FeedForward,
     KVCache,
     RMSNorm,
@@ -27,6 +28,7 @@ from ..components import (
     TransformerBlock,
     YarnRopeScaling,
 )
+from ..components.init import Init, Normal, prefixed
 from ..components.mla import MultiHeadLatentAttention
 from ..components.moe import MoEFeedForward
 from ..components.rope import yarn_mscale
@@ -80,6 +82,7 @@ def _block(config: DeepSeekV3Config, index: int, cls: type[TransformerBlock]) ->
         v_head_dim=c.v_head_dim,
         latent_norm_eps=c.latent_norm_eps,
         softmax_scale=softmax_scale(c),
+        window=c.layer_window(index),
     )
     return cls(dim=c.dim, norm_eps=c.norm_eps, attention=attention, feed_forward=feed_forward)
 
@@ -102,17 +105,17 @@ class MTPModule(TransformerBlock):
         h_BSD: torch.Tensor,
         emb_BSD: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         """The next depth's hidden state from the previous one and the shifted embeddings."""
         x_BSD = self.eh_proj(torch.cat([self.enorm(emb_BSD), self.hnorm(h_BSD)], dim=-1))
-        return super().forward(x_BSD, rope, mask)
+        return super().forward(x_BSD, rope, meta)
 
-    def init_weights(self, *, std: float, out_std: float, generator: torch.Generator) -> None:
-        super().init_weights(std=std, out_std=out_std, generator=generator)
-        for norm in (self.enorm, self.hnorm, self.norm):
-            norm.init_weights()
-        nn.init.normal_(self.eh_proj.weight, std=std, generator=generator)
+    def param_init(self, *, std: float, out_std: float) -> dict[str, Init]:
+        inits = super().param_init(std=std, out_std=out_std)
+        for name in ("enorm", "hnorm", "norm"):
+            inits |= prefixed(name, getattr(self, name).param_init())
+        return inits | {"eh_proj.weight": Normal(std)}
 
 
 class DeepSeekV3(Transformer):
@@ -154,7 +157,7 @@ class DeepSeekV3(Transformer):
                 "return_mtp=True needs token ids and a model holding tok_embeddings and output "
                 "(MTP is not supported on a pipeline stage)"
             )
-        h_BSD, (rope, mask) = self.run_blocks(
+        h_BSD, (rope, meta) = self.run_blocks(
             tokens,
             positions=positions,
             document_ids=document_ids,
@@ -169,7 +172,7 @@ class DeepSeekV3(Transformer):
             # Token i + k at position i; the k positions past the end get id 0 (their targets
             # fall past the row, so mtp_loss ignores them; causality keeps them from the rest).
             ahead_BS = F.pad(tokens[:, k:], (0, k))
-            h_BSD = module(h_BSD, self.tok_embeddings(ahead_BS), rope, mask)
+            h_BSD = module(h_BSD, self.tok_embeddings(ahead_BS), rope, meta)
             mtp_logits.append(self.output(module.norm(h_BSD)))
         return logits_BSV, tuple(mtp_logits)
 
@@ -178,11 +181,11 @@ class DeepSeekV3(Transformer):
         ``qk_rope_head_dim`` rope key, not per-head keys and values."""
         return 1, self.config.kv_lora_rank, self.config.qk_rope_head_dim
 
-    def _init_extra_weights(
-        self, *, std: float, out_std: float, generator: torch.Generator
-    ) -> None:
-        for module in (self.mtp or {}).values():
-            module.init_weights(std=std, out_std=out_std, generator=generator)
+    def _extra_param_inits(self, *, std: float, out_std: float) -> dict[str, Init]:
+        inits: dict[str, Init] = {}
+        for index, module in (self.mtp or {}).items():
+            inits |= prefixed(f"mtp.{index}", module.param_init(std=std, out_std=out_std))
+        return inits
 
 
 __all__ = ["DeepSeekV3", "MTPModule", "router_config", "softmax_scale"]

@@ -11,7 +11,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..hf_adapter import GQA_KEY_MAP, MOE_KEY_MAP, STACK_KEY_MAP, DenseHFAdapter, required
+from ..hf_adapter import (
+    GQA_KEY_MAP,
+    MOE_KEY_MAP,
+    STACK_KEY_MAP,
+    DenseHFAdapter,
+    qwen_windows_from_hf,
+    qwen_windows_to_hf,
+    required,
+)
 from .config import Qwen3MoeConfig
 
 _NO_BIAS = "layers.{}.feed_forward.router.expert_bias"
@@ -57,12 +65,15 @@ class Qwen3MoeHFAdapter(DenseHFAdapter):
             "aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
         }
 
+    def windows_from_hf(self, hf: Mapping[str, Any]) -> dict[str, Any]:
+        return qwen_windows_from_hf(hf)
+
+    def windows_to_hf(self, config: Qwen3MoeConfig) -> dict[str, Any]:
+        return qwen_windows_to_hf(config)
+
     def config_to_hf(self, config: Qwen3MoeConfig) -> dict[str, Any]:
         return {
             **super().config_to_hf(config),
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "max_window_layers": config.num_layers,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
             "num_experts": config.num_experts,

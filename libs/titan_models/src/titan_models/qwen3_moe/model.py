@@ -35,11 +35,11 @@ class Qwen3Moe(Transformer):
             TransformerBlock(
                 dim=config.dim,
                 norm_eps=config.norm_eps,
-                attention=gqa_attention(config, qk_norm=True),
+                attention=gqa_attention(config, qk_norm=True, layer=i),
                 feed_forward=MoEFeedForward(
                     dim=config.dim, hidden_dim=config.moe_hidden_dim, router=router_config(config)
                 ),
             )
-            for _ in range(config.num_layers)
+            for i in range(config.num_layers)
         ]
         super().__init__(config, blocks)

@@ -18,12 +18,12 @@ V value head dim.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention_metadata import AttentionMetadata
+from ..init import Constant, Init, InverseSoftplusLogUniform, LogUniform, Normal, prefixed
 from ..kv_cache import LayerRecurrentState, StateSpec
 from ..norm import GatedRMSNorm
 from .delta_rule import chunk_delta_rule, document_segments, recurrent_delta_rule
@@ -78,13 +78,21 @@ class DeltaRuleAttention(nn.Module):
         self,
         x_BSD: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        mask: torch.Tensor | None = None,
+        meta: AttentionMetadata | None = None,
         kv_cache: LayerRecurrentState | None = None,
-        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``rope`` and ``mask`` are unused (positions enter through the recurrence);
-        ``document_ids`` restart the state of packed documents."""
+        """``rope`` is unused (positions enter through the recurrence); the packed documents
+        of ``meta`` (its ``starts``) restart the state at every document boundary."""
         B, S, _ = x_BSD.shape
+        # A document's start index is constant over it and changes at every boundary: it
+        # serves as the document id of the chunked form (no host sync).
+        document_ids = meta.starts if meta is not None else None
+        if kv_cache is not None and document_ids is not None:
+            raise ValueError(
+                "document_ids cannot be combined with a KV cache in a model with "
+                "linear-attention layers (their recurrent state is one per row); prefill "
+                "one document per row"
+            )
         K, V = self.key_head_dim, self.value_head_dim
         lengths_B = kv_cache.step_lengths() if kv_cache is not None else None
         conv_states = kv_cache.states[:3] if kv_cache is not None else (None, None, None)
@@ -144,15 +152,14 @@ class DeltaRuleAttention(nn.Module):
         heads = self.wv.weight.shape[0] // self.value_head_dim
         return [*convs, ((heads, self.key_head_dim, self.value_head_dim), torch.float32)]
 
-    def init_weights(self, *, std: float, out_std: float, generator: torch.Generator) -> None:
+    def param_init(self, *, std: float, out_std: float) -> dict[str, Init]:
         """N(0, std²) for the input projections, N(0, out_std²) for ``wo``; conv filters as
         ``nn.Conv1d``; output norm to one. Subclasses add their gates."""
-        for linear in (self.wq, self.wk, self.wv):
-            nn.init.normal_(linear.weight, std=std, generator=generator)
-        nn.init.normal_(self.wo.weight, std=out_std, generator=generator)
-        for conv in (self.conv_q, self.conv_k, self.conv_v):
-            conv.init_weights(generator)
-        self.norm.init_weights()
+        inits: dict[str, Init] = {f"{n}.weight": Normal(std) for n in ("wq", "wk", "wv")}
+        inits["wo.weight"] = Normal(out_std)
+        for name in ("conv_q", "conv_k", "conv_v", "norm"):
+            inits |= prefixed(name, getattr(self, name).param_init())
+        return inits
 
 
 class GatedDeltaNet(DeltaRuleAttention):
@@ -204,16 +211,12 @@ class GatedDeltaNet(DeltaRuleAttention):
     def output_gate(self, x_BSD: torch.Tensor) -> torch.Tensor:
         return self.wz(x_BSD)
 
-    def init_weights(self, *, std: float, out_std: float, generator: torch.Generator) -> None:
+    def param_init(self, *, std: float, out_std: float) -> dict[str, Init]:
         """As the base, plus N(0, std²) for ``wz``, ``wb``, ``wa``; ``dt_bias`` one and
         ``A_log = log U(0.01, 16)`` (HF Qwen3.5's init: decay rates spread over two decades)."""
-        super().init_weights(std=std, out_std=out_std, generator=generator)
-        for linear in (self.wz, self.wb, self.wa):
-            nn.init.normal_(linear.weight, std=std, generator=generator)
-        nn.init.ones_(self.dt_bias)
-        with torch.no_grad():
-            self.A_log.copy_(nn.init.uniform_(torch.empty_like(self.A_log), 0.01, 16, generator))
-            self.A_log.log_()
+        inits = super().param_init(std=std, out_std=out_std)
+        inits |= {f"{n}.weight": Normal(std) for n in ("wz", "wb", "wa")}
+        return inits | {"dt_bias": Constant(1.0), "A_log": LogUniform(0.01, 16.0)}
 
 
 class KimiDeltaAttention(DeltaRuleAttention):
@@ -263,17 +266,13 @@ class KimiDeltaAttention(DeltaRuleAttention):
     def output_gate(self, x_BSD: torch.Tensor) -> torch.Tensor:
         return self.wg_b(self.wg_a(x_BSD))
 
-    def init_weights(self, *, std: float, out_std: float, generator: torch.Generator) -> None:
+    def param_init(self, *, std: float, out_std: float) -> dict[str, Init]:
         """As the base, plus N(0, std²) for the gate projections; FLA's KDA init (as HF Kimi
         Linear): ``A_log = log U(1, 16)``, ``dt_bias`` the inverse softplus of
         ``exp(U(log 1e-3, log 1e-1))``, so initial decay rates span 1e-3 to 1e-1."""
-        super().init_weights(std=std, out_std=out_std, generator=generator)
-        for linear in (self.wf_a, self.wf_b, self.wb, self.wg_a, self.wg_b):
-            nn.init.normal_(linear.weight, std=std, generator=generator)
-        with torch.no_grad():
-            self.A_log.copy_(nn.init.uniform_(torch.empty_like(self.A_log), 1, 16, generator))
-            self.A_log.log_()
-            low, high = math.log(1e-3), math.log(1e-1)
-            dt = nn.init.uniform_(torch.empty_like(self.dt_bias), low, high, generator).exp()
-            dt = dt.clamp(min=1e-4)
-            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        inits = super().param_init(std=std, out_std=out_std)
+        inits |= {f"{n}.weight": Normal(std) for n in ("wf_a", "wf_b", "wb", "wg_a", "wg_b")}
+        return inits | {
+            "A_log": LogUniform(1.0, 16.0),
+            "dt_bias": InverseSoftplusLogUniform(1e-3, 1e-1, floor=1e-4),
+        }

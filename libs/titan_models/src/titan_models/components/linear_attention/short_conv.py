@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..init import Init, Uniform
+
 
 class ShortConvolution(nn.Module):
     """``silu(depthwise causal conv(x))``; ``weight`` is ``(C, 1, W)`` as HF's ``nn.Conv1d``."""
@@ -67,11 +69,11 @@ class ShortConvolution(nn.Module):
         same = (seg == segments_BS[..., None]).to(x_BSC.dtype)
         return F.silu(torch.einsum("bscw,bsw,cw->bsc", windows, same, weight_CW))
 
-    def init_weights(self, generator: torch.Generator) -> None:
+    def param_init(self, *, std: float = 0.0, out_std: float = 0.0) -> dict[str, Init]:
         """U(-1/√W, 1/√W): ``nn.Conv1d``'s own default for a depthwise kernel (fan-in ``W``),
         which HF's Gated DeltaNet and KDA keep."""
         bound = 1 / math.sqrt(self.kernel_size)
-        nn.init.uniform_(self.weight, -bound, bound, generator=generator)
+        return {"weight": Uniform(-bound, bound)}
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, kernel_size={self.kernel_size}"

@@ -1,0 +1,175 @@
+"""What a checkpoint of a training job holds, resuming from one, and the final HF export.
+
+Checkpoints go through ``torch_checkpointing``; the model and optimizer are saved as sharded
+pieces (flexshard's protocol objects, DTensors) where they can be resharded, and per rank
+where they differ per rank in ways a reshard cannot express (pipeline stages, experts, HSDP
+replicas, the data position and RNG).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import titan_models
+from titan_train.config import JobConfig
+from titan_train.parallelize import ParallelModel
+
+
+class ConfigError(ValueError):
+    """The job cannot start with this config; raised before anything is written."""
+
+
+class TrainState:
+    """Progress that a checkpoint must restore besides model, optimizer and data: the step and
+    every random generator (host, Python, and the training device's)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.step = 0
+        self.device = device
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"step": self.step, "rng": torch.get_rng_state()}
+        state["python"] = list(random.getstate()[1])
+        if self.device.type == "cuda":
+            state["device_rng"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        torch.set_rng_state(state["rng"])
+        random.setstate((3, tuple(int(x) for x in state["python"]), None))
+        if self.device.type == "cuda" and "device_rng" in state:
+            torch.cuda.set_rng_state(state["device_rng"], self.device)
+
+
+class _ModelState:
+    """The model's checkpoint item: sharded pieces (flexshard's protocol objects, DTensors)
+    of every local part under the unsplit model's FQNs."""
+
+    def __init__(self, pm: ParallelModel) -> None:
+        self.pm = pm
+
+    def state_dict(self) -> dict[str, Any]:
+        import flexshard
+
+        out: dict[str, Any] = {}
+        for part in self.pm.parts:
+            out.update(flexshard.sharded_state_dict(part) if self.pm.sharded else part.state_dict())
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # torch_checkpointing fills sharded pieces and tensors in place.
+        pass
+
+
+class _OptimizerState:
+    """The optimizer's checkpoint item under flexshard: state keyed by parameter FQN, moments
+    as sharded pieces with their parameter's layout (filled in place on load)."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.module, self.optimizer = module, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        import flexshard
+
+        flexshard.init_optim_state(self.optimizer)  # a fresh optimizer: targets to load into
+        return flexshard.sharded_optim_state_dict(self.module, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        import flexshard
+
+        flexshard.load_sharded_optim_state_dict(self.module, self.optimizer, state)
+
+
+def checkpoint_state(
+    pm: ParallelModel, optimizer: Any, scheduler: Any, loader: Any, state: TrainState
+) -> dict[str, Any]:
+    """What a checkpoint holds. On several ranks, what differs per rank (data position, RNG,
+    optimizer state of local shards, pipeline stages' weights) is saved per rank."""
+    if pm.dims.world_size == 1:
+        return {
+            "model": pm.parts[0],
+            "optim": optimizer,
+            "lr": scheduler,
+            "data": loader,
+            "train": state,
+        }
+    from torch_checkpointing import PerRank
+
+    # Stages and experts differ per rank; HSDP replicas hold duplicate shards.
+    per_rank = pm.dims.pp > 1 or bool(pm.experts) or pm.dims.dp_replicate > 1
+    model = PerRank(_ModelState(pm)) if per_rank else _ModelState(pm)
+    if pm.sharded and not per_rank:  # reshardable, like the parameters
+        optim = _OptimizerState(pm.parts[0], optimizer)
+    else:
+        optim = PerRank(optimizer)
+    return {
+        "model": model,
+        "optim": optim,
+        "lr": scheduler,
+        "data": PerRank(loader),
+        "train": PerRank(state),
+    }
+
+
+def resume(cfg: JobConfig, run_dir: Path, stateful: dict[str, Any]) -> Any:
+    """The checkpoint manager (None without checkpoints), after loading the latest complete
+    checkpoint of the run folder when resuming. A checkpoint that does not fit this job (another
+    model, another layout) is a ``ConfigError`` and nothing is written."""
+    if cfg.checkpoint.interval == 0:
+        return None
+    from torch_checkpointing import CheckpointManager, StateMismatchError
+
+    ckpt = CheckpointManager(
+        run_dir / "checkpoints",
+        async_mode=cfg.checkpoint.async_mode,
+        keep_last=cfg.checkpoint.keep_last,
+    )
+    step = ckpt.latest_step() if cfg.checkpoint.resume else None
+    if step is None:
+        return ckpt
+    try:
+        ckpt.load(stateful, step)
+    except StateMismatchError as e:
+        ckpt.close()
+        diff = [*e.missing[:2], *e.unexpected[:2]]
+        diff += [f"{name} ({ours} here, {theirs} saved)" for name, ours, theirs in e.mismatched[:2]]
+        raise ConfigError(
+            f"checkpoint step {step} in {run_dir / 'checkpoints'} does not fit this job "
+            f"({cfg.model.family} {cfg.model.flavor}): {len(e.missing)} missing, "
+            f"{len(e.unexpected)} unexpected, {len(e.mismatched)} mismatched entries, e.g. "
+            f"{', '.join(diff)}; use another --name or --checkpoint.no-resume"
+        ) from None
+    return ckpt
+
+
+def export_hf(pm: ParallelModel, model_cls: type, model_config: Any, path: Path) -> None:
+    """HF safetensors of the final weights: full tensors gathered to rank 0, written there."""
+    model = pm.parts[0]
+    rank = dist.get_rank() if pm.dims.world_size > 1 else 0
+    if pm.dims.world_size > 1:
+        from torch.distributed.tensor import DTensor
+
+        import flexshard
+
+        if pm.sharded:
+            full = flexshard.full_state_dict(model, rank0_only=False)
+        else:
+            full = model.state_dict()
+        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in full.items()}
+        if rank == 0:
+            with torch.device("meta"):
+                model = model_cls(model_config)
+            model.to_empty(device="cpu")  # staging for the file writer
+            model.load_state_dict(full)
+        dist.barrier()
+    if rank == 0:
+        titan_models.to_hf(model, path)
+    if pm.dims.world_size > 1:
+        dist.barrier()

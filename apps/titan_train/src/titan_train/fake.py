@@ -1,0 +1,282 @@
+"""Fake-backend mode: one CPU process stands for a rank of a job of any size and runs real
+steps of it without allocating or communicating anything.
+
+``titan-train --recipe R --comm.fake-world-size N`` joins a fake process group as rank ``r``
+of ``N`` (``torch.testing._internal.distributed.fake_pg``: every collective returns at once),
+builds the mesh on the recipe's device type, builds and parallelises the model exactly as a
+real run does, and runs ``training.steps`` steps under ``FakeTensorMode``: every tensor has a
+shape, a dtype and a device but no data, and any mix with a real CPU tensor raises. It does
+this for one rank of each pipeline stage (rank 0's position in the other dimensions) and
+writes ``runs/<name>/memory.json``: per stage, the bytes of parameters, gradients and
+optimizer state that rank holds, the peak of everything else allocated during forward and
+backward (activations and temporaries, an exact count of live storages), flexshard's peak of
+gathered parameters, and the global parameter count.
+
+Fake tensors live on ``meta`` (see ``titan_train.device.FAKE_DEVICE``); MoE layers use
+static-capacity dispatch (capacity factor 1: the activations of perfectly balanced routing),
+since data-dependent shapes have no value to read; autocast is off (flexshard's mixed
+precision still casts the gathered weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import resource
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import titan_models
+from titan_train.config import JobConfig
+from titan_train.data.tokenizers import Tokenizer
+from titan_train.device import FAKE_DEVICE
+from titan_train.parallelize import ParallelDims
+
+
+class _FusedAttentionMemory(torch.autograd.Function):
+    """What a fused attention kernel (flash / FlexAttention / cuDNN) keeps: it saves q, k, v,
+    the output and an fp32 ``(B, S, H)`` log-sum-exp, and materialises no score matrix. On
+    fake tensors only the shapes and the saved storages matter."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fused_attention_memory(q, k, v, meta, prepared, *, window, sinks, scale, softcap):
+    return _FusedAttentionMemory.apply(q, k, v)
+
+
+FAKE_ATTENTION = "fused_memory_model"
+"""The attention backend of fake mode: an accelerator's fused kernels cannot run on fake
+``meta`` tensors (FlexAttention refuses the device), so their memory is modelled instead."""
+
+
+def static_moe(model: nn.Module) -> None:
+    """Static-capacity dispatch (capacity factor 1) in every MoE layer of ``model``."""
+    import dist_moe
+
+    for module in model.modules():
+        if isinstance(module, dist_moe.MoE):
+            permute = dataclasses.replace(module.config.permute, capacity_factor=1.0)
+            module.config = dataclasses.replace(module.config, permute=permute)
+            module.dispatcher = dist_moe.LocalDispatcher(module.config.router.num_experts, permute)
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Every storage an op creates, from allocation to its last reference: a timeline of
+    (storage key, +bytes) / (key, -bytes) events. Views share their base's storage, so each
+    byte counts once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[int, int]] = []
+        self._live: dict[int, tuple[int, int]] = {}  # id(storage) -> (key, bytes)
+        self._next = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+                self._track(t.untyped_storage())
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        if id(storage) in self._live:
+            return
+        key, nbytes = self._next, storage.nbytes()
+        self._next += 1
+        self._live[id(storage)] = (key, nbytes)
+        self.events.append((key, nbytes))
+        weakref.finalize(storage, self._free, id(storage))
+
+    def _free(self, ident: int) -> None:
+        key, nbytes = self._live.pop(ident)
+        self.events.append((key, -nbytes))
+
+    def key_of(self, tensor: torch.Tensor) -> int | None:
+        """The key of ``tensor``'s storage if it is tracked (alive)."""
+        entry = self._live.get(id(tensor.untyped_storage()))
+        return entry[0] if entry else None
+
+    def peak_above(self, start: int, stop: int, excluded: set[int]) -> int:
+        """Highest sum of bytes allocated after event ``start`` and still alive, over events
+        ``start..stop``, leaving out storages in ``excluded``."""
+        live = peak = 0
+        for key, delta in self.events[start:stop]:
+            if key not in excluded:
+                live += delta
+                peak = max(peak, live)
+        return peak
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if t.device.type == "cpu" or id(t.untyped_storage()) in seen:
+            continue
+        seen.add(id(t.untyped_storage()))
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+def _representative_ranks(dims: ParallelDims) -> list[int]:
+    """Rank 0's position in every dimension but ``pp``, on each pipeline rank (``pp`` is the
+    outermost mesh axis)."""
+    return [s * (dims.world_size // dims.pp) for s in range(dims.pp)]
+
+
+def run_fake(
+    cfg: JobConfig, dims: ParallelDims, tokenizer: Tokenizer, model_cls: type, config: Any
+) -> dict[str, Any]:
+    """The fake-backend run of ``cfg`` (``training.steps`` steps, 0 for a plan): writes and
+    returns the memory report."""
+    from titan_train.trainer import _loaders
+
+    device_type = "cuda" if cfg.training.device == "auto" else cfg.training.device
+    if hasattr(config, "attention_backend"):
+        backend = titan_models.resolve_attention_backend(config.attention_backend, device_type)
+        if backend in ("flex", "varlen") and device_type == "cuda":  # fused kernels there
+            titan_models.register_attention_backend(FAKE_ATTENTION, _fused_attention_memory)
+            backend = FAKE_ATTENTION
+        config = dataclasses.replace(config, attention_backend=backend)
+    loader, _ = _loaders(cfg, tokenizer, dp_rank=0, dp_size=dims.dp)
+    batches = [next(loader) for _ in range(cfg.training.steps)]  # real tensors, made outside
+    stages = []
+    for rank in _representative_ranks(dims):
+        start = time.perf_counter()
+        try:
+            row = _run_rank(cfg, dims, model_cls, config, rank, batches)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        row["seconds"] = round(time.perf_counter() - start, 2)
+        stages.append(row)
+    with torch.device("meta"):
+        total = sum(p.numel() for p in model_cls(config).parameters())
+    report = {
+        "recipe": cfg.name,
+        "model": f"{cfg.model.family} {cfg.model.flavor}",
+        "parameters": total,
+        "world_size": dims.world_size,
+        "layout": {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep")},
+        "device_type": "cuda" if cfg.training.device == "auto" else cfg.training.device,
+        "steps": cfg.training.steps,
+        "seq_len": cfg.training.seq_len,
+        "batch_size": cfg.training.batch_size,
+        "stages": stages,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    run_dir = Path(cfg.output_dir) / cfg.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "memory.json").write_text(json.dumps(report, indent=2) + "\n")
+    _print(report)
+    return {"memory": report, "run_dir": run_dir, "losses": [], "step": cfg.training.steps}
+
+
+def _run_rank(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    model_cls: type,
+    config: Any,
+    rank: int,
+    batches: list[Any],
+) -> dict[str, Any]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from titan_train.materialize import materialize
+    from titan_train.parallelize import build_stages
+    from titan_train.trainer import build, build_optimizer, train_step
+
+    pm = build(cfg, dims, model_cls, config, fake_rank=rank)
+    stage = pm.schedule.stages_of_rank(pm.meshes["pp"].get_local_rank()) if pm.schedule else [0]
+    tracker = MemoryTracker()
+    marks: dict[str, Any] = {}
+    with FakeTensorMode(allow_non_fake_inputs=True), tracker:
+        materialize(pm, FAKE_DEVICE, seed=cfg.training.seed, fill=False)
+        if dims.pp > 1:
+            build_stages(pm, cfg)
+        optimizer = build_optimizer(pm, cfg)
+        params = pm.parameters()
+        for i, batch in enumerate(batches):
+            marks["start"] = len(tracker.events)
+
+            def on_grads(i: int = i) -> None:
+                marks["grads"] = len(tracker.events)
+                grads = [p.grad for p in params if p.grad is not None]
+                marks["grad_keys"] = {tracker.key_of(g) for g in grads}
+                marks["grad_bytes"] = _nbytes(grads)
+
+            train_step(pm, optimizer, batch.to(FAKE_DEVICE), cfg, on_grads=on_grads)
+        flats = {
+            tracker.key_of(b.flat)
+            for part in (pm.parts if pm.sharded else [])
+            for st in part.flexshard_state.all_states()
+            for b in st.buckets
+            if b.flat is not None
+        }
+        states = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        row: dict[str, Any] = {
+            "rank": rank,
+            "stages": list(stage),
+            "params_bytes": _nbytes(params),
+            "grads_bytes": marks.get("grad_bytes", 0),
+            "optimizer_bytes": _nbytes(states),
+        }
+        if batches:  # the last step: optimizer state exists, as in steady state
+            excluded = marks["grad_keys"] | flats
+            row["activations_peak_bytes"] = tracker.peak_above(
+                marks["start"], marks["grads"], excluded
+            )
+        if pm.sharded:  # flexshard's own count of gathered buffers (peak above the shards)
+            mems = [st.mem for part in pm.parts for st in part.flexshard_state.all_states()]
+            row["gathered_params_peak_bytes"] = sum(m.peak - m.current for m in mems)
+    return row
+
+
+def _print(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    gib = 2**30
+    layout = " ".join(f"{k}={v}" for k, v in report["layout"].items())
+    table = Table(
+        title=(
+            f"{report['model']}: {report['parameters'] / 1e9:.2f} B parameters, "
+            f"{report['world_size']} ranks ({layout}), per rank, GiB"
+        )
+    )
+    columns = ("stage", "params", "grads", "optimizer", "activations", "gathered", "seconds")
+    for col in columns:
+        table.add_column(col, justify="right")
+    for row in report["stages"]:
+        values = [
+            row.get(k)
+            for k in (
+                "params_bytes",
+                "grads_bytes",
+                "optimizer_bytes",
+                "activations_peak_bytes",
+                "gathered_params_peak_bytes",
+            )
+        ]
+        cells = ["-" if v is None else f"{v / gib:.2f}" for v in values]
+        table.add_row(",".join(map(str, row["stages"])), *cells, f"{row['seconds']:.1f}")
+    Console().print(table)

@@ -1,0 +1,141 @@
+"""Fake-backend mode: one CPU process runs real steps of a rank of a job of any size on the
+recipe's device type, with nothing allocated or communicated, and writes ``memory.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from titan_train.cli import main, parse_config
+from titan_train.trainer import train
+
+DEBUG = ["--training.batch-size", "4", "--training.seq-len", "64", "--training.steps", "2"]
+
+
+def _fake(tmp_path, *argv: str, recipe: str = "llama3_debug") -> dict:
+    out = train(parse_config(["--output-dir", str(tmp_path), *DEBUG, *argv], recipe))
+    return json.loads((out["run_dir"] / "memory.json").read_text())
+
+
+def test_debug_recipe_runs_dp2_x_tp2_steps_on_a_fake_cuda_mesh(tmp_path):
+    report = _fake(
+        tmp_path, "--comm.fake-world-size", "4", "--parallel.dp-shard", "2", "--parallel.tp", "2"
+    )
+    assert report["device_type"] == "cuda" and report["world_size"] == 4
+    (rank0,) = report["stages"]
+    # Every piece of the model this rank holds, a quarter of it (norms are replicated over tp).
+    model_bytes = report["parameters"] * 4
+    assert rank0["params_bytes"] == pytest.approx(model_bytes / 4, rel=0.01)
+    assert rank0["grads_bytes"] == rank0["params_bytes"]
+    assert rank0["optimizer_bytes"] == 2 * rank0["params_bytes"]  # AdamW's two moments
+    assert rank0["activations_peak_bytes"] > 0 and rank0["gathered_params_peak_bytes"] > 0
+
+
+def test_a_cpu_tensor_reaching_the_step_raises(tmp_path, monkeypatch):
+    # The step must only see tensors on the training device: a batch left on the host raises
+    # in fake mode (as it would on a GPU), where a real CPU run would not notice.
+    from titan_train.data.packing import Batch
+
+    monkeypatch.setattr(Batch, "to", lambda self, device: self)
+    # torch's device check, or the host read of a host tensor (fake tensors have no value)
+    with pytest.raises(RuntimeError, match="device|_local_scalar_dense"):
+        _fake(tmp_path, "--comm.fake-world-size", "2", "--parallel.dp-shard", "2")
+
+
+def test_pipeline_stages_each_get_a_row_and_the_shards_add_up_to_the_model(tmp_path):
+    report = _fake(
+        tmp_path,
+        "--comm.fake-world-size", "8",
+        "--parallel.pp", "2",
+        "--parallel.dp-shard", "4",
+        "--parallel.ep", "2",
+        "--parallel.pp-microbatches", "2",
+        recipe="qwen3_moe_debug",
+    )  # fmt: skip
+    assert [row["stages"] for row in report["stages"]] == [[0], [1]]
+    shards = report["layout"]["dp_shard"] * report["layout"]["tp"]
+    total = sum(row["params_bytes"] for row in report["stages"]) * shards
+    assert total == pytest.approx(report["parameters"] * 4, rel=0.01)
+
+
+def test_dry_run_is_the_fake_backend_with_no_step(tmp_path, capsys):
+    argv = ["--dry-run", "--recipe", "llama3_70b", "--output-dir", str(tmp_path)]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "llama3_70b" / "memory.json").read_text())
+    assert report["steps"] == 0 and report["world_size"] == 256
+    assert len(report["stages"]) == 4  # one representative rank per pipeline rank
+    per_rank = sum(r["params_bytes"] for r in report["stages"]) / 4
+    # 70.6 B fp32 parameters over tp 8 x pp 4 x dp 8.
+    assert per_rank == pytest.approx(report["parameters"] * 4 / 256, rel=0.02)
+    assert "70.55 B parameters" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--comm.fake-world-size", "6", "--parallel.tp", "4"],
+            "does not divide it",
+        ),
+        (
+            ["--recipe", "qwen3_moe_debug", "--comm.fake-world-size", "6",
+             "--parallel.dp-shard", "6", "--parallel.ep", "3"],
+            "parallel.ep=3 must divide the model's num_experts=8",
+        ),
+        (
+            ["--comm.fake-world-size", "4", "--parallel.dp-shard", "4", "--parallel.ep", "3"],
+            "parallel.ep=3 must divide parallel.dp_shard=4",
+        ),
+        (["--training.device", "cuda"], "has 0 CUDA device(s)"),
+        (["--nproc", "2", "--comm.fake-world-size", "8"], "cannot be combined with --nproc 2"),
+    ],
+)  # fmt: skip
+def test_bad_layouts_and_devices_fail_with_one_line_before_allocating(capsys, argv, message):
+    if "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+FULL_SIZE = {
+    "deepseek_v3_671b": ["--comm.fake-world-size", "256"],  # PP 2 / DP 128 / EP 64 (recipe)
+    "llama3_405b": [
+        "--comm.fake-world-size", "512", "--parallel.tp", "8", "--parallel.pp", "8",
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", sorted(FULL_SIZE))
+def test_full_size_recipe_runs_two_fake_steps_in_little_memory(tmp_path, recipe):
+    argv = [
+        sys.executable, "-m", "titan_train", "--recipe", recipe, *FULL_SIZE[recipe],
+        "--training.steps", "2", "--output-dir", str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    subprocess.run(argv, check=True, env=env, timeout=1500)
+    report = json.loads((tmp_path / recipe / "memory.json").read_text())
+    assert report["peak_rss_bytes"] <= 6 * 2**30
+    shards = report["layout"]["dp_shard"] * report["layout"]["tp"]
+    per_stage_ranks = report["world_size"] // report["layout"]["pp"]
+    assert per_stage_ranks % shards == 0
+    total = sum(row["params_bytes"] for row in report["stages"]) * shards
+    assert total == pytest.approx(report["parameters"] * 4, rel=0.01)
+
+
+def test_a_real_run_that_cannot_hold_its_shard_fails_before_allocating(capsys):
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    argv = ["--recipe", "llama3_70b", "--parallel.dp-shard", "1", "--parallel.tp", "1",
+            "--parallel.pp", "1", "--training.device", "cpu"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs" in err[0] and "GiB are free" in err[0], err
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 512 * 1024  # KiB

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Everything GPU-only in one command, for when a GPU is lent (<= 8 minutes on one GPU).
+#
+#   bash tools/gpu_check.sh [report-file]      (default: gpu_check_report.txt)
+#
+# Runs, in order, each step bounded and its outcome recorded (a failing step does not stop
+# the others; the exit status is that of the worst step):
+#   1. every test marked `gpu` (pytest -m gpu): flexshard over NCCL, torch_remat on CUDA,
+#      dist_moe's Triton kernels / symmetric memory / CUDA-graph capture / CuTe GEMM, the
+#      checkpoint GPU tests;
+#   2. the debug recipe on one GPU (bf16), then a ~1B Llama (Llama 3.2 1B shape) for 50 steps
+#      with local compile: tok/s and MFU against the device's dense bf16 peak;
+#   3. the checkpoint benchmark with the state on the GPU (--device cuda);
+#   4. dist_moe's kernel benchmarks: CuTe grouped GEMM vs torch._grouped_mm, pack/combine
+#      bandwidth vs the device copy bandwidth (and symmetric-memory dispatch on >= 2 GPUs).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+report=${1:-gpu_check_report.txt}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$HOME/.cache/titan/inductor}"
+status=0
+: >"$report"
+
+log() { printf '%s\n' "$*" | tee -a "$report"; }
+
+step() {  # step NAME SECONDS COMMAND...: run, keep the tail of its output, record the outcome
+  local name=$1 limit=$2; shift 2
+  log "== $name"
+  local start=$SECONDS out
+  out=$(timeout --kill-after=10 "$limit" "$@" 2>&1)
+  local rc=$?
+  printf '%s\n' "$out" | tail -n 40 | tee -a "$report"
+  log "-- $name: rc=$rc in $((SECONDS - start)) s"
+  [ "$rc" -ne 0 ] && status=$rc
+  return 0
+}
+
+if ! uv run python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  log "no CUDA device visible: nothing to check"; exit 3
+fi
+gpus=$(uv run python -c 'import torch; print(torch.cuda.device_count())')
+name=$(uv run python -c 'import torch; print(torch.cuda.get_device_name(0))')
+log "device: $name x $gpus, $(uv run python -c 'import torch; print(torch.__version__, torch.version.cuda)')"
+
+# Dense bf16 peak FLOP/s of the device (the number MFU is reported against).
+case "$name" in
+  *H100*|*H200*|*H800*|*H20*) peak=989e12 ;;
+  *B200*|*B300*|*GB200*|*GB300*) peak=2250e12 ;;
+  *A100*|*A800*) peak=312e12 ;;
+  *L40S*) peak=362e12 ;;
+  *) peak=0 ;;  # unknown: the app measures a bf16 matmul instead
+esac
+log "bf16 peak used for MFU: ${peak} (0 = measured)"
+
+uv pip install --quiet 'nvidia-cutlass-dsl==4.8.1' >/dev/null 2>&1 \
+  || log "(could not install the cutlass extra: the CuTe checks will skip)"
+
+step "pytest -m gpu" 240 uv run pytest -m gpu -q -rs -p no:cacheprovider
+
+run=$(mktemp -d)
+common=(--training.device cuda --training.mixed-precision bf16 --metrics.peak-flops "$peak"
+        --metrics.no-tensorboard --metrics.validate-every 0 --output-dir "$run")
+step "llama3_debug on one GPU" 90 uv run titan-train --recipe llama3_debug \
+  "${common[@]}" --training.steps 50 --metrics.log-every 10
+step "Llama 1B, 50 steps, local compile" 240 uv run titan-train --recipe llama3_debug \
+  --name llama3_1b --model.flavor 1B --model.vocab-size 128256 --compile.enabled \
+  --training.seq-len 2048 --training.batch-size 8 --training.steps 50 \
+  --metrics.log-every 10 --lr-schedule.warmup-steps 10 "${common[@]}"
+for r in llama3_debug llama3_1b; do
+  [ -f "$run/$r/metrics.jsonl" ] && log "$r last: $(grep '"split": "train"' "$run/$r/metrics.jsonl" | tail -n 1)"
+done
+
+step "checkpoint benchmark, state on the GPU" 120 uv run python \
+  libs/torch_checkpointing/benchmarks/vs_dcp.py --device cuda --gib 1 --ranks 1 --reps 3
+step "CuTe grouped GEMM vs torch._grouped_mm" 60 uv run python \
+  libs/dist_moe/benchmarks/bench_cute_grouped_gemm.py
+step "pack / combine bandwidth" 60 uv run python libs/dist_moe/benchmarks/bench_pack_bandwidth.py
+if [ "$gpus" -ge 2 ]; then
+  step "symmetric-memory dispatch vs all-to-all" 90 uv run torchrun --standalone \
+    --nproc-per-node "$gpus" libs/dist_moe/benchmarks/bench_symm_dispatch.py
+fi
+rm -rf "$run"
+log "== done: exit $status (report: $report)"
+exit "$status"
