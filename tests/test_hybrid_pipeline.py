@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -97,8 +98,9 @@ def _pp_checks() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_pp2_of_the_hybrid_families_equals_one_process():
-    per_rank = run_distributed(_pp_checks, 2, timeout=300)
+    per_rank = run_distributed(_pp_checks, 2, timeout=600)
     for family in FAMILIES:
         first, last = per_rank[0][family], per_rank[1][family]
         assert first["params"] > 0 and last["params"] > 0
