@@ -170,6 +170,37 @@ def deepseek_v3_671b() -> JobConfig:
 
 
 @recipe
+def gpt_oss_debug() -> JobConfig:
+    """Tiny gpt-oss (alternating window-16 / full attention with biases and learned sinks,
+    8 biased clamped-SwiGLU experts top-2, YaRN) on arithmetic."""
+    cfg = llama3_debug()
+    cfg.name = "gpt_oss_debug"
+    cfg.model = ModelConfig(family="gpt_oss", flavor="debug")
+    return cfg
+
+
+@recipe
+def gpt_oss_120b() -> JobConfig:
+    """gpt-oss-120b pre-training on 64 GPUs: FSDP 64 with its 128 experts over EP 32 (four
+    per GPU, each sharded over two FSDP ranks); full remat. Fake mode estimates ~88 GiB per
+    rank at 2 × 8192 tokens (selective remat at 4 × 8192 would keep ~175 GiB of activations)."""
+    cfg = _full_size("gpt_oss_120b", "gpt_oss", "120B", ParallelConfig(dp_shard=64, ep=32))
+    cfg.training.batch_size = 2
+    cfg.remat = RematConfig(policy="full")
+    return cfg
+
+
+@recipe
+def deepseek_v4_debug() -> JobConfig:
+    """Tiny DeepSeek-V4 (sliding / compressed-sparse / heavily-compressed attention, two
+    hyper-connection streams, a hash-routed then learned MoE layers) on arithmetic."""
+    cfg = llama3_debug()
+    cfg.name = "deepseek_v4_debug"
+    cfg.model = ModelConfig(family="deepseek_v4", flavor="debug")
+    return cfg
+
+
+@recipe
 def qwen3_5_debug() -> JobConfig:
     """Tiny Qwen3.5 (Gated DeltaNet + gated attention, alternating) on arithmetic."""
     cfg = llama3_debug()

@@ -28,6 +28,7 @@ import torch
 
 import titan_models
 import titan_rl
+from titan_train.checkpointing import write_hf
 from titan_train.config import JobConfig
 from titan_train.data.tokenizers import ByteTokenizer
 
@@ -280,7 +281,7 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
     after = last["accuracy"]
     metrics_file.write(json.dumps({"step": len(history), "split": "eval", **last}) + "\n")
     metrics_file.close()
-    titan_models.to_hf(model, run_dir / "hf")
+    write_hf(model.state_dict(), model.config, run_dir / "hf")
     summary = {
         "accuracy_before": before,
         "accuracy_after": after,

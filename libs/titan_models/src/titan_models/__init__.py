@@ -4,6 +4,7 @@ Face interop, KV-cache decoding, declarative plans."""
 from .components import (
     AttentionMetadata,
     Constant,
+    Float8Recipe,
     Init,
     KVCache,
     Normal,
@@ -13,23 +14,21 @@ from .components import (
     attend,
     attention_backends,
     init_state,
+    quantize_modules,
     register_attention_backend,
     resolve_attention_backend,
 )
 from .decoding import greedy_generate
 from .deepseek_v3 import DeepSeekV3, DeepSeekV3Config
+from .deepseek_v4 import DeepSeekV4, DeepSeekV4Config
 from .flops import flops_per_token, matmul_params
-from .hf_io import from_hf, hf_model_config, load_hf_state, to_hf
+from .fqn import fqn_matches
+from .gpt_oss import GptOss, GptOssConfig
+from .hf_io import HFExport, from_hf, hf_export, hf_model_config, load_hf_state, to_hf
 from .kimi_linear import KimiLinear, KimiLinearConfig
 from .llama3 import Llama3, Llama3Config
 from .mtp import mtp_loss
-from .plan import (
-    ModelPlan,
-    PipelineUnit,
-    TensorParallelPlan,
-    check_tensor_parallel,
-    fqn_matches,
-)
+from .plan import ModelPlan, PipelineUnit, TensorParallelPlan, check_tensor_parallel
 from .qwen3 import Qwen3, Qwen3Config
 from .qwen3_5 import Qwen3_5, Qwen3_5Config
 from .qwen3_5_moe import Qwen3_5Moe, Qwen3_5MoeConfig
@@ -43,6 +42,12 @@ __all__ = [
     "Constant",
     "DeepSeekV3",
     "DeepSeekV3Config",
+    "DeepSeekV4",
+    "DeepSeekV4Config",
+    "Float8Recipe",
+    "GptOss",
+    "GptOssConfig",
+    "HFExport",
     "Init",
     "KVCache",
     "KimiLinear",
@@ -74,12 +79,14 @@ __all__ = [
     "get_model",
     "get_plan",
     "greedy_generate",
+    "hf_export",
     "hf_model_config",
     "init_state",
     "list_models",
     "load_hf_state",
     "matmul_params",
     "mtp_loss",
+    "quantize_modules",
     "register_attention_backend",
     "resolve_attention_backend",
     "to_hf",

@@ -36,10 +36,10 @@ class HFTensor:
     """HF's layout → ours (``None``: identical)."""
     shape: tuple[int, ...] | None = None
     """The checkpoint tensor's shape when it holds more than this view: a fused tensor split
-    over several of our parameters."""
-    index: tuple[slice, ...] | None = None
-    """With ``shape``: where this view sits in the checkpoint tensor. ``to_hf`` assembles such a
-    tensor from all its views (which must cover it); without an index it is never written."""
+    over several of our parameters (written only when every part has a ``put``)."""
+    put: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+    """For a fused tensor: ``put(full, ours)`` copies this view (our layout) into its place in
+    the full HF tensor, so ``to_hf`` can assemble the tensor from its parts."""
 
     def hf_shape(self) -> tuple[int, ...]:
         """Shape of the tensor in the checkpoint (free on the meta device)."""
@@ -126,7 +126,7 @@ def _fused_experts(per_expert_key: str, param: torch.Tensor) -> HFTensor:
         param,
         from_hf=lambda t: t[:, half],
         shape=(experts, 2 * hidden, dim),
-        index=(slice(None), half),
+        put=lambda full, w: full[:, half].copy_(w),
     )
 
 
@@ -140,7 +140,7 @@ def hf_rows(key: str, ours: torch.Tensor, total_rows: int, start: int) -> HFTens
         ours,
         from_hf=lambda t: t[rows],
         shape=(total_rows, *ours.shape[1:]),
-        index=(rows,),
+        put=lambda full, w: full[rows].copy_(w),
     )
 
 
@@ -295,16 +295,18 @@ def check_supported(
     hf: Mapping[str, Any],
     *,
     sliding_window: bool = False,
+    allowed: Mapping[str, tuple[Any, ...]] | None = None,
     layer_types: tuple[str, ...] = ("full_attention",),
 ) -> None:
     """``ValueError`` naming the first HF config field whose value we do not model
-    (``sliding_window``: the caller reads the window fields itself; ``layer_types``: the
-    entries of HF's ``layer_types`` the family models)."""
-    for name, allowed in _NEUTRAL.items():
-        if name in hf and hf[name] not in allowed:
+    (``sliding_window``: the caller reads the window fields itself; ``allowed``: a family's
+    own supported values of some fields, e.g. gpt-oss's ``attention_bias=True``;
+    ``layer_types``: the entries of HF's ``layer_types`` the family models)."""
+    for name, values in {**_NEUTRAL, **(allowed or {})}.items():
+        if name in hf and hf[name] not in values:
             raise ValueError(
                 f"HF config field {name}={hf[name]!r} is not supported (supported: "
-                f"{', '.join(repr(a) for a in allowed if a is not None) or 'absent'})"
+                f"{', '.join(repr(a) for a in values if a is not None) or 'absent'})"
             )
     if not sliding_window:
         refuse_sliding_window(hf, layer_types=layer_types)

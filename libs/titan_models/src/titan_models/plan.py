@@ -1,8 +1,9 @@
 """Declarative parallelism plans: pure data that the app applies; the model never imports
 ``torch.distributed``.
 
-FQN patterns are dot-separated module names in which ``*`` matches exactly one segment
-(``layers.*.attention.wq`` matches ``layers.7.attention.wq``); see ``fqn_matches``.
+FQN patterns are globs as ``fqn_matches`` reads them (``fqn.py``): ``*`` stays inside one
+dotted segment (``layers.*.attention.wq`` matches ``layers.7.attention.wq``), a ``**`` segment
+spans any number of them.
 """
 
 from __future__ import annotations
@@ -71,14 +72,12 @@ class ModelPlan:
     ``dist_moe.expert_parallel(module, ep_group)``. They are in no tensor-parallel list (router,
     routed and shared experts run unsharded over TP; under sequence parallelism each TP rank
     routes its own sequence shard)."""
-
-
-def fqn_matches(pattern: str, fqn: str) -> bool:
-    """Whether ``fqn`` matches ``pattern`` segment by segment (``*`` = any one segment)."""
-    parts, wanted = fqn.split("."), pattern.split(".")
-    return len(parts) == len(wanted) and all(
-        w in ("*", p) for w, p in zip(wanted, parts, strict=True)
-    )
+    stage_width: int | None = None
+    """Features per token a pipeline stage sends to the next (``None``: the model width ``dim``;
+    DeepSeek-V4 sends its ``hc_mult`` residual streams, ``hc_mult · dim``)."""
+    stage_inputs: tuple[str, ...] = ()
+    """Forward keyword arguments every pipeline stage needs from the batch besides positions and
+    documents: ``token_ids`` (the input ids, ``(B, S)``) for hash-routed MoE layers."""
 
 
 def decoder_plan(
@@ -92,13 +91,16 @@ def decoder_plan(
     sequence_parallel: tuple[str, ...] = (),
     head_modules: tuple[str, ...] = (),
     head_sharded: tuple[str, ...] = (),
+    stage_width: int | None = None,
+    stage_inputs: tuple[str, ...] = (),
 ) -> ModelPlan:
     """The plan of a ``Transformer``: Megatron-style TP/SP, one pipeline unit per block,
     blocks as remat units, and (MoE families) the expert modules.
 
     The patterns given are the blocks' own; embedding, head and the residual-stream norms are
     added here. Unit sizes are counted on a meta-device build (nothing is allocated).
-    ``head_modules``: modules beside ``norm`` and ``output`` that the last stage keeps.
+    ``head_modules``: modules beside ``norm`` and ``output`` that the last stage keeps;
+    ``stage_width`` / ``stage_inputs``: see ``ModelPlan``.
     """
     with torch.device("meta"):
         model = model_cls(config)
@@ -133,6 +135,8 @@ def decoder_plan(
         if config.tie_embeddings
         else (),
         experts=experts,
+        stage_width=stage_width,
+        stage_inputs=stage_inputs,
     )
 
 

@@ -27,6 +27,7 @@ import torch
 __all__ = [
     "ONES",
     "Constant",
+    "HashRoutes",
     "Init",
     "InverseSoftplusLogUniform",
     "LogUniform",
@@ -98,7 +99,20 @@ class InverseSoftplusLogUniform:
         return dt + torch.log(-torch.expm1(-dt))
 
 
-Init = Normal | Constant | Uniform | LogUniform | InverseSoftplusLogUniform
+@dataclass(frozen=True, slots=True)
+class HashRoutes:
+    """A hash-routing table ``(V, K)``: every row ``K`` distinct experts of ``num_experts``,
+    uniformly at random (int64; dist_moe's ``expert_table``)."""
+
+    num_experts: int
+
+    def sample(self, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+        rows, k = shape
+        keys = torch.rand(rows, self.num_experts, generator=generator, device=generator.device)
+        return keys.topk(k, dim=-1).indices
+
+
+Init = Normal | Constant | Uniform | LogUniform | InverseSoftplusLogUniform | HashRoutes
 ONES = Constant(1.0)
 
 

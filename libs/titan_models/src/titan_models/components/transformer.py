@@ -328,7 +328,8 @@ class Transformer(nn.Module):
         N(0, std²); the projections out of a residual branch (``wo``, ``w2``, the experts'
         down projections) from N(0, (std / √(2·num_layers))²), so the residual stream's
         variance stays flat in depth; every RMSNorm weight is 1; buffers (a router's selection
-        bias) start at 0.
+        bias) start at 0, except those a module's ``buffer_inits()`` names (a hash-routing
+        table).
         """
         std = self.config.init_std
         out_std = std / math.sqrt(2 * self.config.num_layers)
@@ -342,7 +343,11 @@ class Transformer(nn.Module):
         if self.output is not None and not self.config.tie_embeddings:
             inits["output.weight"] = Normal(std)
         inits |= self._extra_param_inits(std=std, out_std=out_std)
-        return inits | {name: Constant(0.0) for name, _ in self.named_buffers()}
+        inits |= {name: Constant(0.0) for name, _ in self.named_buffers()}
+        for prefix, module in self.named_modules():  # buffers that start elsewhere (hash tables)
+            if hasattr(module, "buffer_inits"):
+                inits |= prefixed(prefix, module.buffer_inits())
+        return inits
 
     def _extra_param_inits(self, *, std: float, out_std: float) -> dict[str, Init]:
         """Hook for modules a family adds beside the blocks (DeepSeek-V3's MTP modules)."""

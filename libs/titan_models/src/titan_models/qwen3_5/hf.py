@@ -132,7 +132,7 @@ class Qwen3_5HFAdapter(DenseHFAdapter):
                 ht.to_hf,
                 ht.from_hf,
                 ht.shape,
-                ht.index,
+                ht.put,
             )
             if ht.key.startswith("model.")
             else ht
