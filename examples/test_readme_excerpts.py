@@ -17,6 +17,7 @@ README_EXAMPLES = {
     "libs/pipeline/README.md": "examples/plain_pipeline.py",
     "libs/torch_checkpointing/README.md": "examples/fsdp2_checkpoint.py",
     "libs/torch_remat/README.md": "examples/hf_remat.py",
+    "libs/titan_rl/README.md": "examples/verl_style_rl.py",
 }
 
 

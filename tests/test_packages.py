@@ -50,6 +50,7 @@ EXAMPLES: dict[str, list[tuple[str, int]]] = {
     "titan-flexshard": [("hf_llama_flexshard.py", 1)],  # it starts its own 2 ranks
     "titan-pipeline": [("plain_pipeline.py", 2)],
     "titan-remat": [("hf_remat.py", 1)],
+    "titan-rl": [("verl_style_rl.py", 1)],
 }
 EXAMPLE_PARTNERS: dict[str, list[str]] = {"titan-flexshard": ["titan-checkpointing"]}
 """Libraries an example composes with its own, installed beside it only to run the examples

@@ -141,7 +141,7 @@ class DataConfig:
     """Fraction of documents held out for validation (by document index)."""
     arithmetic_slip_rate: float = 0.0
     """source=arithmetic: chance that a + / - document's answer is written with a systematic
-    slip (carry-less +, borrow-less -; titan_rl.slip_answer) instead of the true one. 0: the
+    slip (carry-less +, borrow-less -; titan_train.data.arithmetic.slip_answer) instead of the true one. 0: the
     clean corpus. Used by the arith_grpo RL recipe's pre-training run."""
     arithmetic_reverse_answer: bool = False
     """source=arithmetic: write answers least-significant digit first ("47+38=58" for 85)."""

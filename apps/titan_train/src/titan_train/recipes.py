@@ -70,7 +70,7 @@ def _full_size(name: str, family: str, flavor: str, parallel: ParallelConfig) ->
         optimizer=OptimizerConfig(lr=3e-4, weight_decay=0.1),
         lr_schedule=LRScheduleConfig(warmup_steps=2000, decay="cosine", min_lr_ratio=0.1),
         training=TrainingConfig(
-            steps=100_000, batch_size=4, seq_len=8192, mixed_precision="bf16", grad_accum=1
+            steps=100_000, batch_size=1, seq_len=8192, mixed_precision="bf16", grad_accum=1
         ),
         checkpoint=CheckpointConfig(interval=500, keep_last=3, async_mode="process"),
         remat=RematConfig(policy="selective"),
@@ -79,13 +79,13 @@ def _full_size(name: str, family: str, flavor: str, parallel: ParallelConfig) ->
 
 @recipe
 def llama3_8b() -> JobConfig:
-    """Llama 3.1 8B pre-training on 64 GPUs: FSDP 64 (one node of TP would also do)."""
+    """Llama 3.1 8B pre-training on 64 GPUs: FSDP 64, one 8192-token sequence per rank."""
     return _full_size("llama3_8b", "llama3", "8B", ParallelConfig(dp_shard=64))
 
 
 @recipe
 def llama3_70b() -> JobConfig:
-    """Llama 3.1 70B on 256 GPUs: TP 8 within a node, PP 4 (interleaved), FSDP 8."""
+    """Llama 3.1 70B on 256 GPUs: TP 8 within a node, PP 4 (interleaved), FSDP 8; full remat."""
     cfg = _full_size(
         "llama3_70b",
         "llama3",
@@ -93,6 +93,7 @@ def llama3_70b() -> JobConfig:
         ParallelConfig(dp_shard=8, tp=8, pp=4, pp_schedule="interleaved_1f1b", pp_microbatches=8),
     )
     cfg.training.batch_size = 8
+    cfg.remat = RematConfig(policy="full")  # 8 microbatches in flight on the first stage
     return cfg
 
 
@@ -113,8 +114,10 @@ def llama3_405b() -> JobConfig:
 
 @recipe
 def qwen3_32b() -> JobConfig:
-    """Qwen3 32B on 128 GPUs: TP 8, FSDP 16."""
-    return _full_size("qwen3_32b", "qwen3", "32B", ParallelConfig(dp_shard=16, tp=8))
+    """Qwen3 32B on 128 GPUs: TP 8, FSDP 16; full remat."""
+    cfg = _full_size("qwen3_32b", "qwen3", "32B", ParallelConfig(dp_shard=16, tp=8))
+    cfg.remat = RematConfig(policy="full")
+    return cfg
 
 
 @recipe
@@ -128,6 +131,7 @@ def qwen3_moe_235b() -> JobConfig:
         ParallelConfig(dp_shard=64, pp=4, ep=64, pp_microbatches=4),
     )
     cfg.training.seq_len = 4096
+    cfg.training.batch_size = 4  # one sequence per pipeline microbatch
     return cfg
 
 

@@ -102,7 +102,12 @@ class LayerRecurrentState:
 
 class KVCache:
     """Per-layer key/value buffers (or recurrent states), the number of cached tokens of every
-    row, and each row's current document (for packed prefills)."""
+    row, and each row's current document (for packed prefills).
+
+    ``static=True``: every step attends to the whole capacity of the full buffers (the unused
+    slots masked) and ``begin`` reads nothing back to the host, so every decode step has the
+    same shapes and control flow: one ``torch.compile`` graph (or CUDA graph) serves them all.
+    Overflow is then a device-side assert instead of a ``ValueError``."""
 
     def __init__(
         self,
@@ -117,11 +122,13 @@ class KVCache:
         value_dim: int | None = None,
         windows: Mapping[int, int | None] | None = None,
         recurrent: Mapping[int, Sequence[StateSpec]] | None = None,
+        static: bool = False,
     ) -> None:
         """``layers``: the attention layers; ``value_dim``: width of their second buffer
         (``head_dim`` by default); ``windows``: layer → sliding window (a layer whose window
         W - 1 < ``max_seq_len`` keeps a ring of W - 1 tokens); ``recurrent``: the
-        linear-attention layers and the specs of their state tensors (zero-initialised)."""
+        linear-attention layers and the specs of their state tensors (zero-initialised);
+        ``static``: see the class docstring."""
         value_dim = head_dim if value_dim is None else value_dim
         for name, value in (
             ("batch_size", batch_size),
@@ -160,6 +167,8 @@ class KVCache:
                     for shape, dt in specs
                 ],
             )
+        self.static = static
+        self._filled = False  # a step was committed (static mode's "reads the cache")
         self._packed = False  # a prefill packed documents: track each row's current one
         self._step: CacheStep | None = None
         self._step_docs: torch.Tensor | None = None
@@ -202,15 +211,25 @@ class KVCache:
     ) -> CacheStep:
         """Start a forward of ``seq_len`` new tokens per row (``input_lengths`` of them real;
         ``document_ids`` ``(B, S)`` for a packed prefill, non-decreasing, the first one >= the
-        row's current document). One host sync, to bound the attended keys."""
-        kv_len = int(self.lengths.max()) + seq_len
-        if kv_len > self.max_seq_len and any(
-            isinstance(c, LayerKVCache) and c.ring is None for c in self.layers.values()
-        ):
-            raise ValueError(
-                f"KVCache overflow: a row holds {kv_len - seq_len} tokens and {seq_len} more "
-                f"do not fit in max_seq_len={self.max_seq_len}"
-            )
+        row's current document). One host sync, to bound the attended keys (none when
+        ``static``)."""
+        full = any(isinstance(c, LayerKVCache) and c.ring is None for c in self.layers.values())
+        if self.static:
+            kv_len, reads_cache = self.max_seq_len, self._filled
+            if full:
+                torch._assert_async(
+                    self.lengths.max() + seq_len <= self.max_seq_len,
+                    f"KVCache overflow: {seq_len} more tokens do not fit in "
+                    f"max_seq_len={self.max_seq_len}",
+                )
+        else:
+            kv_len = int(self.lengths.max()) + seq_len
+            reads_cache = kv_len > seq_len
+            if kv_len > self.max_seq_len and full:
+                raise ValueError(
+                    f"KVCache overflow: a row holds {kv_len - seq_len} tokens and {seq_len} "
+                    f"more do not fit in max_seq_len={self.max_seq_len}"
+                )
         B = self.batch_size
         device = self.lengths.device
         slots_BS = self.lengths[:, None] + torch.arange(seq_len, device=device)
@@ -219,7 +238,7 @@ class KVCache:
                 slots=slots_BS,
                 lengths=self.lengths.clone(),
                 kv_len=min(kv_len, self.max_seq_len),
-                reads_cache=kv_len > seq_len,
+                reads_cache=reads_cache,
                 ring_sizes=self.ring_sizes,
                 input_lengths=input_lengths,
             )
@@ -245,7 +264,7 @@ class KVCache:
             slots=slots_BS,
             lengths=self.lengths.clone(),
             kv_len=min(kv_len, self.max_seq_len),
-            reads_cache=kv_len > seq_len,
+            reads_cache=reads_cache,
             ring_sizes=self.ring_sizes,
             input_lengths=input_lengths,
             starts=starts_BS,
@@ -269,6 +288,7 @@ class KVCache:
             self._doc_id = self._step_docs.gather(1, last_B1)[:, 0].clone()
             self._doc_start = step.starts.gather(1, last_B1)[:, 0].clone()
         self.lengths += n_B
+        self._filled = True
         self._step = self._step_docs = None
 
     def reset(self) -> None:
@@ -277,6 +297,7 @@ class KVCache:
         self._doc_id.zero_()
         self._doc_start.zero_()
         self._packed = False
+        self._filled = False
         self._step = self._step_docs = None
         for layer in self.layers.values():
             if isinstance(layer, LayerRecurrentState):

@@ -22,7 +22,6 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dist_moe import GroupedExperts, LocalDispatcher, MoE, SharedExperts, TopKRouter
@@ -73,10 +72,17 @@ class Float8GroupedExperts(GroupedExperts):
     MXFP8 (``scaled_grouped_linear``); holds the replaced experts' own parameters."""
 
     def __init__(self, experts: GroupedExperts, recipe: Float8Recipe) -> None:
+        if experts.has_bias:
+            raise ValueError(
+                "quantize: experts with per-expert biases (gpt-oss) are not supported in FP8; "
+                "leave them out with quantize experts=None or an exclude glob"
+            )
         nn.Module.__init__(self)
         self.dim, self.hidden_dim = experts.dim, experts.hidden_dim
         self.num_experts, self.impl = experts.num_experts, experts.impl
+        self.activation = experts.activation
         self.w_gate, self.w_up, self.w_down = experts.w_gate, experts.w_up, experts.w_down
+        self.b_gate = self.b_up = self.b_down = None
         self.recipe = recipe
 
     def forward(
@@ -92,7 +98,7 @@ class Float8GroupedExperts(GroupedExperts):
         with _no_autocast(x_RD):
             gate = scaled_grouped_linear(x_RD, w_gate, group_ends, r)
             up = scaled_grouped_linear(x_RD, w_up, group_ends, r)
-            return scaled_grouped_linear(F.silu(gate) * up, w_down, group_ends, r)
+            return scaled_grouped_linear(self.activation(gate, up), w_down, group_ends, r)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, recipe={self.recipe.mode}"

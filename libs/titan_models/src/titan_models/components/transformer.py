@@ -360,10 +360,12 @@ class Transformer(nn.Module):
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        static: bool = False,
     ) -> KVCache:
         """An empty cache for this model's layers (dtype and device of the weights by default):
         key/value buffers for attention layers, fixed-size states for recurrent ones (a token
-        mixer with ``recurrent_state_specs()``)."""
+        mixer with ``recurrent_state_specs()``); ``static``: every step attends to the whole
+        capacity, no host sync, see ``KVCache``."""
         weight = next(self.parameters())
         heads, key_dim, value_dim = self.kv_cache_widths()
         recurrent = {
@@ -382,6 +384,7 @@ class Transformer(nn.Module):
             dtype=dtype or weight.dtype,
             device=device or weight.device,
             windows={int(i): self.config.layer_window(int(i)) for i in self.layers},
+            static=static,
         )
 
     def kv_cache_widths(self) -> tuple[int, int, int]:
