@@ -157,3 +157,17 @@ def test_attention_backend_reaches_the_model_and_backends_train_alike(tmp_path):
     a = train(dense)["losses"]
     b = train(_cfg(tmp_path / "b", "--training.steps", "3", "--model.attention-backend", "varlen"))
     assert torch.allclose(torch.tensor(a), torch.tensor(b["losses"]), rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["qwen3_5_moe_debug", "kimi_linear_debug"])
+def test_linear_attention_hybrid_recipe_learns(tmp_path, recipe):
+    # Packed documents (the built-in corpus) through the chunked delta rule and the MoE.
+    cfg = parse_config(
+        ["--output-dir", str(tmp_path), "--training.steps", "8", "--metrics.log-every", "4",
+         "--metrics.validate-every", "0", "--metrics.no-tensorboard",
+         "--metrics.peak-flops", "1e11"],
+        recipe,
+    )  # fmt: skip
+    losses = train(cfg)["losses"]
+    assert sum(losses[-2:]) / 2 < 0.9 * sum(losses[:2]) / 2, losses

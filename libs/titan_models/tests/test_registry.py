@@ -16,6 +16,9 @@ def test_list_models_names_every_family_and_all_flavors():
         "deepseek_v3": ["debug", "16B", "671B"],
         "gpt_oss": ["debug", "20B", "120B"],
         "deepseek_v4": ["debug", "flash", "pro"],
+        "qwen3_5": ["debug", "27B"],
+        "qwen3_5_moe": ["debug", "35B-A3B"],
+        "kimi_linear": ["debug", "48B-A3B"],
     }
 
 
@@ -30,7 +33,8 @@ def test_get_model_returns_class_and_config_with_overrides():
 def test_unknown_family_lists_the_known_ones():
     with pytest.raises(
         ValueError,
-        match=r"unknown model family 'gpt2'; known: \['llama3', 'qwen3', 'qwen3_moe', 'deepseek_v3', 'gpt_oss', 'deepseek_v4'\]",
+        match=r"unknown model family 'gpt2'; known: \['llama3', 'qwen3', 'qwen3_moe', "
+        r"'deepseek_v3', 'gpt_oss', 'deepseek_v4', 'qwen3_5', 'qwen3_5_moe', 'kimi_linear'\]",
     ):
         titan_models.get_model("gpt2", "debug")
 

@@ -202,3 +202,52 @@ def deepseek_v4_debug() -> JobConfig:
     cfg.name = "deepseek_v4_debug"
     cfg.model = ModelConfig(family="deepseek_v4", flavor="debug")
     return cfg
+
+
+@recipe
+def qwen3_5_debug() -> JobConfig:
+    """Tiny Qwen3.5 (Gated DeltaNet + gated attention, alternating) on arithmetic."""
+    cfg = llama3_debug()
+    cfg.name = "qwen3_5_debug"
+    cfg.model = ModelConfig(family="qwen3_5", flavor="debug")
+    return cfg
+
+
+@recipe
+def qwen3_5_moe_debug() -> JobConfig:
+    """Tiny Qwen3.5-MoE (Gated DeltaNet + gated attention, 8 experts top-2 + a gated shared
+    expert) on arithmetic."""
+    cfg = llama3_debug()
+    cfg.name = "qwen3_5_moe_debug"
+    cfg.model = ModelConfig(family="qwen3_5_moe", flavor="debug")
+    return cfg
+
+
+@recipe
+def kimi_linear_debug() -> JobConfig:
+    """Tiny Kimi Linear (Kimi Delta Attention + NoPE MLA, dense first block, sigmoid-routed
+    experts with aux-loss-free balancing) on arithmetic."""
+    cfg = llama3_debug()
+    cfg.name = "kimi_linear_debug"
+    cfg.model = ModelConfig(family="kimi_linear", flavor="debug")
+    return cfg
+
+
+@recipe
+def qwen3_5_moe_35b_a3b() -> JobConfig:
+    """Qwen3.5-35B-A3B on 64 GPUs: EP 64 = DP-shard 64 (four routed experts per GPU)."""
+    cfg = _full_size(
+        "qwen3_5_moe_35b_a3b", "qwen3_5_moe", "35B-A3B", ParallelConfig(dp_shard=64, ep=64)
+    )
+    cfg.training.seq_len = 4096
+    return cfg
+
+
+@recipe
+def kimi_linear_48b_a3b() -> JobConfig:
+    """Kimi Linear 48B-A3B on 64 GPUs: EP 64 = DP-shard 64 (four routed experts per GPU)."""
+    cfg = _full_size(
+        "kimi_linear_48b_a3b", "kimi_linear", "48B-A3B", ParallelConfig(dp_shard=64, ep=64)
+    )
+    cfg.training.seq_len = 4096
+    return cfg

@@ -1,5 +1,5 @@
-"""Model zoo (Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3), Hugging Face interop, KV-cache decoding,
-declarative plans."""
+"""Model zoo (Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3, Qwen3.5, Qwen3.5-MoE, Kimi Linear), Hugging
+Face interop, KV-cache decoding, declarative plans."""
 
 from .components import (
     AttentionMetadata,
@@ -25,10 +25,13 @@ from .flops import flops_per_token, matmul_params
 from .fqn import fqn_matches
 from .gpt_oss import GptOss, GptOssConfig
 from .hf_io import HFExport, from_hf, hf_export, hf_model_config, load_hf_state, to_hf
+from .kimi_linear import KimiLinear, KimiLinearConfig
 from .llama3 import Llama3, Llama3Config
 from .mtp import mtp_loss
-from .plan import ModelPlan, PipelineUnit, TensorParallelPlan
+from .plan import ModelPlan, PipelineUnit, TensorParallelPlan, check_tensor_parallel
 from .qwen3 import Qwen3, Qwen3Config
+from .qwen3_5 import Qwen3_5, Qwen3_5Config
+from .qwen3_5_moe import Qwen3_5Moe, Qwen3_5MoeConfig
 from .qwen3_moe import Qwen3Moe, Qwen3MoeConfig
 from .registry import get_model, get_plan, list_models
 
@@ -47,6 +50,8 @@ __all__ = [
     "HFExport",
     "Init",
     "KVCache",
+    "KimiLinear",
+    "KimiLinearConfig",
     "Llama3",
     "Llama3Config",
     "ModelPlan",
@@ -56,6 +61,10 @@ __all__ = [
     "Qwen3Config",
     "Qwen3Moe",
     "Qwen3MoeConfig",
+    "Qwen3_5",
+    "Qwen3_5Config",
+    "Qwen3_5Moe",
+    "Qwen3_5MoeConfig",
     "RopeConfig",
     "TensorParallelPlan",
     "Transformer",
@@ -63,6 +72,7 @@ __all__ = [
     "__version__",
     "attend",
     "attention_backends",
+    "check_tensor_parallel",
     "flops_per_token",
     "fqn_matches",
     "from_hf",

@@ -33,7 +33,13 @@ class TensorParallelPlan:
     """Modules with replicated weights whose gradients are partial per rank and summed over the
     tensor-parallel group: the per-head QK-norms (run on the local heads), and MLA's latent
     down-projections and their norms (``wq_a``, ``q_norm``, ``wkv_a``, ``kv_norm``: computed in
-    full on every rank, read by the local heads only)."""
+    full on every rank, read by the local heads only); linear attention's per-head output norm
+    and KDA's low-rank gate inputs (``wf_a``, ``wg_a``)."""
+    head_sharded: tuple[str, ...] = ()
+    """*Parameter* FQN patterns (not modules) split on dim 0 with the heads, like the outputs
+    of the column-wise projections they act on: linear attention's per-head ``dt_bias`` /
+    ``A_log`` and depthwise conv filters (``conv_q.weight``, ...). Each rank holds its heads'
+    rows as a plain tensor; the modules read head counts off their weights at run time."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,6 +90,7 @@ def decoder_plan(
     experts: tuple[str, ...] = (),
     sequence_parallel: tuple[str, ...] = (),
     head_modules: tuple[str, ...] = (),
+    head_sharded: tuple[str, ...] = (),
     stage_width: int | None = None,
     stage_inputs: tuple[str, ...] = (),
 ) -> ModelPlan:
@@ -120,6 +127,7 @@ def decoder_plan(
                 "norm",
             ),
             replicated=replicated,
+            head_sharded=head_sharded,
         ),
         pipeline_units=units,
         remat_units=("layers.*", *(f"{m}.*" for m in head_modules)),
@@ -130,6 +138,24 @@ def decoder_plan(
         stage_width=stage_width,
         stage_inputs=stage_inputs,
     )
+
+
+def check_tensor_parallel(config: TransformerConfig, degree: int) -> None:
+    """``ValueError`` naming the first head count of ``config`` that a tensor-parallel
+    ``degree`` does not divide (attention heads, and the linear-attention heads of hybrids)."""
+    for name in (
+        "num_heads",
+        "num_kv_heads",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_num_heads",
+    ):
+        heads = getattr(config, name, None)
+        if heads is not None and heads % degree:
+            raise ValueError(
+                f"tensor-parallel degree {degree} must divide {type(config).__name__}.{name}="
+                f"{heads} (heads are split whole over the ranks)"
+            )
 
 
 def dense_decoder_plan(

@@ -13,10 +13,10 @@ from .backends import (
 from .dense_attention import math_attention, sdpa
 from .feedforward import FeedForward
 from .init import Constant, HashRoutes, Init, Normal, init_state, local_chunks
-from .kv_cache import KVCache, LayerKVCache
+from .kv_cache import KVCache, LayerKVCache, LayerRecurrentState
 from .mla import MultiHeadLatentAttention
 from .moe import MoEFeedForward
-from .norm import RMSNorm
+from .norm import GatedRMSNorm, RMSNorm
 from .quantize import Float8GroupedExperts, Float8Linear, quantize_modules
 from .rope import (
     Llama3RopeScaling,
@@ -46,10 +46,12 @@ __all__ = [
     "Float8GroupedExperts",
     "Float8Linear",
     "Float8Recipe",
+    "GatedRMSNorm",
     "HashRoutes",
     "Init",
     "KVCache",
     "LayerKVCache",
+    "LayerRecurrentState",
     "Llama3RopeScaling",
     "MoEFeedForward",
     "MultiHeadLatentAttention",

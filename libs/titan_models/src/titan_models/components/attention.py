@@ -50,30 +50,38 @@ class Attention(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         qk_norm_eps: float | None = None,
+        qk_norm_offset: float = 0.0,
         softmax_scale: float | None = None,
+        output_gate: bool = False,
         window: int | None = None,
         softcap: float | None = None,
         bias: bool = False,
         sinks: bool = False,
     ) -> None:
         """``qk_norm_eps``: RMSNorm q and k per head (Qwen3) with this eps; ``None`` for none.
-        ``window``: sliding window of this layer (``attend``); ``softcap``: logit soft cap;
-        ``bias``: biases on the four projections (gpt-oss); ``sinks``: a learned sink logit per
-        head (``AttentionSinks``, gpt-oss)."""
+        ``qk_norm_offset``: 1 for zero-centred QK-norm weights (Qwen3.5). ``output_gate``: ``wq``
+        also yields a per-channel sigmoid gate of the attention output (Qwen3.5's gated
+        attention; each head's rows are its query then its gate). ``window``: sliding window of
+        this layer (``attend``); ``softcap``: logit soft cap; ``bias``: biases on the four
+        projections (gpt-oss); ``sinks``: a learned sink logit per head (``AttentionSinks``,
+        gpt-oss)."""
         super().__init__()
         self.head_dim = head_dim
         self.softmax_scale = softmax_scale
+        self.output_gate = output_gate
         self.window = window
         self.softcap = softcap
         self.backend: str | None = None
         """This layer's attention backend instead of the run's (``None``: the run's)."""
-        self.wq = nn.Linear(dim, num_heads * head_dim, bias=bias)
+        q_rows = num_heads * head_dim * (2 if output_gate else 1)
+        self.wq = nn.Linear(dim, q_rows, bias=bias)
         self.wk = nn.Linear(dim, num_kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(dim, num_kv_heads * head_dim, bias=bias)
         self.wo = nn.Linear(num_heads * head_dim, dim, bias=bias)
         self.sinks = AttentionSinks(num_heads) if sinks else None
-        self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
-        self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
+        norm = None if qk_norm_eps is None else {"eps": qk_norm_eps, "offset": qk_norm_offset}
+        self.q_norm = RMSNorm(head_dim, **norm) if norm is not None else None
+        self.k_norm = RMSNorm(head_dim, **norm) if norm is not None else None
 
     def forward(
         self,
@@ -84,7 +92,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """``meta``: the batch's masks and positions (``build_attention_metadata``)."""
         B, S, _ = x_BSD.shape
-        q_BSHE = self.wq(x_BSD).view(B, S, -1, self.head_dim)
+        gate_BSHE = None
+        if self.output_gate:
+            q_BSHE, gate_BSHE = self.wq(x_BSD).view(B, S, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        else:
+            q_BSHE = self.wq(x_BSD).view(B, S, -1, self.head_dim)
         k_BSKE = self.wk(x_BSD).view(B, S, -1, self.head_dim)
         v_BSKE = self.wv(x_BSD).view(B, S, -1, self.head_dim)
         if self.q_norm is not None:
@@ -102,6 +114,8 @@ class Attention(nn.Module):
             softcap=self.softcap,
             backend=self.backend,
         )
+        if gate_BSHE is not None:
+            o_BSHE = o_BSHE * torch.sigmoid(gate_BSHE)
         return self.wo(o_BSHE.reshape(B, S, -1))
 
     def param_init(self, *, std: float, out_std: float) -> dict[str, Init]:

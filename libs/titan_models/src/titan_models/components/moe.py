@@ -30,10 +30,12 @@ class MoEFeedForward(MoE):
         hidden_dim: int,
         router: RouterConfig,
         shared_hidden_dim: int = 0,
+        shared_gate: bool = False,
         activation: SwiGLU | None = None,
         expert_bias: bool = False,
     ) -> None:
-        """``activation``: the experts' gated activation (plain SwiGLU by default);
+        """``shared_gate``: a per-token sigmoid gate on the shared expert (Qwen3.5-MoE);
+        ``activation``: the experts' gated activation (plain SwiGLU by default);
         ``expert_bias``: per-expert biases (gpt-oss)."""
         super().__init__(
             MoEConfig(
@@ -41,6 +43,7 @@ class MoEFeedForward(MoE):
                 hidden_dim=hidden_dim,
                 router=router,
                 shared_hidden_dim=shared_hidden_dim,
+                shared_gate=shared_gate,
                 activation=activation or SwiGLU(),
                 expert_bias=expert_bias,
             )
@@ -66,6 +69,8 @@ class MoEFeedForward(MoE):
             inputs.append("router.gate.bias")
         if self.shared_experts is not None:
             inputs += ["shared_experts.w_gate.weight", "shared_experts.w_up.weight"]
+            if self.shared_experts.gate is not None:
+                inputs.append("shared_experts.gate.weight")
             outputs.append("shared_experts.w_down.weight")
         inits: dict[str, Init] = {n: Normal(std) for n in inputs}
         inits |= {n: Normal(out_std) for n in outputs}

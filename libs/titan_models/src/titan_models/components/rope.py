@@ -210,9 +210,16 @@ def apply_rotary(
     x_BSHD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], *, interleaved: bool = False
 ) -> torch.Tensor:
     """Rotate ``x`` by the position angles; ``rope`` is ``RotaryEmbedding``'s ``(cos, sin)``
-    (``interleaved`` as the tables were built: rotate channel pairs, not halves)."""
+    (``interleaved`` as the tables were built: rotate channel pairs, not halves).
+
+    Tables narrower than a head rotate its leading channels only and pass the rest through
+    (partial rotary, as Qwen3.5's ``partial_rotary_factor``)."""
     cos, sin = rope
-    return _RotaryFunction.apply(x_BSHD, cos, sin, interleaved)
+    rotated = cos.shape[-1]
+    if rotated == x_BSHD.shape[-1]:
+        return _RotaryFunction.apply(x_BSHD, cos, sin, interleaved)
+    head, rest = x_BSHD.split([rotated, x_BSHD.shape[-1] - rotated], dim=-1)
+    return torch.cat([_RotaryFunction.apply(head, cos, sin, interleaved), rest], dim=-1)
 
 
 def apply_rotary_tail(
