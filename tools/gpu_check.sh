@@ -7,7 +7,8 @@
 # the others; the exit status is that of the worst step):
 #   1. every test marked `gpu` (pytest -m gpu): flexshard over NCCL, torch_remat on CUDA,
 #      dist_moe's Triton kernels / symmetric memory / CUDA-graph capture / CuTe GEMM, the
-#      checkpoint GPU tests;
+#      checkpoint GPU tests, FlexAttention gradients and torch's varlen kernel, the
+#      delta-rule Triton kernels (linear attention), the FP8 / MXFP8 device GEMMs;
 #   2. the debug recipe on one GPU (bf16), then a ~1B Llama (Llama 3.2 1B shape) for 50 steps
 #      with local compile: tok/s and MFU against the device's dense bf16 peak;
 #   3. the checkpoint benchmark with the state on the GPU (--device cuda);
