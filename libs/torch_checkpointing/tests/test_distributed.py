@@ -28,6 +28,7 @@ from torch_checkpointing import (
     CheckpointError,
     CheckpointManager,
     CheckpointWarning,
+    FsspecStorage,
     PerRank,
     load_hf,
     save_hf,
@@ -327,15 +328,30 @@ def _four_rank_save(root: str) -> dict:
     reload_all(mgr, mesh, rank, world, "4->4", {"meta": meta})
     assert meta == {"step": 6, "who": "four"}
     mgr.close()
-    # HF export from 4 ranks, from DTensor and plain inputs (DTensors are gathered).
+    # HF export from 4 ranks: each writes its own pieces (column shards, a whole tensor on its
+    # owner, tiles, replicas once, a key only rank 3 holds as a pipeline stage would) in place;
+    # one tensor gets a layout transform after its pieces are written.
     full = global_tensors()
-    hf_in = {
-        f"model.{n}": build(full[n], "shard0" if full[n].dim() else "plain", mesh, rank, world)
-        for n in full
-    }
-    index = save_hf(hf_in, root_p / "hf", max_shard_size=300)
+    hf_in = {f"model.{n}": build(full[n], SAVE4[n], mesh, rank, world) for n in full}
+    if rank == 3:
+        hf_in["model.stage3"] = full["w1"][:5].clone()
+    transform = {"model.w3": hf_transform}
+    index = save_hf(hf_in, root_p / "hf", max_shard_size=300, transforms=transform)
+    # Pieces spread over ranks need a storage that writes at offsets; every rank says so.
+    memory = FsspecStorage(f"memory://hf-{rank}")
+    with pytest.raises(CheckpointError, match="cannot write at an offset"):
+        save_hf(hf_in, storage=memory)
+    # One rank's bad input: that rank raises it, the others name it (nobody hangs).
+    bad = {**hf_in, "model.z": torch.zeros(2, dtype=torch.complex128)} if rank == 1 else hf_in
+    with pytest.raises((TypeError, ValueError), match="complex128|rank 1 refused"):
+        save_hf(bad, root_p / "hf-bad")
     dist.barrier()
     return {"first": after_first, "six": after_six, "module": module_calls, "index": index}
+
+
+def hf_transform(w):
+    """A layout change as an HF adapter makes one: rows reversed, then transposed."""
+    return w.flip(0).t()
 
 
 def _four_rank_load(root: str) -> dict:
@@ -475,12 +491,15 @@ def _two_rank(root: str) -> dict:
         )
 
     # -- HF import of the 4-rank export, in place, into shardings.
+    hf_full = {**full, "w3": hf_transform(full["w3"]), "stage3": full["w1"][:5]}
+    layouts = {**LOADS[1], "stage3": "rows"}
     hf_target = {
-        f"model.{n}": build(full[n], LOADS[1][n], mesh, rank, world, empty=True) for n in full
+        f"model.{n}": build(t, layouts[n], mesh, rank, world, empty=True)
+        for n, t in hf_full.items()
     }
     load_hf(root_p / "hf", hf_target)
-    for n in full:
-        check_layout(hf_target[f"model.{n}"], full[n], f"hf {n}")
+    for n, t in hf_full.items():
+        check_layout(hf_target[f"model.{n}"], t, f"hf {n}")
     dist.barrier()
     return out
 
@@ -550,9 +569,12 @@ def test_one_process_loads_both_and_hf_files_are_standard(shared, two_ran, four_
     loaded = {}
     for f in files:
         loaded.update(load_file(str(shared / "hf" / f)))  # the reference safetensors reader
-    assert sorted(loaded) == sorted(f"model.{n}" for n in full)
+    assert sorted(loaded) == sorted([*(f"model.{n}" for n in full), "model.stage3"])
     for n in full:
-        assert torch.equal(loaded[f"model.{n}"], full[n])
+        want = hf_transform(full[n]) if n == "w3" else full[n]
+        assert torch.equal(loaded[f"model.{n}"], want), n
+    assert torch.equal(loaded["model.stage3"], full["w1"][:5])
     assert index["metadata"]["total_size"] == sum(
-        t.numel() * t.element_size() for t in full.values()
+        t.numel() * t.element_size() for t in loaded.values()
     )
+    assert not list((shared / "hf").glob(".tmp-*")) and not (shared / "hf-bad").exists()

@@ -222,6 +222,14 @@ def test_flipped_manifest_byte_is_reported_and_never_deleted(tmp_path):
     mgr.close()
     assert tree_bytes(damaged) == kept
     assert sorted(int(n[5:17]) for n in step_dirs(tmp_path)) == [1, 2, 3, 5]
+    # Loading the newest intact checkpoint by its step (as latest_step() names it) while a
+    # newer one is damaged: a new lineage, so the intact ones before the damage are kept too.
+    with CheckpointManager(tmp_path, async_mode="off", keep_last=1) as again:
+        with pytest.warns(CheckpointWarning):
+            load_into(again, step=2)
+        again.save(6, state_of(6))
+        again.save(7, state_of(7))
+    assert sorted(int(n[5:17]) for n in step_dirs(tmp_path)) == [1, 2, 3, 5, 7]
 
 
 # -------------------------------------------------------------------------- chaos, library

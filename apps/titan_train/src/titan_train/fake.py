@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import resource
 import time
 import weakref
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -150,23 +152,15 @@ def run_fake(
     returns the memory report."""
     from titan_train.trainer import _loaders
 
-    device_type = "cuda" if cfg.training.device == "auto" else cfg.training.device
-    if hasattr(config, "attention_backend"):
-        backend = titan_models.resolve_attention_backend(config.attention_backend, device_type)
-        if backend in ("flex", "varlen") and device_type == "cuda":  # fused kernels there
-            titan_models.register_attention_backend(FAKE_ATTENTION, _fused_attention_memory)
-            backend = FAKE_ATTENTION
-        config = dataclasses.replace(config, attention_backend=backend)
     loader, _ = _loaders(cfg, tokenizer, dp_rank=0, dp_size=dims.dp)
     batches = [next(loader) for _ in range(cfg.training.steps)]  # real tensors, made outside
     stages = []
+    # One fresh process per rank: torch's DeviceMesh caches outlive a destroyed process group.
+    spawn = multiprocessing.get_context("spawn")
     for rank in _representative_ranks(dims):
         start = time.perf_counter()
-        try:
-            row = _run_rank(cfg, dims, model_cls, config, rank, batches)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+            row = pool.submit(_run_rank, cfg, dims, model_cls, config, rank, batches).result()
         row["seconds"] = round(time.perf_counter() - start, 2)
         stages.append(row)
     with torch.device("meta"):
@@ -182,7 +176,10 @@ def run_fake(
         "seq_len": cfg.training.seq_len,
         "batch_size": cfg.training.batch_size,
         "stages": stages,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": max(
+            resource.getrusage(who).ru_maxrss * 1024
+            for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        ),
     }
     run_dir = Path(cfg.output_dir) / cfg.name
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -192,6 +189,30 @@ def run_fake(
 
 
 def _run_rank(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    model_cls: type,
+    config: Any,
+    rank: int,
+    batches: list[Any],
+) -> dict[str, Any]:
+    """Rank ``rank``'s fake steps and memory (in a fresh process: see ``run_fake``)."""
+
+    device_type = "cuda" if cfg.training.device == "auto" else cfg.training.device
+    if hasattr(config, "attention_backend"):
+        backend = titan_models.resolve_attention_backend(config.attention_backend, device_type)
+        if backend in ("flex", "varlen") and device_type == "cuda":  # fused kernels there
+            titan_models.register_attention_backend(FAKE_ATTENTION, _fused_attention_memory)
+            backend = FAKE_ATTENTION
+        config = dataclasses.replace(config, attention_backend=backend)
+    try:
+        return _fake_steps(cfg, dims, model_cls, config, rank, batches)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _fake_steps(
     cfg: JobConfig,
     dims: ParallelDims,
     model_cls: type,

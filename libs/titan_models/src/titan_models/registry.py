@@ -7,7 +7,19 @@ from typing import Any
 
 import torch.nn as nn
 
-from . import deepseek_v3, llama3, qwen3, qwen3_moe, qwen3_vl, qwen3_vl_moe
+from . import (
+    deepseek_v3,
+    deepseek_v4,
+    gpt_oss,
+    kimi_linear,
+    llama3,
+    qwen3,
+    qwen3_5,
+    qwen3_5_moe,
+    qwen3_moe,
+    qwen3_vl,
+    qwen3_vl_moe,
+)
 from .components import Transformer, TransformerConfig
 from .family import ModelFamily
 from .plan import ModelPlan
@@ -20,6 +32,11 @@ FAMILIES: dict[str, ModelFamily] = {
         qwen3.FAMILY,
         qwen3_moe.FAMILY,
         deepseek_v3.FAMILY,
+        gpt_oss.FAMILY,
+        deepseek_v4.FAMILY,
+        qwen3_5.FAMILY,
+        qwen3_5_moe.FAMILY,
+        kimi_linear.FAMILY,
         qwen3_vl.FAMILY,
         qwen3_vl_moe.FAMILY,
     )

@@ -208,6 +208,11 @@ class RootLock:
                     with contextlib.suppress(OSError):
                         os.ftruncate(self.fd, 0)
                 _held_fds.discard(self.fd)
+                # Unlock explicitly: a child forked a moment ago shares this open file and
+                # may not have run its after-fork hook yet; closing alone would leave the
+                # root locked until it does.
+                with contextlib.suppress(OSError):
+                    fcntl.flock(self.fd, fcntl.LOCK_UN)
                 os.close(self.fd)
             self.fd = None
             return

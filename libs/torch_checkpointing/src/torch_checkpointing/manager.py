@@ -537,12 +537,15 @@ class CheckpointManager:
     def _continue_lineage(
         self, loaded: ret.Attempt, attempts: list[ret.Attempt], *, forked: bool
     ) -> None:
-        """Continue ``loaded``'s lineage when it is that lineage's newest checkpoint and the
-        load skipped nothing damaged; else the run goes on as a new lineage, so retention never
-        deletes a checkpoint it did not write, nor one a fallback stepped over."""
+        """Continue ``loaded``'s lineage when it is that lineage's newest checkpoint and
+        nothing newer is damaged (skipped by a fallback, or left out of ``latest_step()``);
+        else the run goes on as a new lineage, so retention never deletes a checkpoint it did
+        not write, nor the intact ones older than a damaged one."""
         lineage = loaded.lineage
         same = [a for a in attempts if a.status == ret.COMPLETE and a.lineage == lineage]
-        if not forked and lineage is not None and same and same[-1].name == loaded.name:
+        damaged_after = any(a.status == ret.DAMAGED and a.step > loaded.step for a in attempts)
+        newest = same and same[-1].name == loaded.name
+        if not forked and not damaged_after and lineage is not None and newest:
             self._lineage = lineage
         else:
             self._lineage = secrets.token_hex(6)
