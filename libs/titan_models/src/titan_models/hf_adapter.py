@@ -92,7 +92,8 @@ class HFAdapter:
         raise ValueError(f"{type(self).__name__} has no HF name for parameter {fqn!r}")
 
     def adapt_to_checkpoint(self, hf: Mapping[str, Any], keys: Collection[str]) -> dict[str, Any]:
-        """The HF config as it applies to the tensors the checkpoint holds (``keys``); used for
+        """The HF config as it applies to the tensors the checkpoint holds (``keys``; from a
+        folder, a mapping key → file, for an adapter that must read a tensor's shape); used for
         both the config and the key mapping. Marks a checkpoint whose experts are stored fused
         (``save_pretrained(save_original_format=False)``: transformers' in-memory layout)."""
         hf = dict(hf)

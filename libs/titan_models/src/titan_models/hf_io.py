@@ -205,7 +205,7 @@ def _open_checkpoint(path: str | os.PathLike) -> tuple[Path, dict, HFAdapter, di
     hf_config = _read_json(config_file)
     adapter = family_for_hf(hf_config.get("model_type")).hf_adapter
     files = checkpoint_files(root)
-    return root, adapter.adapt_to_checkpoint(hf_config, files.keys()), adapter, files
+    return root, adapter.adapt_to_checkpoint(hf_config, files), adapter, files
 
 
 @dataclass(frozen=True, slots=True)

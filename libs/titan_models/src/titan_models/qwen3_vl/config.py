@@ -111,12 +111,18 @@ def check_vision_language_fields(config: Any) -> None:
             f"{name}.mrope_section={config.mrope_section} must be three counts (time, height, "
             f"width) summing to head_dim / 2 = {config.head_dim // 2}"
         )
+    # Only the image placeholder is embedded; the others are markers the data writes as text.
     for field in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
         value = getattr(config, field)
-        if not isinstance(value, int) or not 0 <= value < config.vocab_size:
-            raise ValueError(
-                f"{name}.{field}={value!r} must be a token id in [0, vocab_size={config.vocab_size})"
-            )
+        high = config.vocab_size if field == "image_token_id" else None
+        if (
+            not isinstance(value, int)
+            or isinstance(value, bool)
+            or value < 0
+            or (high is not None and value >= high)
+        ):
+            allowed = f"[0, vocab_size={high})" if high is not None else ">= 0"
+            raise ValueError(f"{name}.{field}={value!r} must be a token id {allowed}")
     if len(config.vision.deepstack_layers) > config.num_layers:
         raise ValueError(
             f"{name}: {len(config.vision.deepstack_layers)} DeepStack layers need as many text "

@@ -102,15 +102,22 @@ class Qwen3VLMoeHFAdapter(VisionLanguageAdapterMixin, Qwen3MoeHFAdapter):
             ]
         _, I, D = param.shape  # w_gate / w_up: (E, I, D)
         half = slice(0, I) if projection == "w_gate" else slice(I, 2 * I)
-        if memory:  # (E, 2I, D): read-only
-            return [HFTensor(ht.key, param, from_hf=lambda w: w[:, half], shape=(E, 2 * I, D))]
+        if memory:  # (E, 2I, D)
+            return [
+                HFTensor(
+                    ht.key,
+                    param,
+                    from_hf=lambda w: w[:, half],
+                    shape=(E, 2 * I, D),
+                    put=lambda full, w: full[:, half].copy_(w),
+                )
+            ]
         return [
             HFTensor(
                 ht.key,
                 param,
-                to_hf=lambda w: w.transpose(1, 2),
                 from_hf=lambda w: w[:, :, half].transpose(1, 2),
                 shape=(E, D, 2 * I),
-                region=(slice(None), slice(None), half),
+                put=lambda full, w: full[:, :, half].copy_(w.transpose(1, 2)),
             )
         ]
