@@ -37,7 +37,7 @@ def test_unknown_family_lists_the_known_ones():
         ValueError,
         match=r"unknown model family 'gpt2'; known: \['llama3', 'qwen3', 'qwen3_moe', "
         r"'deepseek_v3', 'gpt_oss', 'deepseek_v4', 'qwen3_5', 'qwen3_5_moe', 'kimi_linear', "
-            r"'qwen3_vl', 'qwen3_vl_moe'\]",
+        r"'qwen3_vl', 'qwen3_vl_moe'\]",
     ):
         titan_models.get_model("gpt2", "debug")
 

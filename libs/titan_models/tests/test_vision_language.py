@@ -32,7 +32,10 @@ def hf_config(family: str):
         head_dim=16,
         rms_norm_eps=1e-6,
         rope_parameters=dict(
-            rope_type="default", rope_theta=10_000.0, mrope_section=[4, 2, 2], mrope_interleaved=True
+            rope_type="default",
+            rope_theta=10_000.0,
+            mrope_section=[4, 2, 2],
+            mrope_interleaved=True,
         ),
     )
     vision = dict(
@@ -50,7 +53,9 @@ def hf_config(family: str):
     tokens = dict(image_token_id=IMAGE, vision_start_token_id=START, vision_end_token_id=END)
     if family == "qwen3_vl":
         return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
-    text |= dict(num_hidden_layers=2, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2)
+    text |= dict(
+        num_hidden_layers=2, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2
+    )
     return transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **tokens)
 
 
@@ -169,8 +174,12 @@ def test_to_hf_round_trip_gives_identical_transformers_logits(hf_vl_checkpoint, 
     assert type(reloaded) is type(hf)
     tokens, pixels, grids, _ = batch(THREE_IMAGES)
     with torch.no_grad():
-        assert torch.equal(hf_forward(reloaded, tokens, pixels, grids), hf_forward(hf, tokens, pixels, grids))
+        assert torch.equal(
+            hf_forward(reloaded, tokens, pixels, grids), hf_forward(hf, tokens, pixels, grids)
+        )
     again = titan_models.from_hf(out)
     assert again.config == ours.config
-    for (name, a), (_, b) in zip(ours.state_dict().items(), again.state_dict().items(), strict=True):
+    for (name, a), (_, b) in zip(
+        ours.state_dict().items(), again.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), name

@@ -143,9 +143,7 @@ def _flash_varlen(q_BSHE, k_BSKE, v_BSKV, meta, *, window, scale):
         longest,
         longest,
         scale=scale,
-        window_size=(-1, -1)
-        if meta.bidirectional
-        else (-1 if window is None else window - 1, 0),
+        window_size=(-1, -1) if meta.bidirectional else (-1 if window is None else window - 1, 0),
         enable_gqa=K != H,
     )
     return o_THE[..., :V].reshape(B, S, H, V)

@@ -112,7 +112,12 @@ def check_vision_language_fields(config: Any) -> None:
             f"width) summing to head_dim / 2 = {config.head_dim // 2}"
         )
     # Only the image placeholder is embedded; the others are markers the data writes as text.
-    for field in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+    for field in (
+        "image_token_id",
+        "video_token_id",
+        "vision_start_token_id",
+        "vision_end_token_id",
+    ):
         value = getattr(config, field)
         high = config.vocab_size if field == "image_token_id" else None
         if (

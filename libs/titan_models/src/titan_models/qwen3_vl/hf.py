@@ -69,7 +69,9 @@ VISION_KEY_MAP: tuple[tuple[str, str], ...] = (
 """``Qwen3VLVisionTower`` ↔ HF's ``model.visual``."""
 
 
-def vision_tensors(fqn: str, tensors: list[HFTensor], hf_config: Mapping[str, Any]) -> list[HFTensor]:
+def vision_tensors(
+    fqn: str, tensors: list[HFTensor], hf_config: Mapping[str, Any]
+) -> list[HFTensor]:
     """The tower's layout changes: the Conv3d patch weight and the head-major ``wqkv``."""
     vision = hf_config["vision_config"]
     if fqn == "visual.patch_embed.proj.weight":

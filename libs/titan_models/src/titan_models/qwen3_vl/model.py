@@ -31,4 +31,3 @@ class Qwen3VL(VisionLanguageTransformer):
             visual=Qwen3VLVisionTower(config.vision, out_dim=config.dim),
             rope=multimodal_rope(config),
         )
-

@@ -91,9 +91,9 @@ class Qwen3VLVisionTower(nn.Module):
             raise ValueError(f"image grid {bad[0]} is not divisible by spatial_merge_size={m}")
         device = pixels_NP.device
         coords_N2 = torch.cat([patch_coordinates(g, m) for g in grids]).to(device)
-        sizes_N2 = torch.cat(
-            [torch.tensor([[h, w]]).expand(t * h * w, 2) for t, h, w in grids]
-        ).to(device)
+        sizes_N2 = torch.cat([torch.tensor([[h, w]]).expand(t * h * w, 2) for t, h, w in grids]).to(
+            device
+        )
         x_ND = self.patch_embed(pixels_NP) + self.pos_embed(coords_N2, sizes_N2)
         rope = self.rope(coords_N2, x_ND.dtype)
         meta = vision_attention_metadata(grids, device, backend=backend)

@@ -89,7 +89,7 @@ class Qwen3VLMoeHFAdapter(VisionLanguageAdapterMixin, Qwen3MoeHFAdapter):
         (ht,) = tensors
         E = param.shape[0]
         if projection == "w_down":  # ours (E, D, I)
-            _, D, I = param.shape
+            _, D, hidden = param.shape
             if memory:
                 return [HFTensor(ht.key, param)]
             return [
@@ -100,15 +100,15 @@ class Qwen3VLMoeHFAdapter(VisionLanguageAdapterMixin, Qwen3MoeHFAdapter):
                     from_hf=lambda w: w.transpose(1, 2),
                 )
             ]
-        _, I, D = param.shape  # w_gate / w_up: (E, I, D)
-        half = slice(0, I) if projection == "w_gate" else slice(I, 2 * I)
+        _, hidden, D = param.shape  # w_gate / w_up: (E, I, D)
+        half = slice(0, hidden) if projection == "w_gate" else slice(hidden, 2 * hidden)
         if memory:  # (E, 2I, D)
             return [
                 HFTensor(
                     ht.key,
                     param,
                     from_hf=lambda w: w[:, half],
-                    shape=(E, 2 * I, D),
+                    shape=(E, 2 * hidden, D),
                     put=lambda full, w: full[:, half].copy_(w),
                 )
             ]
@@ -117,7 +117,7 @@ class Qwen3VLMoeHFAdapter(VisionLanguageAdapterMixin, Qwen3MoeHFAdapter):
                 ht.key,
                 param,
                 from_hf=lambda w: w[:, :, half].transpose(1, 2),
-                shape=(E, D, 2 * I),
+                shape=(E, D, 2 * hidden),
                 put=lambda full, w: full[:, :, half].copy_(w.transpose(1, 2)),
             )
         ]

@@ -37,7 +37,9 @@ _ACTIVATIONS = {
 def vision_activation(name: str):
     """The MLP activation called ``name`` in HF vision configs; ``ValueError`` otherwise."""
     if name not in _ACTIVATIONS:
-        raise ValueError(f"vision hidden_act={name!r} is not supported; known: {sorted(_ACTIVATIONS)}")
+        raise ValueError(
+            f"vision hidden_act={name!r} is not supported; known: {sorted(_ACTIVATIONS)}"
+        )
     return _ACTIVATIONS[name]
 
 
@@ -158,7 +160,7 @@ class InterpolatedPositionEmbedding(nn.Module):
 
     def __init__(self, *, num_embeddings: int, dim: int) -> None:
         super().__init__()
-        side = int(round(num_embeddings**0.5))
+        side = round(num_embeddings**0.5)
         if side * side != num_embeddings:
             raise ValueError(f"num_position_embeddings={num_embeddings} must be a square")
         self.side = side

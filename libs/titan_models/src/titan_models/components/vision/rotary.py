@@ -25,6 +25,7 @@ Shapes: B batch, S sequence, N patches, E head dim, d = E / 2 frequencies.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -210,7 +211,7 @@ def batch_multimodal_positions(
         if docs is not None:
             change = (docs[b, 1 : real[b]] != docs[b, : real[b] - 1]).nonzero().flatten() + 1
             cuts = [0, *change.tolist(), real[b]]
-        for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+        for lo, hi in itertools.pairwise(cuts):
             need, mine = int((ids[b, lo:hi] == image_token_id).sum()), []
             while need > 0 and used < len(grids):
                 t, h, w = grids[used]
