@@ -183,3 +183,101 @@ def test_to_hf_round_trip_gives_identical_transformers_logits(hf_vl_checkpoint, 
         ours.state_dict().items(), again.state_dict().items(), strict=True
     ):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda c: c["vision_config"].update(hidden_act="relu6"), r"hidden_act='relu6'"),
+        (
+            lambda c: c["text_config"]["rope_parameters"].update(mrope_section=[4, 2, 1]),
+            r"mrope_section=\(4, 2, 1\) must be three counts .* summing to head_dim / 2 = 8",
+        ),
+        (lambda c: c["vision_config"].update(out_hidden_size=32), r"out_hidden_size=32"),
+        (lambda c: c["vision_config"].pop("depth"), r"depth"),
+        (lambda c: c["vision_config"].update(num_position_embeddings=15), r"must be a square"),
+        (lambda c: c.update(image_token_id=999), r"image_token_id=999"),
+    ],
+    ids=["activation", "mrope-section", "out-width", "missing-depth", "position-grid", "token"],
+)
+def test_bad_hf_config_fields_are_named(edit, match):
+    pytest.importorskip("transformers")
+    config = hf_config("qwen3_vl").to_dict()
+    edit(config)
+    adapter = titan_models.registry.FAMILIES["qwen3_vl"].hf_adapter
+    with pytest.raises(ValueError, match=match):
+        adapter.config_from_hf(config)
+
+
+def _debug_model(family: str = "qwen3_vl", **overrides):
+    cls, config = titan_models.get_model(family, "debug", **overrides)
+    with torch.device("meta"):
+        model = cls(config)
+    return model.init_weights(device="cpu", seed=1).eval(), config
+
+
+def _vl_prompt(config, grids, text_before: int = 3, text_after: int = 4, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    row = torch.randint(0, 200, (text_before,), generator=g).tolist()
+    m = config.vision.spatial_merge_size
+    for t, h, w in grids:
+        row += [config.vision_start_token_id]
+        row += [config.image_token_id] * (t * h * w // m**2) + [config.vision_end_token_id]
+    row += torch.randint(0, 200, (text_after,), generator=g).tolist()
+    patches = sum(t * h * w for t, h, w in grids)
+    pixels = torch.randn(patches, config.vision.patch_dim, generator=g)
+    return torch.tensor([row]), pixels
+
+
+def test_placeholders_and_images_must_agree():
+    model, config = _debug_model()
+    tokens, pixels = _vl_prompt(config, [(1, 4, 4)])
+    with pytest.raises(ValueError, match=r"placeholders and image features disagree|disagree"):
+        model(tokens[:, 2:-6], pixel_values=pixels, image_grid_thw=[(1, 4, 4)])
+    with pytest.raises(ValueError, match=r"pixel_values hold 16 patches"):
+        model(tokens, pixel_values=pixels, image_grid_thw=[(1, 4, 8)])
+
+
+def test_cached_decoding_with_an_image_in_the_prompt_matches_the_full_forward():
+    model, config = _debug_model()
+    grids = [(1, 4, 6)]
+    tokens, pixels = _vl_prompt(config, grids, text_after=6)
+    full = model(tokens, pixel_values=pixels, image_grid_thw=grids)
+    prompt = tokens.shape[1] - 4
+    cache = model.new_kv_cache(1, tokens.shape[1])
+    steps = [model(tokens[:, :prompt], pixel_values=pixels, image_grid_thw=grids, kv_cache=cache)]
+    for i in range(prompt, tokens.shape[1]):
+        steps.append(model(tokens[:, i : i + 1], kv_cache=cache))
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_plan_replicates_the_tower_and_puts_it_on_the_first_pipeline_stage(tp_styles):
+    model, config = _debug_model()
+    plan = titan_models.get_plan(config)
+    styles = tp_styles(plan, model)
+    assert not any(name.startswith("visual") for name in styles if styles[name])
+    first = plan.pipeline_units[0]
+    assert "visual" in first.modules and "tok_embeddings" in first.modules
+    owned = [m for u in plan.pipeline_units for m in u.modules]
+    assert len(owned) == len(set(owned))
+    assert "visual.blocks.*" in plan.remat_units
+
+
+def test_vision_flops_match_counted_flops_for_one_image():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, config = _debug_model()
+    grid = (1, 8, 6)
+    pixels = torch.randn(48, config.vision.patch_dim)
+    with FlopCounterMode(display=False) as counter:
+        features, deepstack = model.visual(pixels, [grid], backend="sdpa")
+        (features.sum() + sum(d.sum() for d in deepstack)).backward()
+    # Exact up to two known terms: the pixels need no gradient (the formula's 6·N·P·D patch
+    # embedding is 4·N·P·D here), and the counter charges SDPA's backward a recomputation of
+    # the scores (2·n²·D per layer) that the formula, like flops_per_token, leaves out.
+    v, n = config.vision, 48
+    expected = titan_models.vision_flops(config, [grid]) - 2 * n * v.patch_dim * v.dim
+    expected += v.num_layers * 2 * n * n * v.dim
+    assert counter.get_total_flops() == expected
+    with pytest.raises(ValueError, match="has no vision tower"):
+        titan_models.vision_flops(titan_models.get_model("qwen3", "debug")[1], [grid])

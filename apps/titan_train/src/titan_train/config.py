@@ -129,8 +129,10 @@ class CommConfig:
 class DataConfig:
     """Where training text comes from and how it is tokenized."""
 
-    source: Literal["arithmetic", "files"] = "arithmetic"
-    """arithmetic: the built-in generated corpus; files: local json/jsonl/parquet/text."""
+    source: Literal["arithmetic", "files", "shapes"] = "arithmetic"
+    """arithmetic: the built-in generated corpus; files: local json/jsonl/parquet/text;
+    shapes: the built-in image-text corpus (pictures of shapes, questions with checkable
+    answers) for vision-language models."""
     paths: tuple[str, ...] = ()
     """Local data files for source=files."""
     text_field: str = "text"
@@ -145,6 +147,13 @@ class DataConfig:
     clean corpus. Used by the arith_grpo RL recipe's pre-training run."""
     arithmetic_reverse_answer: bool = False
     """source=arithmetic: write answers least-significant digit first ("47+38=58" for 85)."""
+    image_min_pixels: int = 1024
+    """Image-text data: smaller images are scaled up to this many pixels (HF processor)."""
+    image_max_pixels: int = 16384
+    """Image-text data: the pixel budget of one image; a larger image is an error naming it."""
+    skip_too_long: bool = False
+    """Image-text data: count and skip a sample longer than training.seq_len instead of
+    stopping with an error naming it."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -309,6 +318,11 @@ def validate(cfg: JobConfig) -> None:
     d = cfg.data
     if d.source == "files" and not d.paths:
         raise ValueError("data.paths is empty: data.source='files' needs at least one file")
+    if not 0 < d.image_min_pixels <= d.image_max_pixels:
+        raise ValueError(
+            f"data.image_min_pixels={d.image_min_pixels} must be in (0, data.image_max_pixels="
+            f"{d.image_max_pixels}]"
+        )
     if not 0.0 <= d.validation_fraction < 1.0:
         raise ValueError(f"data.validation_fraction={d.validation_fraction} must be in [0, 1)")
     if not 0.0 <= d.arithmetic_slip_rate <= 1.0:

@@ -24,10 +24,8 @@ def loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
     head = loss_head(model)
     if head is not None:  # the head computes the loss itself (chunked cross-entropy)
         with head.targets(batch.labels):
-            return model(
-                batch.input_ids, positions=batch.positions, document_ids=batch.document_ids
-            )
-    inputs = dict(positions=batch.positions, document_ids=batch.document_ids)
+            return model(batch.input_ids, **batch.model_inputs())
+    inputs = batch.model_inputs()
     num_mtp = getattr(model.config, "num_mtp_modules", 0)
     if num_mtp and model.training:  # multi-token prediction: its weighted mean, per token
         logits, mtp_logits = model(batch.input_ids, **inputs, return_mtp=True)

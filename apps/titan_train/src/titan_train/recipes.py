@@ -7,8 +7,10 @@ from collections.abc import Callable
 import titan_models
 from titan_train.config import (
     CheckpointConfig,
+    DataConfig,
     JobConfig,
     LRScheduleConfig,
+    MetricsConfig,
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
@@ -57,6 +59,21 @@ def qwen3_debug() -> JobConfig:
     cfg.name = "qwen3_debug"
     cfg.model = ModelConfig(family="qwen3", flavor="debug")
     return cfg
+
+
+@recipe
+def qwen3_vl_debug() -> JobConfig:
+    """Tiny Qwen3-VL on the built-in shapes corpus (count / colour / side questions); its
+    validation answer accuracy rises from chance (1/3) within minutes on 2 CPU cores."""
+    return JobConfig(
+        name="qwen3_vl_debug",
+        model=ModelConfig(family="qwen3_vl", flavor="debug"),
+        data=DataConfig(source="shapes", image_max_pixels=64 * 64),
+        optimizer=OptimizerConfig(lr=2e-3, weight_decay=0.1),
+        lr_schedule=LRScheduleConfig(warmup_steps=20, decay="cosine", min_lr_ratio=0.1),
+        training=TrainingConfig(steps=200, batch_size=4, seq_len=256),
+        metrics=MetricsConfig(validate_every=25, validation_batches=4),
+    )
 
 
 def _full_size(name: str, family: str, flavor: str, parallel: ParallelConfig) -> JobConfig:

@@ -36,6 +36,7 @@ from titan_train.checkpointing import (
 )
 from titan_train.components import apply_overrides, parse_overrides
 from titan_train.config import JobConfig, validate
+from titan_train.data.image_text import ImageProcessor, ImageTextLoader, ShapesSource
 from titan_train.data.packing import IGNORE_INDEX, Batch, PackedLoader
 from titan_train.data.sources import DocumentSource
 from titan_train.data.tokenizers import Tokenizer, build_tokenizer
@@ -46,7 +47,7 @@ from titan_train.device import (
     resolve_device,
 )
 from titan_train.errors import ConfigError, NonFiniteError
-from titan_train.losses import autocast, loss_sum
+from titan_train.losses import autocast, cross_entropy_sum, loss_sum
 from titan_train.low_precision import apply_quantize, check_low_precision
 from titan_train.lr_schedule import build_lr_scheduler
 from titan_train.materialize import local_bytes, materialize
@@ -90,6 +91,11 @@ def check_supported(cfg: JobConfig, dims: ParallelDims) -> None:
         raise ValueError(
             "model.overrides output=chunked_cross_entropy needs parallel.pp=1 and parallel.tp=1 "
             "(the head must see whole rows of the vocabulary and the labels)"
+        )
+    if dims.pp > 1 and cfg.data.source == "shapes":
+        raise ValueError(
+            "data.source='shapes' with parallel.pp > 1 is not supported yet: the pipeline "
+            "stages take token ids only, not the images (use parallel.pp=1)"
         )
     if cfg.comm.fake_world_size and "LOCAL_RANK" in os.environ:
         raise ValueError(
@@ -290,25 +296,91 @@ def _update_expert_biases(pm: ParallelModel) -> None:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, loader: PackedLoader, num_batches: int, device: torch.device
-) -> tuple[float, int]:
-    """Summed cross-entropy and target-token count over ``num_batches`` batches of ``loader``."""
+    model: nn.Module, loader: Any, num_batches: int, device: torch.device
+) -> tuple[float, int, int, int]:
+    """Summed cross-entropy, target-token count, and (image-text batches) answers right and
+    answers seen over ``num_batches`` batches of ``loader``."""
     model.eval()
     total, tokens = torch.zeros((), dtype=torch.float64, device=device), 0
+    right, answers = torch.zeros((), dtype=torch.long, device=device), 0
     for _ in range(num_batches):
         batch = next(loader)
         tokens += batch.num_target_tokens
-        total += loss_sum(model, batch.to(device)).double()
+        if batch.answers is None:
+            total += loss_sum(model, batch.to(device)).double()
+            continue
+        answers += int(batch.answers.max()) + 1
+        batch = batch.to(device)
+        logits = model(batch.input_ids, **batch.model_inputs())
+        total += cross_entropy_sum(logits, batch.labels).double()
+        right += answers_right(logits, batch.labels, batch.answers)
     model.train()
-    return float(total), tokens
+    return float(total), tokens, int(right), answers
+
+
+def answers_right(
+    logits: torch.Tensor, labels: torch.Tensor, answers: torch.Tensor
+) -> torch.Tensor:
+    """How many samples have every answer token predicted (greedy) — on the device."""
+    mask = answers >= 0
+    wrong = (logits.argmax(-1) != labels)[mask].long()
+    per_sample = torch.zeros(int(answers.numel()), dtype=torch.long, device=logits.device)
+    per_sample.index_add_(0, answers[mask], wrong)
+    seen = torch.zeros_like(per_sample).index_add_(0, answers[mask], torch.ones_like(wrong))
+    return ((per_sample == 0) & (seen > 0)).sum()
+
+
+def _image_text_loader(cfg: JobConfig, tokenizer: Tokenizer, source: ShapesSource) -> Any:
+    """An ``ImageTextLoader`` over ``source`` for the job's model (its image processor and
+    special tokens)."""
+    _, config = model_config(cfg, tokenizer)
+    d, t = cfg.data, cfg.training
+    processor = ImageProcessor(
+        config.vision, min_pixels=d.image_min_pixels, max_pixels=d.image_max_pixels
+    )
+    return ImageTextLoader(
+        source,
+        tokenizer,
+        processor,
+        seq_len=t.seq_len,
+        batch_size=t.batch_size,
+        image_token_id=config.image_token_id,
+        vision_start_id=config.vision_start_token_id,
+        vision_end_id=config.vision_end_token_id,
+        skip_too_long=d.skip_too_long,
+    )
+
+
+def _shapes_sources(
+    cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_size: int
+) -> tuple[Any, ShapesSource]:
+    _, config = model_config(cfg, tokenizer)
+    vision = getattr(config, "vision", None)
+    if vision is None:
+        raise ValueError(
+            f"data.source='shapes' needs a vision-language model; {cfg.model.family} has no "
+            "vision tower (e.g. --model.family qwen3_vl)"
+        )
+    common = dict(
+        unit=vision.patch_size * vision.spatial_merge_size,
+        seed=cfg.training.seed,
+        validation_fraction=cfg.data.validation_fraction,
+        rank=dp_rank,
+        world_size=dp_size,
+    )
+    train = ShapesSource(split="train", **common)
+    val = ShapesSource(split="validation", **common)
+    return _image_text_loader(cfg, tokenizer, train), val
 
 
 def _loaders(
     cfg: JobConfig, tokenizer: Tokenizer, *, dp_rank: int = 0, dp_size: int = 1
-) -> tuple[PackedLoader, DocumentSource]:
+) -> tuple[Any, Any]:
     """This data-parallel rank's training stream (every ``dp_size``-th document) and its
     validation source."""
     d, t = cfg.data, cfg.training
+    if d.source == "shapes":
+        return _shapes_sources(cfg, tokenizer, dp_rank, dp_size)
     common = dict(
         kind=d.source,
         seed=t.seed,
@@ -518,7 +590,7 @@ def _train(
             every = cfg.metrics.validate_every
             if every and (state.step % every == 0 or state.step == cfg.training.steps):
                 val = _validate(pm, cfg, tokenizer, val_src, device)
-                logger.log(state.step, {"loss": val}, prefix="validation")
+                logger.log(state.step, val, prefix="validation")
             if ckpt is not None and state.step % cfg.checkpoint.interval == 0:
                 losses += guard.read()  # never save weights a non-finite step touched
                 ckpt.save(state.step, stateful)
@@ -550,17 +622,27 @@ def _validate(
     tokenizer: Tokenizer,
     val_src: DocumentSource,
     device: torch.device,
-) -> float:
+) -> dict[str, float]:
     """Mean validation loss over every data-parallel rank's batches (under pipelining: the
-    schedule's forward actions only)."""
+    schedule's forward actions only), and the answer accuracy of image-text data."""
     t = cfg.training
-    val_loader = PackedLoader(val_src, tokenizer, seq_len=t.seq_len, batch_size=t.batch_size)
+    if isinstance(val_src, ShapesSource):
+        val_loader = _image_text_loader(cfg, tokenizer, val_src)
+    else:
+        val_loader = PackedLoader(val_src, tokenizer, seq_len=t.seq_len, batch_size=t.batch_size)
+    right = answers = 0
     if pm.schedule is None:
-        total, tokens = evaluate(pm.parts[0], val_loader, cfg.metrics.validation_batches, device)
+        total, tokens, right, answers = evaluate(
+            pm.parts[0], val_loader, cfg.metrics.validation_batches, device
+        )
     else:
         total, tokens = evaluate_pipeline(pm, val_loader, cfg, device)
     if pm.dims.world_size > 1:
-        both = torch.tensor([total, float(tokens)], dtype=torch.float64, device=device)
+        sums = [total, float(tokens), float(right), float(answers)]
+        both = torch.tensor(sums, dtype=torch.float64, device=device)
         dist.all_reduce(both, group=pm.group("dp"))
-        total, tokens = float(both[0]), int(both[1])
-    return total / max(1, tokens)
+        total, tokens, right, answers = float(both[0]), int(both[1]), int(both[2]), int(both[3])
+    out = {"loss": total / max(1, tokens)}
+    if answers:
+        out["answer_accuracy"] = right / answers
+    return out

@@ -3,7 +3,9 @@
 Row layout (``B`` rows of ``S`` tokens): ``input_ids`` [B, S], ``labels`` [B, S] (the next
 token, or ``IGNORE_INDEX`` where the next token starts another document), ``document_ids``
 [B, S] (attention must not cross documents) and ``positions`` [B, S] (position inside the
-document, continuing across rows when a document is split).
+document, continuing across rows when a document is split). An image-text batch
+(``image_text.ImageTextLoader``) adds its images (``ImageInputs``), ``(3, B, S)`` multimodal
+positions and, for validation accuracy, which targets belong to which sample's answer.
 """
 
 from __future__ import annotations
@@ -21,6 +23,54 @@ IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True, slots=True)
+class ImageInputs:
+    """The images of a batch, in the order of their placeholder tokens (row-major)."""
+
+    pixel_values: torch.Tensor
+    """``(patches, C·T·P·P)`` flattened patches of every image (the HF processor's layout)."""
+    grids: tuple[tuple[int, int, int], ...]
+    """Patch grid ``(t, h, w)`` of each image (host ints: the model never reads the device)."""
+    index: torch.Tensor
+    """``(T,)`` flat indices in ``B·S`` of the placeholder tokens."""
+    row_images: tuple[int, ...]
+    """Images per row."""
+    merge: int
+    """Patches per side merged into one placeholder token."""
+
+    def rows(self, lo: int, hi: int, seq_len: int) -> ImageInputs:
+        """The images of rows ``lo .. hi - 1`` (indices rebased to those rows)."""
+        first, last = sum(self.row_images[:lo]), sum(self.row_images[:hi])
+        sizes = [t * h * w for t, h, w in self.grids]
+        p0, p1 = sum(sizes[:first]), sum(sizes[:last])
+        m2 = self.merge**2
+        t0, t1 = sum(sizes[:first]) // m2, sum(sizes[:last]) // m2
+        return ImageInputs(
+            self.pixel_values[p0:p1],
+            self.grids[first:last],
+            self.index[t0:t1] - lo * seq_len,
+            self.row_images[lo:hi],
+            self.merge,
+        )
+
+    def to(self, device: torch.device) -> ImageInputs:
+        """The same images on ``device`` (grids stay on the host)."""
+        move = dict(device=device, non_blocking=True)
+        return ImageInputs(
+            self.pixel_values.to(**move),
+            self.grids,
+            self.index.to(**move),
+            self.row_images,
+            self.merge,
+        )
+
+    def model_inputs(self) -> dict[str, Any]:
+        """Keyword arguments of a vision-language model's forward."""
+        return dict(
+            pixel_values=self.pixel_values, image_grid_thw=list(self.grids), image_index=self.index
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class Batch:
     """One packed batch (see the module docstring for the layout)."""
 
@@ -28,16 +78,47 @@ class Batch:
     labels: torch.Tensor
     document_ids: torch.Tensor
     positions: torch.Tensor
+    """``(B, S)``, or ``(3, B, S)`` multimodal (time / height / width) positions."""
+    images: ImageInputs | None = None
+    """The images at the placeholder tokens of ``input_ids`` (image-text batches)."""
+    answers: torch.Tensor | None = None
+    """``(B, S)`` number of the sample whose answer a target token belongs to, -1 elsewhere
+    (validation accuracy: a sample is right when every answer token is predicted)."""
 
     def split(self, n: int) -> list[Batch]:
         """``n`` equal micro-batches along the batch dimension."""
-        fields = (self.input_ids, self.labels, self.document_ids, self.positions)
-        return [Batch(*parts) for parts in zip(*(t.chunk(n) for t in fields), strict=True)]
+        B, S = self.input_ids.shape
+        if B % n:
+            raise ValueError(f"cannot split {B} rows into {n} equal micro-batches")
+        k = B // n
+        return [
+            Batch(
+                self.input_ids[i : i + k],
+                self.labels[i : i + k],
+                self.document_ids[i : i + k],
+                self.positions[..., i : i + k, :],
+                None if self.images is None else self.images.rows(i, i + k, S),
+                None if self.answers is None else self.answers[i : i + k],
+            )
+            for i in range(0, B, k)
+        ]
 
     def to(self, device: torch.device) -> Batch:
         """The same batch on ``device`` (asynchronous copies from the host)."""
         fields = (self.input_ids, self.labels, self.document_ids, self.positions)
-        return Batch(*(t.to(device, non_blocking=True) for t in fields))
+        moved = (t.to(device, non_blocking=True) for t in fields)
+        return Batch(
+            *moved,
+            None if self.images is None else self.images.to(device),
+            None if self.answers is None else self.answers.to(device, non_blocking=True),
+        )
+
+    def model_inputs(self) -> dict[str, Any]:
+        """Keyword arguments of the model's forward besides the token ids."""
+        inputs = dict(positions=self.positions, document_ids=self.document_ids)
+        if self.images is not None:
+            inputs |= self.images.model_inputs()
+        return inputs
 
     @property
     def num_target_tokens(self) -> int:

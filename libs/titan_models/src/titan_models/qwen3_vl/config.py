@@ -48,9 +48,9 @@ class Qwen3VLVisionConfig:
     """Base of the 2-D rotary frequencies."""
     norm_eps: float = 1e-6
     """Epsilon of every LayerNorm of the tower."""
-    tensor_parallel: bool = True
-    """Shard the blocks' attention heads and MLPs over the tensor-parallel group (False: the
-    tower is replicated on every tensor-parallel rank)."""
+    tensor_parallel: bool = False
+    """Shard the blocks' attention heads and MLPs over the tensor-parallel group; by default
+    the tower is replicated on every tensor-parallel rank (it is small next to the decoder)."""
 
     def __post_init__(self) -> None:
         name = type(self).__name__

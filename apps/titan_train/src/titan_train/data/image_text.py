@@ -1,0 +1,253 @@
+"""Image-text samples packed into fixed token budgets, with a resumable state.
+
+A sample is ``<bos> <vision_start> <image>×n <vision_end> question " " answer <eos>``: its
+picture goes through the model's Hugging Face image processor (transformers' Qwen2-VL
+processor, built from the model's vision config: nothing downloaded), which yields the
+flattened patches and the patch grid ``(t, h, w)``; the picture then takes
+``n = t·h·w / merge²`` placeholder tokens. The loss is on the answer and ``<eos>``.
+
+Packing: samples are placed whole, in order, into rows of ``S`` tokens (vision placeholders
+counted); a sample that does not fit the rest of a row starts the next one and the rest is
+padding (its own document, no loss). Every sample is one document (``document_ids``), so
+attention never crosses samples; the multimodal positions restart in each. A sample longer
+than ``S`` is an error naming it (or, with ``skip_too_long``, counted and skipped).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from titan_train.data.packing import IGNORE_INDEX, Batch, ImageInputs
+from titan_train.data.shapes import ShapesSample, shapes_sample
+from titan_train.data.sources import _is_validation
+from titan_train.data.tokenizers import Tokenizer
+
+
+class ImageProcessor:
+    """The model's HF image processor (Qwen2-VL's, as Qwen3-VL uses), from its vision config."""
+
+    def __init__(self, vision: Any, *, min_pixels: int, max_pixels: int) -> None:
+        """``vision``: a config with ``patch_size``, ``temporal_patch_size`` and
+        ``spatial_merge_size``; images are resized into ``[min_pixels, max_pixels]`` pixels."""
+        try:
+            from transformers import Qwen2VLImageProcessorPil
+        except ImportError as e:
+            raise ValueError(
+                "image-text data needs transformers' Qwen2-VL image processor: install the "
+                f"'vision' extra of titan-train (pip install 'titan-train[vision]'): {e}"
+            ) from None
+        if not 0 < min_pixels <= max_pixels:
+            raise ValueError(
+                f"data.image_min_pixels={min_pixels} must be in (0, data.image_max_pixels="
+                f"{max_pixels}]"
+            )
+        self.merge = vision.spatial_merge_size
+        self.unit = vision.patch_size * vision.spatial_merge_size
+        self.max_pixels = max_pixels
+        self._processor = Qwen2VLImageProcessorPil(
+            patch_size=vision.patch_size,
+            temporal_patch_size=vision.temporal_patch_size,
+            merge_size=vision.spatial_merge_size,
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+        )
+
+    def __call__(self, image: Any, *, name: str) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """``(patches, C·T·P·P)`` pixels and the patch grid of one PIL image; ``ValueError``
+        naming the sample for an unreadable image or one over the pixel budget."""
+        size = getattr(image, "size", None)
+        if size is None:
+            raise ValueError(f"{name}: not a readable image ({type(image).__name__})")
+        if size[0] * size[1] > self.max_pixels:
+            raise ValueError(
+                f"{name}: image of {size[0]}x{size[1]} = {size[0] * size[1]} pixels exceeds "
+                f"data.image_max_pixels={self.max_pixels}"
+            )
+        try:
+            out = self._processor(images=[image.convert("RGB")], return_tensors="pt")
+        except Exception as e:  # PIL / processor errors on a corrupt image
+            raise ValueError(f"{name}: the image processor cannot read this image ({e})") from e
+        grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
+        return out["pixel_values"].float(), grid
+
+
+@dataclass(frozen=True, slots=True)
+class _Encoded:
+    tokens: list[int]
+    labels: list[int]  # next-token targets, IGNORE_INDEX outside the answer
+    answer: list[bool]  # which targets are answer tokens
+    pixels: torch.Tensor
+    grid: tuple[int, int, int]
+
+
+class ShapesSource:
+    """Samples of the built-in shapes corpus of one split for one data-parallel rank."""
+
+    kind = "shapes"
+
+    def __init__(
+        self,
+        *,
+        split: Literal["train", "validation"],
+        unit: int,
+        seed: int = 0,
+        validation_fraction: float = 0.01,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+        self.split, self.unit, self.seed = split, unit, seed
+        self.validation_fraction, self.rank, self.world_size = validation_fraction, rank, world_size
+
+    def samples(self, start: int = 0) -> Iterator[tuple[str, ShapesSample]]:
+        """``(name, sample)`` of this rank's split from its ``start``-th sample on (endless)."""
+        indices = (
+            i
+            for i in itertools.count()
+            if _is_validation(i, self.validation_fraction) == (self.split == "validation")
+        )
+        mine = itertools.islice(indices, self.rank + start * self.world_size, None, self.world_size)
+        return ((f"shapes sample {i}", shapes_sample(self.seed, i, unit=self.unit)) for i in mine)
+
+
+class ImageTextLoader:
+    """An endless stream of packed image-text batches (see the module docstring)."""
+
+    def __init__(
+        self,
+        source: ShapesSource,
+        tokenizer: Tokenizer,
+        processor: ImageProcessor,
+        *,
+        seq_len: int,
+        batch_size: int,
+        image_token_id: int,
+        vision_start_id: int,
+        vision_end_id: int,
+        skip_too_long: bool = False,
+    ) -> None:
+        if seq_len < 2:
+            raise ValueError(f"training.seq_len={seq_len} must be >= 2")
+        self.source, self.tokenizer, self.processor = source, tokenizer, processor
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.image_token_id = image_token_id
+        self.vision_ids = (vision_start_id, vision_end_id)
+        self.skip_too_long = skip_too_long
+        self.skipped = 0
+        """Samples skipped because they are longer than a row (``skip_too_long``)."""
+        self._consumed = 0  # samples of this rank placed in emitted batches (or skipped)
+        self._stream: Iterator[tuple[str, ShapesSample]] | None = None
+        self._carry: _Encoded | None = None
+
+    def __iter__(self) -> ImageTextLoader:
+        return self
+
+    def encode(self, name: str, sample: ShapesSample) -> _Encoded:
+        """Tokens, targets and pixels of one sample."""
+        pixels, grid = self.processor(sample.image, name=name)
+        t, h, w = grid
+        n = t * h * w // self.processor.merge**2
+        tok = self.tokenizer
+        start, end = self.vision_ids
+        prompt = [tok.bos_id, start, *[self.image_token_id] * n, end]
+        prompt += tok.encode(sample.question + " ")
+        answer = tok.encode(sample.answer)
+        tokens = prompt + answer + [tok.eos_id]
+        # the target at position p is token p + 1: answer tokens and <eos> carry the loss
+        labels = [IGNORE_INDEX] * (len(prompt) - 1) + answer + [tok.eos_id, IGNORE_INDEX]
+        is_answer = [False] * (len(prompt) - 1) + [True] * len(answer) + [False, False]
+        return _Encoded(tokens, labels, is_answer, pixels, grid)
+
+    def _next_sample(self) -> _Encoded | None:
+        if self._carry is not None:
+            sample, self._carry = self._carry, None
+            return sample
+        if self._stream is None:
+            self._stream = self.source.samples(self._consumed)
+        name, raw = next(self._stream)
+        encoded = self.encode(name, raw)
+        if len(encoded.tokens) > self.seq_len:
+            if not self.skip_too_long:
+                vision = encoded.tokens.count(self.image_token_id)
+                raise ValueError(
+                    f"{name}: {len(encoded.tokens)} tokens ({vision} of them image placeholders) "
+                    f"exceed training.seq_len={self.seq_len} (data.skip_too_long skips such "
+                    "samples)"
+                )
+            self.skipped += 1
+            self._consumed += 1
+            return None
+        return encoded
+
+    def __next__(self) -> Batch:
+        B, S = self.batch_size, self.seq_len
+        rows: list[list[_Encoded]] = []
+        used = 0  # samples of the stream placed in this batch
+        for _ in range(B):
+            row, length = [], 0
+            while True:
+                sample = self._next_sample()
+                if sample is None:  # skipped (too long)
+                    continue
+                if length + len(sample.tokens) > S:
+                    self._carry = sample
+                    break
+                row.append(sample)
+                length += len(sample.tokens)
+                used += 1
+            rows.append(row)
+        self._consumed += used
+        return self._collate(rows)
+
+    def _collate(self, rows: list[list[_Encoded]]) -> Batch:
+        from titan_models.components.vision import multimodal_positions
+
+        B, S = len(rows), self.seq_len
+        ids = torch.full((B, S), self.tokenizer.pad_id, dtype=torch.long)
+        labels = torch.full((B, S), IGNORE_INDEX, dtype=torch.long)
+        answers = torch.full((B, S), -1, dtype=torch.long)
+        docs = torch.zeros((B, S), dtype=torch.long)
+        positions = torch.arange(S).repeat(3, B, 1)
+        pixels, grids, row_images = [], [], []
+        k = 0  # sample number in the batch
+        for b, row in enumerate(rows):
+            at = 0
+            for d, sample in enumerate(row):
+                n = len(sample.tokens)
+                span = slice(at, at + n)
+                ids[b, span] = torch.tensor(sample.tokens)
+                labels[b, span] = torch.tensor(sample.labels)
+                answers[b, span] = torch.where(torch.tensor(sample.answer), k, -1)
+                docs[b, span] = d
+                positions[:, b, span], _ = multimodal_positions(
+                    sample.tokens,
+                    [sample.grid],
+                    image_token_id=self.image_token_id,
+                    spatial_merge_size=self.processor.merge,
+                )
+                pixels.append(sample.pixels)
+                grids.append(sample.grid)
+                at, k = at + n, k + 1
+            docs[b, at:] = len(row)  # padding: a document of its own, no loss
+            positions[:, b, at:] = torch.arange(S - at)
+            row_images.append(len(row))
+        index = (ids.flatten() == self.image_token_id).nonzero().flatten()
+        images = ImageInputs(
+            torch.cat(pixels), tuple(grids), index, tuple(row_images), self.processor.merge
+        )
+        return Batch(ids, labels, docs, positions, images, answers)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain ints that restore the stream exactly (a carried sample is made again)."""
+        return {"consumed": self._consumed, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly where the stream that produced ``state`` stopped."""
+        self._consumed, self.skipped = int(state["consumed"]), int(state["skipped"])
+        self._stream, self._carry = None, None
