@@ -69,10 +69,10 @@ def qwen3_vl_debug() -> JobConfig:
         name="qwen3_vl_debug",
         model=ModelConfig(family="qwen3_vl", flavor="debug"),
         data=DataConfig(source="shapes", image_max_pixels=64 * 64),
-        optimizer=OptimizerConfig(lr=2e-3, weight_decay=0.1),
+        optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.1),
         lr_schedule=LRScheduleConfig(warmup_steps=20, decay="cosine", min_lr_ratio=0.1),
-        training=TrainingConfig(steps=200, batch_size=4, seq_len=256),
-        metrics=MetricsConfig(validate_every=25, validation_batches=4),
+        training=TrainingConfig(steps=300, batch_size=8, seq_len=128),
+        metrics=MetricsConfig(validate_every=50, validation_batches=4),
     )
 
 
@@ -268,3 +268,30 @@ def kimi_linear_48b_a3b() -> JobConfig:
     )
     cfg.training.seq_len = 4096
     return cfg
+
+
+def _vision_language(name: str, family: str, flavor: str, parallel: ParallelConfig) -> JobConfig:
+    """A published-size Qwen3-VL model on the built-in shapes corpus (the model's own image
+    processor settings: 16-pixel patches, 2 × 2 merge)."""
+    cfg = _full_size(name, family, flavor, parallel)
+    cfg.data = DataConfig(source="shapes")
+    return cfg
+
+
+@recipe
+def qwen3_vl_8b() -> JobConfig:
+    """Qwen3-VL-8B on 32 GPUs: TP 4 (the vision tower replicated) x FSDP 8; full remat."""
+    cfg = _vision_language("qwen3_vl_8b", "qwen3_vl", "8B", ParallelConfig(dp_shard=8, tp=4))
+    cfg.remat = RematConfig(policy="full")
+    return cfg
+
+
+@recipe
+def qwen3_vl_moe_30b_a3b() -> JobConfig:
+    """Qwen3-VL-30B-A3B on 64 GPUs: FSDP 64 with its 128 experts over EP 64 (two per GPU)."""
+    return _vision_language(
+        "qwen3_vl_moe_30b_a3b",
+        "qwen3_vl_moe",
+        "30B-A3B",
+        ParallelConfig(dp_shard=64, ep=64),
+    )

@@ -3,11 +3,9 @@
 
 Three kinds of question, drawn uniformly:
 
-- ``count``: "how many shapes?" over 1-4 shapes of any colours (answer ``"1"``..``"4"``);
-- ``colour``: "what colour is the shape?" over one shape (``red`` / ``green`` / ``blue`` /
-  ``yellow``);
-- ``side``: "is the shape left or right?" over one shape drawn inside one half (``left`` /
-  ``right``).
+- ``count``: "how many?" over 1-4 shapes of any colours (answer ``"1"``..``"4"``);
+- ``colour``: "colour?" over one shape (``red`` / ``green`` / ``blue`` / ``yellow``);
+- ``side``: "left or right?" over one shape drawn inside one half (``left`` / ``right``).
 
 A model that ignores the image can do no better than guessing each kind's answer:
 ``CHANCE_ACCURACY`` = mean(1/4, 1/4, 1/2) = 1/3. Image sides are 2, 3 or 4 times ``unit``
@@ -27,11 +25,8 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "yellow": (230, 220, 40),
 }
 KINDS = ("count", "colour", "side")
-QUESTIONS = {
-    "count": "how many shapes?",
-    "colour": "what colour is the shape?",
-    "side": "is the shape left or right?",
-}
+QUESTIONS = {"count": "how many?", "colour": "colour?", "side": "left or right?"}
+"""Short questions: with the byte tokenizer every character is a token of the budget."""
 ANSWERS: dict[str, tuple[str, ...]] = {
     "count": ("1", "2", "3", "4"),
     "colour": tuple(COLOURS),
