@@ -153,9 +153,11 @@ class AttentionMetadata:
                     "every token must belong to one document"
                 )
         B = len(rows)
-        flat = torch.tensor([n for row in rows for n in row], dtype=torch.int64)
-        # Document d of the flattened order gets id d: runs are non-decreasing in every row.
-        ids = torch.repeat_interleave(torch.arange(len(flat)), flat).view(B, seq_len)
+        sizes = [n for row in rows for n in row]
+        flat = torch.tensor(sizes, dtype=torch.int64)
+        # Document d of the flattened order gets id d: runs are non-decreasing in every row
+        # (built from host ints, so also under FakeTensorMode).
+        ids = torch.tensor([d for d, n in enumerate(sizes) for _ in range(n)]).view(B, seq_len)
         ids = ids.to(device)
         starts = _starts(ids)
         if positions is None:
