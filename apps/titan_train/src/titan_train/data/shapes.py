@@ -8,9 +8,10 @@ Three kinds of question, drawn uniformly:
 - ``side``: "left or right?" over one shape drawn inside one half (``left`` / ``right``).
 
 A model that ignores the image can do no better than guessing each kind's answer:
-``CHANCE_ACCURACY`` = mean(1/4, 1/4, 1/2) = 1/3. Image sides are 2, 3 or 4 times ``unit``
-pixels (the model's patch × merge size), so every image is a different, exact patch grid:
-variable resolution without resizing.
+``CHANCE_ACCURACY`` = mean(1/4, 1/4, 1/2) = 1/3. Image sides are 2 or 3 times ``unit``
+pixels (the model's patch × merge size), so images come in four exact patch grids: variable
+resolution without resizing. Every shape fills most of its own ``unit × unit`` cell (one
+placeholder token's worth of pixels).
 """
 
 from __future__ import annotations
@@ -50,14 +51,14 @@ class ShapesSample(NamedTuple):
 
 
 def shapes_sample(seed: int, index: int, *, unit: int = 16) -> ShapesSample:
-    """The ``index``-th sample of the corpus for ``seed``; image sides are 2-4 ``unit``s."""
+    """The ``index``-th sample of the corpus for ``seed``; image sides are 2-3 ``unit``s."""
     from PIL import Image, ImageDraw
 
     if unit < 8:
         raise ValueError(f"shapes corpus: unit={unit} pixels must be >= 8")
     rng = random.Random(seed * 1_000_003 + index)
     kind = rng.choice(KINDS)
-    width, height = rng.randint(2, 4) * unit, rng.randint(2, 4) * unit
+    width, height = rng.randint(2, 3) * unit, rng.randint(2, 3) * unit
     cells = [(x, y) for x in range(width // unit) for y in range(height // unit)]
     if kind == "count":
         count = rng.randint(1, 4)
@@ -75,7 +76,7 @@ def shapes_sample(seed: int, index: int, *, unit: int = 16) -> ShapesSample:
     image = Image.new("RGB", (width, height), (30, 30, 30))
     draw = ImageDraw.Draw(image)
     for (cx, cy), colour in zip(placed, colours, strict=True):
-        size = rng.randint(unit // 2, unit - 2)
+        size = rng.randint(unit - unit // 4, unit)  # a shape fills most of its cell
         x0 = cx * unit + rng.randint(0, unit - size)
         y0 = cy * unit + rng.randint(0, unit - size)
         box = (x0, y0, x0 + size - 1, y0 + size - 1)
