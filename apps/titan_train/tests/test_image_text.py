@@ -59,7 +59,7 @@ def test_shapes_answers_can_be_read_off_the_pixels():
             x = np.nonzero(fg)[1]
             assert (x.max() < W / 2) if s.answer == "left" else (x.min() >= W / 2)
     assert kinds == {"count", "colour", "side"}
-    assert CHANCE_ACCURACY == pytest.approx((1 / 4 + 1 / 4 + 1 / 2) / 3)
+    assert pytest.approx((1 / 4 + 1 / 4 + 1 / 2) / 3) == CHANCE_ACCURACY
 
 
 def test_packed_rows_hold_whole_samples_with_their_vision_tokens_counted():
