@@ -97,7 +97,11 @@ class ParallelModel:
     sharded: bool = False
     """Whether ``parts`` are flexshard-sharded (gradients reduced by hooks)."""
     stage_outputs: list[tuple[int, torch.dtype]] = field(default_factory=list)
-    """Per pipeline stage: the width and dtype of its output (hidden size; vocabulary last)."""
+    """Per pipeline stage: the width and dtype of its output (the plan's ``stage_width``, by
+    default the hidden size; vocabulary last)."""
+    stage_inputs: tuple[str, ...] = ()
+    """The plan's ``stage_inputs``: batch fields every pipeline stage gets as keywords
+    (``token_ids``: the input ids, for hash-routed MoE layers)."""
     experts: list[tuple[str, nn.Module, Any]] = field(default_factory=list)
     """Under expert parallelism: (FQN, experts module, ``dist_moe.ExpertPlacement``) of every
     MoE layer this rank holds."""
@@ -428,6 +432,7 @@ def _split_pipeline(pm: ParallelModel, model: nn.Module, plan: Any, cfg: JobConf
     bounds = [[units[i] for i in r] for r in ranges]
     pp_rank = pm.meshes["pp"].get_local_rank()
     pm.schedule = schedule
+    pm.stage_inputs = plan.stage_inputs
     pm.parts = []
     for s in schedule.stages_of_rank(pp_rank):
         keep = {m for u in bounds[s] for m in u.modules}
@@ -462,5 +467,6 @@ def build_stages(pm: ParallelModel, cfg: JobConfig) -> None:
     ]
     config = pm.parts[0].config
     dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
-    widths = [config.dim] * (num_stages - 1) + [config.vocab_size]
+    width = titan_models.get_plan(config).stage_width or config.dim
+    widths = [width] * (num_stages - 1) + [config.vocab_size]
     pm.stage_outputs = [(width, dtype) for width in widths]

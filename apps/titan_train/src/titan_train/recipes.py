@@ -76,6 +76,15 @@ def qwen3_vl_debug() -> JobConfig:
     )
 
 
+@recipe
+def qwen3_vl_moe_debug() -> JobConfig:
+    """Tiny Qwen3-VL-MoE (8 experts, top-2) on the built-in shapes corpus."""
+    cfg = qwen3_vl_debug()
+    cfg.name = "qwen3_vl_moe_debug"
+    cfg.model = ModelConfig(family="qwen3_vl_moe", flavor="debug")
+    return cfg
+
+
 def _full_size(name: str, family: str, flavor: str, parallel: ParallelConfig) -> JobConfig:
     """A published-size model at a production layout. The vocabulary is the flavour's (the
     built-in byte tokenizer's ids fit in it; pass ``--data.tokenizer`` for the real one)."""
@@ -218,6 +227,24 @@ def deepseek_v4_debug() -> JobConfig:
     cfg = llama3_debug()
     cfg.name = "deepseek_v4_debug"
     cfg.model = ModelConfig(family="deepseek_v4", flavor="debug")
+    return cfg
+
+
+@recipe
+def deepseek_v4_flash() -> JobConfig:
+    """DeepSeek-V4-Flash (284B, 13B active; HF config defaults) on 128 GPUs: PP 2, FSDP 64,
+    its 256 routed experts over EP 64 (four per GPU); full remat, 4096-token sequences.
+
+    Stages send the 4 hyper-connection streams and the token ids (hash-routed layers)."""
+    cfg = _full_size(
+        "deepseek_v4_flash",
+        "deepseek_v4",
+        "flash",
+        ParallelConfig(dp_shard=64, pp=2, ep=64, pp_microbatches=2),
+    )
+    cfg.training.seq_len = 4096
+    cfg.training.batch_size = 2
+    cfg.remat = RematConfig(policy="full")
     return cfg
 
 
