@@ -237,3 +237,34 @@ def test_generation_validate_catches_mismatched_lengths():
     )
     with pytest.raises(ValueError, match="prefix"):
         holes.validate(2)
+
+
+def test_prompts_with_images_decode_as_the_vision_language_model_greedily_would():
+    cls, config = titan_models.get_model("qwen3_vl", "debug")
+    with torch.device("meta"):
+        model = cls(config)
+    model.init_weights(device="cpu", seed=2).eval()
+    m, image = config.vision.spatial_merge_size, config.image_token_id
+    grids = [(1, 4, 4), (1, 4, 6)]  # one image per prompt, of different sizes
+    prompts = [
+        [5, config.vision_start_token_id, *[image] * (16 // m**2), config.vision_end_token_id, 7],
+        [9, 8, config.vision_start_token_id, *[image] * (24 // m**2), config.vision_end_token_id],
+    ]
+    pixels = torch.randn(
+        16 + 24, config.vision.patch_dim, generator=torch.Generator().manual_seed(0)
+    )
+    params = SamplingParams(max_new_tokens=5, temperature=0.0)
+    images = {"pixel_values": pixels, "image_grid_thw": grids}
+    out = TorchGenerator(model).generate(prompts, params, seeds=[0, 1], images=images)
+    offsets = [0, 16]
+    for row, prompt in enumerate(prompts):  # the reference: the whole sequence each step
+        seq = list(prompt)
+        t, h, w = grids[row]
+        mine = pixels[offsets[row] : offsets[row] + t * h * w]
+        for _ in range(5):
+            logits = model(torch.tensor([seq]), pixel_values=mine, image_grid_thw=[grids[row]])
+            seq.append(int(logits[0, -1].argmax()))
+        assert out.tokens[row].tolist() == seq[len(prompt) :]
+    text_cls, text_config = titan_models.get_model("qwen3", "debug")
+    with pytest.raises(ValueError, match="needs a titan_models vision-language model"):
+        TorchGenerator(text_cls(text_config)).generate(prompts, params, [0, 1], images=images)

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -185,18 +185,34 @@ class TorchGenerator:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seeds: list[int],
+        *,
+        images: dict[str, Any] | None = None,
     ) -> Generation:
-        """Sample one response per prompt (see ``Generation``)."""
+        """Sample one response per prompt (see ``Generation``). ``images``: for a
+        vision-language model, the keyword arguments its prefill takes for the images at the
+        prompts' placeholders (``pixel_values``, ``image_grid_thw``), images in prompt order."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token lists")
         if len(seeds) != len(prompts):
             raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
+        if images is not None and not (self._cached and hasattr(self.model, "visual")):
+            raise ValueError(
+                "generate(images=...) needs a titan_models vision-language model (a "
+                f"Transformer with a vision tower); got {type(self.model).__name__}"
+            )
         with self._lock, batch_invariant() if self.batch_invariant else nullcontext():
-            return self._generate(prompts, params, seeds)
+            return self._generate(prompts, params, seeds, images or {})
 
     def _generate(
-        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seeds: list[int],
+        images: dict[str, Any],
     ) -> Generation:
         device = next(self.model.parameters()).device
         B, T = len(prompts), params.max_new_tokens
@@ -208,7 +224,7 @@ class TorchGenerator:
         stop_ids = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=device)
 
         start = self._cached_decoder if self._cached else self._recompute_decoder
-        logits_BV, step = start(prompt_BP, lengths_B, T, params)
+        logits_BV, step = start(prompt_BP, lengths_B, T, params, images)
         vocab = logits_BV.shape[-1]
         sampled = _sample(logits_BV, params, _noise(params, rngs, vocab, device))
 
@@ -245,10 +261,16 @@ class TorchGenerator:
         )
 
     def _cached_decoder(
-        self, prompt_BP: torch.Tensor, lengths_B: torch.Tensor, T: int, params: SamplingParams
+        self,
+        prompt_BP: torch.Tensor,
+        lengths_B: torch.Tensor,
+        T: int,
+        params: SamplingParams,
+        images: dict[str, Any],
     ) -> tuple[torch.Tensor, _Step]:
-        """A Transformer: one prefill of the ragged prompts into a static KV cache, then each
-        step is ``model(tokens_B1, kv_cache=cache)`` (compiled or not) and the sampler."""
+        """A Transformer: one prefill of the ragged prompts (and their images) into a static
+        KV cache, then each step is ``model(tokens_B1, kv_cache=cache)`` (compiled or not) and
+        the sampler."""
         model = self.model
         B, P = prompt_BP.shape
         capacity = P + T
@@ -257,7 +279,7 @@ class TorchGenerator:
         cache = model.new_kv_cache(B, capacity, static=True)
         # The prefill needs logits at each row's last prompt token only: the head (the largest
         # GEMM at small sizes) runs on those B rows, not on all B * P.
-        h_BPD, _ = model.run_blocks(prompt_BP, kv_cache=cache, input_lengths=lengths_B)
+        h_BPD, _ = model.run_blocks(prompt_BP, kv_cache=cache, input_lengths=lengths_B, **images)
         logits_BV = model.head(h_BPD[torch.arange(B, device=h_BPD.device), lengths_B - 1])
 
         def step(tokens_B1: torch.Tensor, noise_BV: torch.Tensor | None) -> _Sampled:
@@ -266,7 +288,12 @@ class TorchGenerator:
         return logits_BV, step
 
     def _recompute_decoder(
-        self, prompt_BP: torch.Tensor, lengths_B: torch.Tensor, T: int, params: SamplingParams
+        self,
+        prompt_BP: torch.Tensor,
+        lengths_B: torch.Tensor,
+        T: int,
+        params: SamplingParams,
+        images: dict[str, Any],
     ) -> tuple[torch.Tensor, _Step]:
         """Any causal LM: the right-padded rows grow by one token per step and each step runs
         the model over all of them (no cache: O(T²) work, for small models and checks)."""

@@ -217,8 +217,10 @@ class VisionLanguageTransformer(Transformer):
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        static: bool = False,
     ) -> MultimodalKVCache:
-        """An empty cache for this model's layers that also tracks each row's M-RoPE offset."""
+        """An empty cache for this model's layers that also tracks each row's M-RoPE offset
+        (``static``: as ``Transformer.new_kv_cache``)."""
         weight = next(self.parameters())
         heads, key_dim, value_dim = self.kv_cache_widths()
         return MultimodalKVCache(
@@ -231,6 +233,7 @@ class VisionLanguageTransformer(Transformer):
             dtype=dtype or weight.dtype,
             device=device or weight.device,
             windows={int(i): self.config.layer_window(int(i)) for i in self.layers},
+            static=static,
         )
 
 
