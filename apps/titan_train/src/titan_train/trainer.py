@@ -7,10 +7,10 @@ one process, ``torchrun`` jobs on any device, and the fake backend (``comm.fake_
 the step runs them directly (micro-batches) or through the pipeline schedule.
 
 Loss scaling: every rank divides its summed cross-entropy by the step's *global* count of
-target tokens (one all-reduce of a device scalar per step) and multiplies by the
-data-parallel size, because flexshard averages gradients over the data-parallel ranks. The
-result is the gradient of the mean loss over every target token of the global batch, however
-it is split. Nothing in a step reads a device value on the host: losses and norms stay on the
+target tokens (one all-reduce of a device scalar per step over the data- and
+context-parallel ranks) and multiplies by their number, because flexshard averages gradients
+over them. The result is the gradient of the mean loss over every target token of the
+global batch, however it is split (a context-parallel rank holds a shard of every row). Nothing in a step reads a device value on the host: losses and norms stay on the
 device and are read only when logged.
 """
 
@@ -222,10 +222,11 @@ def train_step(
     import flexshard
 
     dims = pm.dims
+    batch = pm.shard_batch(batch)
     num_tokens = (batch.labels != IGNORE_INDEX).sum().to(torch.float32)
-    if dims.dp > 1:
-        dist.all_reduce(num_tokens, group=pm.group("dp"))
-    scale = dims.dp / num_tokens.clamp(min=1)
+    if dims.dp_cp > 1:
+        dist.all_reduce(num_tokens, group=pm.group("dp_cp"))
+    scale = dims.dp_cp / num_tokens.clamp(min=1)
     micro = batch.split(cfg.training.grad_accum)
     total = torch.zeros((), dtype=torch.float32, device=num_tokens.device)
     for i, mb in enumerate(micro):
@@ -255,11 +256,11 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     counts = _expert_counts(pm)
     _update_expert_biases(pm)
-    if dims.dp > 1:  # each data-parallel rank's share (of dp times the mean); tp ranks agree
-        dist.all_reduce(total, group=pm.group("dp"))
+    if dims.dp_cp > 1:  # each rank's share (of dp x cp times the mean); tp ranks agree
+        dist.all_reduce(total, group=pm.group("dp_cp"))
     if dims.pp > 1:  # only the last stage holds the loss
         dist.all_reduce(total, group=pm.group("pp"))
-    return StepResult(loss=total / dims.dp, grad_norm=norm, expert_counts=counts)
+    return StepResult(loss=total / dims.dp_cp, grad_norm=norm, expert_counts=counts)
 
 
 def _expert_counts(pm: ParallelModel) -> torch.Tensor | None:
@@ -345,7 +346,7 @@ def _update_expert_biases(pm: ParallelModel) -> None:
     """Aux-loss-free balancing: one bias update per step from the loads of every DP rank."""
     import dist_moe
 
-    group = pm.group("dp")  # same calls on each rank (None: one process)
+    group = pm.group("dp_cp")  # every rank's tokens (None: one process)
     for part in pm.parts:
         dist_moe.update_expert_biases(part, group)
 
@@ -367,13 +368,18 @@ def _autocast(cfg: JobConfig, device: torch.device) -> Any:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, loader: PackedLoader, num_batches: int, device: torch.device
+    model: nn.Module,
+    loader: PackedLoader,
+    num_batches: int,
+    device: torch.device,
+    shard: Any = None,
 ) -> tuple[float, int]:
-    """Summed cross-entropy and target-token count over ``num_batches`` batches of ``loader``."""
+    """Summed cross-entropy and target-token count over ``num_batches`` batches of ``loader``
+    (``shard``: this rank's part of a batch, under context parallelism)."""
     model.eval()
     total, tokens = torch.zeros((), dtype=torch.float64, device=device), 0
     for _ in range(num_batches):
-        batch = next(loader)
+        batch = next(loader) if shard is None else shard(next(loader))
         tokens += batch.num_target_tokens
         total += _loss_sum(model, batch.to(device)).double()
     model.train()
@@ -582,12 +588,13 @@ def _validate(
     t = cfg.training
     val_loader = PackedLoader(val_src, tokenizer, seq_len=t.seq_len, batch_size=t.batch_size)
     if pm.schedule is None:
-        total, tokens = evaluate(pm.parts[0], val_loader, cfg.metrics.validation_batches, device)
+        n = cfg.metrics.validation_batches
+        total, tokens = evaluate(pm.parts[0], val_loader, n, device, pm.shard_batch)
     else:
         total, tokens = _evaluate_pipeline(pm, val_loader, cfg, device)
     if pm.dims.world_size > 1:
         both = torch.tensor([total, float(tokens)], dtype=torch.float64, device=device)
-        dist.all_reduce(both, group=pm.group("dp"))
+        dist.all_reduce(both, group=pm.group("dp_cp"))
         total, tokens = float(both[0]), int(both[1])
     return total / max(1, tokens)
 
@@ -602,7 +609,7 @@ def _evaluate_pipeline(
     tokens = 0
     m = cfg.parallel.pp_microbatches
     for _ in range(cfg.metrics.validation_batches):
-        batch = next(loader)
+        batch = pm.shard_batch(next(loader))
         tokens += batch.num_target_tokens
         total += _run_pipeline(pm, batch.to(device), m, _cross_entropy_sum, forward_only=True)
     for part in pm.parts:

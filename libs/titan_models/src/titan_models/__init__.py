@@ -4,6 +4,8 @@ declarative plans."""
 from .components import (
     AttentionMetadata,
     Constant,
+    ContextParallel,
+    ContextParallelComm,
     Init,
     KVCache,
     Normal,
@@ -31,6 +33,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AttentionMetadata",
     "Constant",
+    "ContextParallel",
+    "ContextParallelComm",
     "DeepSeekV3",
     "DeepSeekV3Config",
     "Init",

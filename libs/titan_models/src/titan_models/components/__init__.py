@@ -10,6 +10,7 @@ from .backends import (
     register_attention_backend,
     resolve_attention_backend,
 )
+from .context_parallel import ContextParallel, ContextParallelComm, zigzag_shard, zigzag_unshard
 from .dense_attention import math_attention, sdpa
 from .feedforward import FeedForward
 from .init import Constant, Init, Normal, init_state, local_chunks
@@ -39,6 +40,8 @@ __all__ = [
     "AttentionMetadata",
     "CacheStep",
     "Constant",
+    "ContextParallel",
+    "ContextParallelComm",
     "FeedForward",
     "Init",
     "KVCache",
@@ -70,4 +73,6 @@ __all__ = [
     "resolve_attention_backend",
     "rope_frequencies",
     "sdpa",
+    "zigzag_shard",
+    "zigzag_unshard",
 ]

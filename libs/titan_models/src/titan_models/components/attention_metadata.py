@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .context_parallel import ContextParallelShard
 
 
 @dataclass(kw_only=True, slots=True, eq=False)
@@ -69,6 +72,11 @@ class AttentionMetadata:
     """Name of the registered attention backend the layers use (``attention_backends()``)."""
     cache: CacheStep | None = None
     """Set when the forward reads/writes a KV cache."""
+    context_parallel: ContextParallelShard | None = None
+    """Set when the rows are one rank's shard of longer sequences (``shard_metadata``): the
+    group, and the documents in global indices. ``starts`` is then ``None`` and
+    ``cu_seqlens`` holds the row boundaries only: the ``context_parallel`` backend reads the
+    masks from here."""
     _memo: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     # --- constructors ---------------------------------------------------------------------
