@@ -13,8 +13,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README_EXAMPLES = {
+    "libs/flexshard/README.md": "examples/hf_llama_flexshard.py",
     "libs/pipeline/README.md": "examples/plain_pipeline.py",
+    "libs/torch_checkpointing/README.md": "examples/fsdp2_checkpoint.py",
     "libs/torch_remat/README.md": "examples/hf_remat.py",
+    "libs/titan_rl/README.md": "examples/verl_style_rl.py",
 }
 
 

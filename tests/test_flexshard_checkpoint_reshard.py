@@ -27,7 +27,7 @@ def _model() -> TinyTransformer:
 
 def _buckets(model: TinyTransformer) -> list[fs.Bucket]:
     return [
-        fs.Bucket("layers.0.*", fs.Owned()),
+        fs.Bucket("layers.0.**", fs.Owned()),
         fs.Bucket(lambda f, p: f.startswith("layers.1.") and p.ndim == 2, fs.BlockShard((8, 8))),
         fs.Bucket(lambda f, p: f.startswith("layers.1.") and p.ndim != 2, fs.Shard(0)),
         fs.Bucket(lambda f, p: not f.startswith("layers."), fs.Shard(0)),

@@ -46,9 +46,15 @@ def test_package_layout_and_version(dist):
 # transformers), each with its number of processes (> 1: launched with torchrun). The slow
 # test below runs each in an empty venv holding only that library's wheel.
 EXAMPLES: dict[str, list[tuple[str, int]]] = {
+    "titan-checkpointing": [("fsdp2_checkpoint.py", 1)],  # it starts its own 2 and 3 ranks
+    "titan-flexshard": [("hf_llama_flexshard.py", 1)],  # it starts its own 2 ranks
     "titan-pipeline": [("plain_pipeline.py", 2)],
     "titan-remat": [("hf_remat.py", 1)],
+    "titan-rl": [("verl_style_rl.py", 1)],
 }
+EXAMPLE_PARTNERS: dict[str, list[str]] = {"titan-flexshard": ["titan-checkpointing"]}
+"""Libraries an example composes with its own, installed beside it only to run the examples
+(after the import of the library alone has been checked)."""
 
 
 def _example_command(python: Path, script: str, nproc: int) -> list[str]:
@@ -72,6 +78,8 @@ def _installed_versions() -> str:
 
 
 def test_examples_table_names_existing_scripts_of_known_libraries():
+    assert EXAMPLE_PARTNERS.keys() <= EXAMPLES.keys()
+    assert all(p in PACKAGES for partners in EXAMPLE_PARTNERS.values() for p in partners)
     for dist, scripts in EXAMPLES.items():
         assert dist in PACKAGES, dist
         for script, nproc in scripts:
@@ -96,10 +104,17 @@ def _workspace_closure(dist: str) -> list[str]:
     return seen
 
 
+def _wheels(folder: Path, dists: list[str]) -> list[str]:
+    """The wheel files of ``dists`` and the workspace packages they depend on."""
+    closure = dict.fromkeys(d for dist in dists for d in _workspace_closure(dist))
+    return [str(next(folder.glob(f"{d.replace('-', '_')}-*.whl"))) for d in closure]
+
+
 @pytest.mark.slow
 def test_each_wheel_installs_imports_and_runs_its_examples_standalone(tmp_path):
     """Build every wheel, install each into an empty venv with only its declared deps, import
-    it; where it has examples, add transformers and run them there."""
+    it; where it has examples, add transformers (and a library the example composes with,
+    ``EXAMPLE_PARTNERS``) and run them there."""
     uv = shutil.which("uv")
     if uv is None:
         pytest.fail("uv is not on PATH: the standalone check needs it (pip install uv)")
@@ -120,26 +135,8 @@ def test_each_wheel_installs_imports_and_runs_its_examples_standalone(tmp_path):
             [uv, "venv", "--quiet", "--python", sys.executable, str(venv)], check=True, env=env
         )
         python = venv / "bin" / "python"
-        wheel_files = [
-            str(next(wheels.glob(f"{d.replace('-', '_')}-*.whl"))) for d in _workspace_closure(dist)
-        ]
-        extra = ["transformers"] if dist in EXAMPLES else []
-        subprocess.run(
-            [
-                uv,
-                "pip",
-                "install",
-                "--quiet",
-                "--python",
-                str(python),
-                "-c",
-                str(constraints),
-                *wheel_files,
-                *extra,
-            ],
-            check=True,
-            env=env,
-        )
+        pip = [uv, "pip", "install", "--quiet", "--python", str(python), "-c", str(constraints)]
+        subprocess.run([*pip, *_wheels(wheels, [dist])], check=True, env=env)
         name = PACKAGES[dist][1]
         out = subprocess.run(
             [str(python), "-c", f"import {name}; print({name}.__version__)"],
@@ -150,6 +147,9 @@ def test_each_wheel_installs_imports_and_runs_its_examples_standalone(tmp_path):
         )
         assert out.returncode == 0, f"{dist} does not import standalone:\n{out.stderr}"
         assert out.stdout.strip() == "0.1.0"
+        if dist in EXAMPLES:
+            with_partners = _wheels(wheels, [dist, *EXAMPLE_PARTNERS.get(dist, [])])
+            subprocess.run([*pip, *with_partners, "transformers"], check=True, env=env)
         for script, nproc in EXAMPLES.get(dist, []):
             run = subprocess.run(
                 _example_command(python, script, nproc),

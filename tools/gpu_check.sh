@@ -7,12 +7,15 @@
 # the others; the exit status is that of the worst step):
 #   1. every test marked `gpu` (pytest -m gpu): flexshard over NCCL, torch_remat on CUDA,
 #      dist_moe's Triton kernels / symmetric memory / CUDA-graph capture / CuTe GEMM, the
-#      checkpoint GPU tests;
+#      checkpoint GPU tests, FlexAttention gradients and torch's varlen kernel, the
+#      delta-rule Triton kernels (linear attention), the FP8 / MXFP8 device GEMMs;
 #   2. the debug recipe on one GPU (bf16), then a ~1B Llama (Llama 3.2 1B shape) for 50 steps
 #      with local compile: tok/s and MFU against the device's dense bf16 peak;
 #   3. the checkpoint benchmark with the state on the GPU (--device cuda);
 #   4. dist_moe's kernel benchmarks: CuTe grouped GEMM vs torch._grouped_mm, pack/combine
-#      bandwidth vs the device copy bandwidth (and symmetric-memory dispatch on >= 2 GPUs).
+#      bandwidth vs the device copy bandwidth (and symmetric-memory dispatch on >= 2 GPUs);
+#   5. FP8 / MXFP8 with the device kernels: loss vs fp32 on the debug recipe, a 1B step rate.
+# Steps 1-4 fit 8 minutes; step 5 adds about 5 (run it when the lease allows).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 report=${1:-gpu_check_report.txt}
@@ -79,6 +82,19 @@ if [ "$gpus" -ge 2 ]; then
   step "symmetric-memory dispatch vs all-to-all" 90 uv run torchrun --standalone \
     --nproc-per-node "$gpus" libs/dist_moe/benchmarks/bench_symm_dispatch.py
 fi
+# FP8 / MXFP8 (issue 27): the real kernels against fp32 on the debug recipe, and a 1B step rate.
+cap=$(uv run python -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())')
+modes="fp8_rowwise"; [ "$cap" -ge 100 ] && modes="fp8_rowwise mxfp8"
+step "low-precision numerics, real kernels, llama3_debug 100 steps" 180 uv run python \
+  apps/titan_train/benchmarks/low_precision_numerics.py --kernels auto --modes $modes \
+  --steps 100 --out "$report.numerics.png" -- --training.device cuda --training.mixed-precision bf16
+for q in $modes; do
+  step "Llama 1B, quantize.linear=$q, 30 steps" 120 uv run titan-train --recipe llama3_debug \
+    --name "llama3_1b_$q" --model.flavor 1B --model.vocab-size 128256 --training.seq-len 2048 \
+    --training.batch-size 8 --training.steps 30 --metrics.log-every 10 \
+    --lr-schedule.warmup-steps 10 --quantize.linear "$q" "${common[@]}"
+  [ -f "$run/llama3_1b_$q/metrics.jsonl" ] && log "1B $q last: $(grep '"split": "train"' "$run/llama3_1b_$q/metrics.jsonl" | tail -n 1)"
+done
 rm -rf "$run"
 log "== done: exit $status (report: $report)"
 exit "$status"

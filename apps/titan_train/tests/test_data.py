@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from titan_rl import arithmetic_problem
+from titan_train.data.arithmetic import arithmetic_problem
 from titan_train.data.packing import IGNORE_INDEX, PackedLoader
 from titan_train.data.sources import DocumentSource
 from titan_train.data.tokenizers import ByteTokenizer, build_tokenizer

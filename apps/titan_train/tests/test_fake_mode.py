@@ -36,14 +36,20 @@ def test_debug_recipe_runs_dp2_x_tp2_steps_on_a_fake_cuda_mesh(tmp_path):
     assert rank0["activations_peak_bytes"] > 0 and rank0["gathered_params_peak_bytes"] > 0
 
 
-def test_a_cpu_tensor_reaching_the_step_raises(tmp_path, monkeypatch):
+def test_a_cpu_tensor_reaching_the_step_raises(monkeypatch):
     # The step must only see tensors on the training device: a batch left on the host raises
     # in fake mode (as it would on a GPU), where a real CPU run would not notice.
     from titan_train.data.packing import Batch
+    from titan_train.fake import _run_rank
+    from titan_train.trainer import _loaders, prepare
 
+    cfg = parse_config([*DEBUG, "--comm.fake-world-size", "2", "--parallel.dp-shard", "2"])
+    dims, tokenizer, model_cls, config = prepare(cfg)
+    batches = [next(_loaders(cfg, tokenizer)[0])]
     monkeypatch.setattr(Batch, "to", lambda self, device: self)
-    with pytest.raises(RuntimeError, match="device"):
-        _fake(tmp_path, "--comm.fake-world-size", "2", "--parallel.dp-shard", "2")
+    # torch's device check, or the host read of a host tensor (fake tensors have no value)
+    with pytest.raises(RuntimeError, match="device|_local_scalar_dense"):
+        _run_rank(cfg, dims, model_cls, config, 0, batches)
 
 
 def test_pipeline_stages_each_get_a_row_and_the_shards_add_up_to_the_model(tmp_path):
@@ -102,12 +108,13 @@ def test_bad_layouts_and_devices_fail_with_one_line_before_allocating(capsys, ar
     assert len(err) == 1 and message in err[0], err
 
 
+# Llama 3 405B at 512 ranks (TP 8 / PP 8 / DP 8: eight stage processes, ~9 min here) is left
+# to apps/titan_train/benchmarks/fake_scale.py to keep CI's slow step within its budget; the
+# multi-stage accounting is also checked by the fast pipeline-stage test above.
 FULL_SIZE = {
     "deepseek_v3_671b": ["--comm.fake-world-size", "256"],  # PP 2 / DP 128 / EP 64 (recipe)
-    "llama3_405b": [
-        "--comm.fake-world-size", "512", "--parallel.tp", "8", "--parallel.pp", "8",
-    ],
-}  # fmt: skip
+    "gpt_oss_120b": ["--comm.fake-world-size", "64"],  # DP 64 / EP 32 (recipe)
+}
 
 
 @pytest.mark.slow

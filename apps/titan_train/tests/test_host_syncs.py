@@ -1,6 +1,11 @@
 """A steady-state training step forces no device-to-host synchronisation: over steps 3-10 of
 the debug recipe, every op that would make the host wait for the device (reading a value,
-data-dependent shapes) happens only in the steps that log (one process and DP-shard 2)."""
+data-dependent shapes) happens only in the steps that log (one process and DP-shard 2).
+
+Attention runs the dense ``sdpa`` backend here: the CPU default (``varlen``) plans its tiles
+from the document lengths on the host by design, and the CUDA default (``flex``) has no CPU
+backward; fake-backend mode (``test_fake_mode.py``) runs steps where any read of a device
+value raises, whatever the backend."""
 
 from __future__ import annotations
 
@@ -42,14 +47,21 @@ class _SyncCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# Reads of host tensors on every device: torch's AdamW step counters (CPU tensors unless
+# capturable), and the document-id check, which reads CPU ids on the host and is a
+# device-side assertion on an accelerator (titan_models' AttentionMetadata).
+_HOST_READS = {("_get_value", "optim/optimizer.py"), ("_check_document_ids", "metadata.py")}
+
+
 def _host_side(name: str, kwargs: dict | None) -> bool:
-    """Reads that stay on the host on every device: ``repeat_interleave`` given its output
-    size, and torch's AdamW step counters (CPU tensors by design unless capturable)."""
+    """Reads that stay on the host: ``repeat_interleave`` given its output size, and the
+    host-tensor reads of ``_HOST_READS``."""
     if name == "aten::repeat_interleave":
         return bool(kwargs)
     return name == "aten::_local_scalar_dense" and any(
-        frame.name == "_get_value" and frame.filename.endswith("optim/optimizer.py")
+        frame.name == fn and frame.filename.endswith(path)
         for frame in traceback.extract_stack(limit=8)
+        for fn, path in _HOST_READS
     )
 
 
@@ -73,6 +85,7 @@ def _syncs_per_step(out_dir: str, *argv: str) -> dict[int, dict[str, int]]:
             "--training.seq-len", "32", "--metrics.log-every", str(LOG_EVERY),
             "--metrics.validate-every", "0", "--metrics.no-tensorboard",
             "--metrics.peak-flops", "1e11", "--training.grad-accum", "2",
+            "--model.attention-backend", "sdpa",
             *argv,
         ]
     )  # fmt: skip

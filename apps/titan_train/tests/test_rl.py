@@ -1,5 +1,5 @@
 """``titan-train rl``: the task is the pre-training corpus, bad input is refused, and a short
-pre-train + GRPO run goes end to end (the full accuracy run is in titan_rl's README)."""
+pre-train + GRPO run goes end to end (the full accuracy runs: docs/benchmarks/titan_rl.md)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,17 @@ import pytest
 import torch
 
 import titan_rl
-from titan_rl import arithmetic_problem as app_problem
+from titan_train.data.arithmetic import arithmetic_problem as app_problem
 from titan_train.data.tokenizers import ByteTokenizer
-from titan_train.rl import RLConfig, arith_grpo, main, pretraining_job, run_rl, validate_rl
+from titan_train.rl import (
+    RLConfig,
+    arith_grpo,
+    arithmetic_problems,
+    main,
+    pretraining_job,
+    run_rl,
+    validate_rl,
+)
 
 
 def test_the_pretraining_corpus_is_the_rl_task():
@@ -24,14 +32,17 @@ def test_the_pretraining_corpus_is_the_rl_task():
     assert set(first) <= problems
 
 
-def test_app_tokenizer_fits_the_titan_rl_protocol():
+def test_app_tokenizer_and_corpus_fit_the_titan_rl_task():
     tok = ByteTokenizer()
     assert isinstance(tok, titan_rl.Tokenizer)
-    task = titan_rl.ArithmeticTask(tok, seed=0)
+    task = titan_rl.ExactMatchTask(tok, arithmetic_problems(RLConfig(), seed=0))
     (prompt,) = task.prompts(0, 1)
     assert prompt.ids == [tok.bos_id, *tok.encode(app_problem(0, 0).prompt)]
     answer = [*tok.encode(app_problem(0, 0).answer), tok.eos_id]
     assert task.score(prompt, answer).score == 1.0
+    # the task never sees the slip rule, and reverses answers with the corpus
+    rev = arithmetic_problems(RLConfig(reverse_answer=True, init_slip_rate=1.0), seed=0)
+    assert rev(1) == app_problem(0, 1, reverse_answer=True)
 
 
 @pytest.mark.parametrize(

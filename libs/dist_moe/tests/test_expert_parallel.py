@@ -21,6 +21,7 @@ from dist_moe import (
     MoEConfig,
     PermuteConfig,
     RouterConfig,
+    SwiGLU,
     SymmMemDispatcher,
     expert_parallel,
 )
@@ -48,6 +49,17 @@ CASES = {
             permute=PermuteConfig(alignment=4, static_shapes=True),
         ),
     ),
+    "gpt_oss_biased_clamped_experts": dict(
+        tokens=[9, 4, 6, 2],
+        moe=dict(
+            num_experts=8,
+            top_k=2,
+            norm_topk_prob=True,
+            gate_bias=True,
+            activation=SwiGLU(limit=1.0, alpha=1.702, up_offset=1.0),
+            expert_bias=True,
+        ),
+    ),
     "capacity_mode_with_drops": dict(
         tokens=[12, 12, 12, 12],
         bias={3: 1.0},
@@ -56,7 +68,9 @@ CASES = {
 }
 
 
-def _build(seed, num_experts, top_k, shared=0, permute=None, **router):
+def _build(
+    seed, num_experts, top_k, shared=0, permute=None, activation=None, expert_bias=False, **router
+):
     torch.manual_seed(seed)
     cfg = MoEConfig(
         dim=16,
@@ -64,9 +78,15 @@ def _build(seed, num_experts, top_k, shared=0, permute=None, **router):
         router=RouterConfig(num_experts=num_experts, top_k=top_k, bias_update_rate=0.01, **router),
         shared_hidden_dim=shared,
         permute=permute or PermuteConfig(),
+        activation=activation or SwiGLU(),
+        expert_bias=expert_bias,
     )
     moe = MoE(cfg)
     moe.reset_parameters(std=0.3)
+    if expert_bias:  # the biases travel with their experts (sharded, gradients summed)
+        with torch.no_grad():
+            for name in ("b_gate", "b_up", "b_down"):
+                getattr(moe.experts, name).normal_(0, 0.3)
     return moe
 
 

@@ -161,8 +161,12 @@ def muon_step_bench(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def fp8_gather_bench(quantize: str | None, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Bytes (counted from the send buffers) and time of gathering BlockShard buckets."""
+def fp8_gather_bench(
+    quantize: str | None, cfg: dict[str, Any], param_dtype: torch.dtype | None = torch.bfloat16
+) -> dict[str, Any]:
+    """Bytes (counted from the send buffers) and time of gathering BlockShard buckets, and the
+    all-gather bytes of one training step (forward and backward) with the same buckets.
+    ``param_dtype=None``: no mixed precision (the gather sends the fp32 parameters)."""
     torch.manual_seed(0)
     model = _model(cfg)
     blk = cfg["block"]
@@ -183,7 +187,8 @@ def fp8_gather_bench(quantize: str | None, cfg: dict[str, Any]) -> dict[str, Any
         fs.Bucket(["tok_emb.weight", "head.weight"], fs.BlockShard(blk), quantize=quantize)
     )
     buckets.append(fs.Bucket("norm.weight", fs.Replicate()))
-    fs.shard(model, buckets=buckets, mp=fs.MixedPrecision(param_dtype=torch.bfloat16))
+    mp = fs.MixedPrecision(param_dtype=param_dtype) if param_dtype is not None else None
+    fs.shard(model, buckets=buckets, mp=mp)
     state = model.flexshard_state
     times = []
     for i in range(cfg["warmup"] + cfg["steps"]):
@@ -198,7 +203,12 @@ def fp8_gather_bench(quantize: str | None, cfg: dict[str, Any]) -> dict[str, Any
         dist.barrier()
         times.append(time.perf_counter() - t0)
         model.reshard()
+    per_gather = fs.comm_stats(model).bytes["all_gather"] // cfg["steps"]
+    fs.comm_stats(model).reset()
+    x, y = lm_batch(cfg["vocab"], 2, 32, seed=dist.get_rank())
+    F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).backward()
     return {
         "gather_s": statistics.median(times[cfg["warmup"] :]),
-        "bytes_per_gather": fs.comm_stats(model).bytes["all_gather"] // cfg["steps"],
+        "bytes_per_gather": per_gather,
+        "bytes_per_step": fs.comm_stats(model).bytes["all_gather"],
     }

@@ -364,7 +364,7 @@ def check_bad_input() -> list[str]:
     rest = fs.Bucket(lambda f, p: not f.startswith("layers.0."))
     msgs.append(
         _expect_value_error(
-            shard_with(fs.Bucket("layers.0.*", fs.Shard(2)), rest),
+            shard_with(fs.Bucket("layers.0.**", fs.Shard(2)), rest),
             "layers.0.",
             "Shard(dim=2)",
             "dim must be in",
@@ -372,7 +372,7 @@ def check_bad_input() -> list[str]:
     )
     msgs.append(
         _expect_value_error(
-            shard_with(fs.Bucket("layers.0.*", fs.Shard(1)), rest),
+            shard_with(fs.Bucket("layers.0.**", fs.Shard(1)), rest),
             "layers.0.attn_norm.weight",
             "Shard(dim=1)",
         )
@@ -401,7 +401,7 @@ def check_bad_input() -> list[str]:
     msgs.append(
         _expect_value_error(
             shard_with(
-                fs.Bucket("layers.*", name="blocks"),
+                fs.Bucket("layers.**", name="blocks"),
                 fs.Bucket("layers.1.w1.*", name="w1"),
                 fs.Bucket(lambda f, p: not f.startswith("layers.")),
             ),
@@ -413,29 +413,31 @@ def check_bad_input() -> list[str]:
     )
     msgs.append(
         _expect_value_error(
-            shard_with(fs.Bucket("layers.*")), "tok_emb.weight", "matched by no bucket"
+            shard_with(fs.Bucket("layers.**")), "tok_emb.weight", "matched by no bucket"
         )
     )
     msgs.append(
         _expect_value_error(
-            shard_with(fs.Bucket("*"), fs.Bucket("nothing.*", name="empty")),
+            shard_with(fs.Bucket("**"), fs.Bucket("nothing.*", name="empty")),
             "'empty'",
             "matches no parameter",
         )
     )
     msgs.append(
         _expect_value_error(
-            shard_with(fs.Bucket("*", fs.Owned(owner=5))),
+            shard_with(fs.Bucket("**", fs.Owned(owner=5))),
             "Owned(owner=5)",
             f"{dist.get_world_size()} ranks",
         )
     )
-    msgs.append(_expect_value_error(shard_with(fs.Bucket("*"), prefetch=-1), "prefetch"))
+    msgs.append(_expect_value_error(shard_with(fs.Bucket("**"), prefetch=-1), "prefetch"))
     msgs.append(
-        _expect_value_error(lambda: fs.Bucket("*", fs.Shard(0), quantize="fp8_block"), "BlockShard")
+        _expect_value_error(
+            lambda: fs.Bucket("**", fs.Shard(0), quantize="fp8_block"), "BlockShard"
+        )
     )
     msgs.append(
-        _expect_value_error(lambda: fs.Bucket("*", fs.Shard(0), quantize="int4"), "quantize")
+        _expect_value_error(lambda: fs.Bucket("**", fs.Shard(0), quantize="int4"), "quantize")
     )
     msgs.append(_expect_value_error(lambda: fs.BlockShard((0, 4)), "block"))
     msgs.append(_expect_value_error(lambda: fs.Owned(balance="speed"), "balance"))
@@ -443,7 +445,7 @@ def check_bad_input() -> list[str]:
         _expect_value_error(
             lambda: fs.shard(
                 torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]),
-                buckets=[fs.Bucket("*")],
+                buckets=[fs.Bucket("**")],
             ),
             "ModuleList",
             "no module with a forward",
@@ -617,26 +619,31 @@ def check_fp8() -> dict[str, Any]:
             model(x)
         out[f"bytes_{q}"] = fs.comm_stats(model).bytes["all_gather"]
     # Dequantisation error of every gathered tile against its bound (fp32 compute dtype).
-    model = fp8_model()
-    fs.shard(model, buckets=fp8_buckets(model, "fp8_block"))
-    ref = fp8_model()
-    locals_ = dict(model.named_parameters())
-    model.unshard()
-    assert all(
-        dict(model.named_parameters())[n] is fs.param_info(p).full for n, p in locals_.items()
-    )
-    worst = 0.0
-    for n, p in ref.named_parameters():
-        info = fs.param_info(locals_[n])
-        if not isinstance(info.placement, fs.BlockShard):
-            continue
-        got, want = info.full.detach(), p.detach()
-        err = (_tiles8(got) - _tiles8(want)).abs()
-        bound = fs.fp8_block_error_bound(_tiles8(want))
-        worst = max(worst, (err / bound).max().item())
-        assert err.max() > 0  # it really was quantised
-    model.reshard()
-    out["worst_err_over_bound"] = worst
+    for q in ("fp8_block", "fp8_block_pow2"):
+        model = fp8_model()
+        fs.shard(model, buckets=fp8_buckets(model, q))
+        ref = fp8_model()
+        locals_ = dict(model.named_parameters())
+        model.unshard()
+        assert all(
+            dict(model.named_parameters())[n] is fs.param_info(p).full for n, p in locals_.items()
+        )
+        worst = 0.0
+        for n, p in ref.named_parameters():
+            info = fs.param_info(locals_[n])
+            if not isinstance(info.placement, fs.BlockShard):
+                continue
+            got, want = info.full.detach(), p.detach()
+            err = (_tiles8(got) - _tiles8(want)).abs()
+            bound = fs.fp8_block_error_bound(_tiles8(want), pow2=q == "fp8_block_pow2")
+            worst = max(worst, (err / bound).max().item())
+            assert err.max() > 0  # it really was quantised
+            if q == "fp8_block_pow2":  # q * 2^k: every gathered value is e4m3 times 2^k
+                scale = fs.quantize_tiles(_tiles8(want), pow2=True)[1][:, None, None]
+                v = _tiles8(got) / scale
+                assert torch.equal(v.to(torch.float8_e4m3fn).float(), v)
+        model.reshard()
+        out[f"worst_err_over_bound_{q}"] = worst
     # The debug model still learns with fp8 gathers (bf16 compute, fp32 reduce).
     model = fp8_model()
     fs.shard(
@@ -681,7 +688,8 @@ def check_owned_balance() -> dict[str, Any]:
 
 
 def readme_example() -> float:
-    """The README's example, verbatim but for the process group (already initialised)."""
+    """Owned matrices, distributed Muon, bf16 compute with fp32 reduction: one step as a user
+    writes it."""
     import torch.nn.functional as F
 
     model = TinyTransformer(vocab=1000, dim=64, n_layers=4)

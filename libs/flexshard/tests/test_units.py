@@ -30,6 +30,28 @@ def test_fp8_tiles_within_documented_bound():
     assert bool((err[big] <= x.abs()[big] * 2**-4 * (1 + 1e-6)).all())
 
 
+def test_fp8_pow2_tile_scales_are_powers_of_two_within_the_bound():
+    g = torch.Generator().manual_seed(1)
+    mags = torch.tensor([1e-30, 1e-3, 1.0, 448.0, 3e5])
+    x = torch.randn(5, 32, 32, generator=g) * mags[:, None, None]
+    x[3, 0, 0] = 448.0 * 4  # amax / 448 exactly a power of two: no rounding up
+    x = torch.cat([x, torch.zeros(1, 32, 32)])
+    q, s = fs.quantize_tiles(x, pow2=True)
+    mant, _ = torch.frexp(s)
+    assert bool((mant == 0.5).all())  # every scale is 2^k
+    plain = fs.quantize_tiles(x)[1]
+    assert bool((s >= plain).all()) and bool((s[:5] < 2 * plain[:5]).all())
+    assert s[3] == 4.0 and s[5] == 1.0
+    y = fs.dequantize_tiles(q, s)
+    assert bool(((y - x).abs() <= fs.fp8_block_error_bound(x, pow2=True)).all())
+    # q * 2^k is exact: dequantising in bf16 loses nothing
+    assert torch.equal(fs.dequantize_tiles(q, s, torch.bfloat16).float(), y)
+    with pytest.raises(ValueError, match="fp8_block_pow2"):
+        fs.Bucket("*", fs.Shard(0), quantize="fp8_block_pow2")
+    with pytest.raises(ValueError, match="fp8_block_pow2"):
+        fs.Bucket("*", fs.BlockShard((4, 4)), quantize="fp8")
+
+
 def test_fp8_rejects_non_tiles():
     with pytest.raises(ValueError, match=r"\(n, r, c\)"):
         fs.quantize_tiles(torch.ones(4, 4))
@@ -42,7 +64,9 @@ def test_placement_and_bucket_validation():
         with pytest.raises(ValueError):
             bad()
     with pytest.raises(ValueError, match="placement"):
-        fs.Bucket("*", placement="Shard(0)")
+        fs.Bucket("**", placement="Shard(0)")
+    with pytest.raises(ValueError, match=r"Bucket.match: .*'layers\.0\*\*'.*whole segment"):
+        fs.Bucket("layers.0**")
     with pytest.raises(ValueError, match="floating"):
         fs.MixedPrecision(param_dtype=torch.int8)
 

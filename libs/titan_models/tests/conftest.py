@@ -81,6 +81,54 @@ def _hf_config(family: str, **overrides):
         )
         kw.update(overrides)
         return transformers.DeepseekV3Config(**kw)
+    if family in ("qwen3_5", "qwen3_5_moe"):
+        kw = dict(
+            common,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=16,
+            layer_types=["linear_attention", "full_attention"],
+            rms_norm_eps=1e-6,
+        )
+        if family == "qwen3_5_moe":
+            del kw["intermediate_size"]
+            kw.update(
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=48,
+                num_experts=4,
+                num_experts_per_tok=2,
+            )
+        kw.update(overrides)
+        if family == "qwen3_5":
+            return transformers.Qwen3_5TextConfig(**kw)
+        return transformers.Qwen3_5MoeTextConfig(**kw)
+    if family == "kimi_linear":
+        kw = dict(
+            common,
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            moe_intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            linear_num_heads=4,
+            linear_head_dim=16,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            pad_token_id=None,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+        kw.update(overrides)
+        return transformers.KimiLinearConfig(**kw)
     kw = dict(common, head_dim=32, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
     kw.update(overrides)
     return transformers.Qwen3Config(**kw)
@@ -177,7 +225,8 @@ def assert_logits_match():
 @pytest.fixture
 def tp_styles():
     """``styles(plan, model) -> {module name: [TensorParallelPlan fields naming it]}``, after
-    checking that every pattern of the plan names at least one module."""
+    checking that every module pattern of the plan names at least one module
+    (``head_sharded`` holds parameter patterns: not a module style)."""
     import dataclasses
 
     from titan_models import fqn_matches
@@ -185,7 +234,7 @@ def tp_styles():
     def styles(plan, model) -> dict[str, list[str]]:
         tp = plan.tensor_parallel
         names = [n for n, _ in model.named_modules()]
-        fields = [f.name for f in dataclasses.fields(tp)]
+        fields = [f.name for f in dataclasses.fields(tp) if f.name != "head_sharded"]
         for field in fields:
             for pattern in getattr(tp, field):
                 assert any(fqn_matches(pattern, n) for n in names), (field, pattern)

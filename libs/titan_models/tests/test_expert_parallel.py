@@ -1,5 +1,6 @@
 """Expert parallelism (EP=2 over gloo, dist_moe's AllToAllDispatcher) applied from the plan
-gives the logits and gradients of the single-process model, for both MoE families.
+gives the logits and gradients of the single-process model, for every MoE family (Qwen3-MoE,
+DeepSeek-V3, and the linear-attention hybrids Qwen3.5-MoE and Kimi Linear).
 
 One ``run_distributed`` call runs every check (spawning ranks costs seconds). Each rank runs
 the single-process reference on the whole batch itself, then the EP model on its own row:
@@ -20,6 +21,7 @@ from titan_models import fqn_matches
 from titan_testing import run_distributed
 
 TOLERANCE = 1e-5
+FAMILIES = ("qwen3_moe", "deepseek_v3", "qwen3_5_moe", "kimi_linear")
 
 
 def _build(family: str, **overrides) -> titan_models.Transformer:
@@ -49,7 +51,7 @@ def _ep_checks() -> dict:
     tokens = torch.randint(0, 264, (world, 24), generator=g)
     labels = torch.roll(tokens, -1, dims=1)
     out: dict = {}
-    for family in ("qwen3_moe", "deepseek_v3"):
+    for family in FAMILIES:
         # The sequence balance loss averages over the sequences of one forward, which a split
         # batch changes; it is off here (dist_moe's own EP tests cover it).
         ref = _build(family, aux_loss_coef=0.0)
@@ -112,10 +114,10 @@ def _ep_checks() -> dict:
     return out
 
 
-def test_ep2_matches_ep1_for_both_moe_families():
+def test_ep2_matches_ep1_for_every_moe_family():
     per_rank = run_distributed(_ep_checks, 2, timeout=240)
     for rank, out in enumerate(per_rank):
-        for family in ("qwen3_moe", "deepseek_v3"):
+        for family in FAMILIES:
             diffs = out[family]
             for key in ("logits", "expert_grads", "other_grads", "bias"):
                 assert diffs[key] <= TOLERANCE, (rank, family, key, diffs[key])
@@ -128,4 +130,7 @@ def test_ep2_matches_ep1_for_both_moe_families():
             "layers.2.feed_forward",
             "mtp.0.feed_forward",
         ]
+        assert out["qwen3_5_moe"]["placed"] == [f"layers.{i}.feed_forward" for i in range(4)]
+        assert out["kimi_linear"]["placed"] == [f"layers.{i}.feed_forward" for i in (1, 2, 3)]
+        assert out["kimi_linear"]["moved"] > 0  # sigmoid routing with the aux-loss-free bias
         assert "num_experts=3 must be divisible" in out["indivisible"], out["indivisible"]

@@ -158,6 +158,30 @@ def test_folder_without_config_or_weights(tmp_path, hf_checkpoint):
         titan_models.from_hf(folder)
 
 
+def test_broken_config_truncated_weights_and_escaping_index_name_the_file(hf_checkpoint):
+    _, folder = hf_checkpoint("llama3")
+    config = folder / "config.json"
+    good = config.read_text()
+    config.write_text(good[: len(good) // 2])
+    with pytest.raises(ValueError, match=rf"{config} is not a readable JSON file"):
+        titan_models.from_hf(folder)
+    config.write_text(good)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=rf"{weights} is not a readable safetensors file"):
+        titan_models.from_hf(folder)
+    weights.write_bytes(data)
+    secret = folder.parent / "outside.safetensors"
+    secret.write_bytes(data)
+    index = folder / "model.safetensors.index.json"
+    for name in ("../outside.safetensors", str(secret)):
+        keys = load_file(weights).keys()
+        index.write_text(json.dumps({"weight_map": dict.fromkeys(keys, name)}))
+        with pytest.raises(ValueError, match=r"is outside the checkpoint folder"):
+            titan_models.from_hf(folder)
+
+
 def test_to_hf_refuses_a_non_empty_folder(tmp_path):
     cls, config = titan_models.get_model("llama3", "debug", num_layers=1)
     (tmp_path / "out").mkdir()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import titan_models
 
@@ -142,3 +143,47 @@ def test_documents_in_a_cache_step_must_not_go_back():
                 kv_cache=cache,
                 document_ids=torch.tensor([[2, 2]]),
             )
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the ops that read device data back to the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func._schema.name in ("aten::_local_scalar_dense", "aten::is_nonzero")
+        return func(*args, **(kwargs or {}))
+
+
+def test_static_cache_decodes_like_the_dynamic_one_with_fixed_shapes_and_no_host_reads():
+    """``static=True`` (what a compiled or CUDA-graph decode step needs): each step attends to
+    the whole capacity, full layers and ring alike, reads nothing back to the host, and gives
+    the dynamic cache's logits. Writing past the capacity is a device-side assert."""
+    model = _windowed("llama3")
+    g = torch.Generator().manual_seed(0)
+    prompt_BP = torch.randint(0, 512, (3, 9), generator=g)
+    lengths_B = torch.tensor([9, 4, 7])
+    dynamic, static = model.new_kv_cache(3, 24), model.new_kv_cache(3, 24, static=True)
+    with torch.no_grad():
+        want = model(prompt_BP, kv_cache=dynamic, input_lengths=lengths_B)
+        got = model(prompt_BP, kv_cache=static, input_lengths=lengths_B)
+        assert (got - want).abs().max().item() <= 1e-5
+        next_B1 = want[torch.arange(3), lengths_B - 1].argmax(-1, keepdim=True)
+        steps, begin = [], static.begin
+        static.begin = lambda *a, **kw: steps.append(begin(*a, **kw)) or steps[-1]
+        for _ in range(12):
+            want = model(next_B1, kv_cache=dynamic)
+            with _HostReads() as reads:
+                got = model(next_B1, kv_cache=static)
+            assert reads.count == 0
+            assert (got - want).abs().max().item() <= 1e-5
+            next_B1 = want[:, -1].argmax(-1, keepdim=True)
+        with _HostReads() as reads:
+            model(next_B1, kv_cache=dynamic)
+        assert reads.count > 0  # the dynamic cache bounds its keys with one host read
+        assert {(s.kv_len, s.reads_cache) for s in steps} == {(24, True)}
+        assert static.lengths.tolist() == (lengths_B + 12).tolist()
+        with pytest.raises(RuntimeError, match="max_seq_len=24"):
+            model(torch.zeros(3, 4, dtype=torch.long), kv_cache=static)

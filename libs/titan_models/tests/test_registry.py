@@ -14,6 +14,11 @@ def test_list_models_names_every_family_and_all_flavors():
         "qwen3": ["debug", "0.6B", "1.7B", "4B", "8B", "14B", "32B"],
         "qwen3_moe": ["debug", "30B-A3B", "235B-A22B"],
         "deepseek_v3": ["debug", "16B", "671B"],
+        "gpt_oss": ["debug", "20B", "120B"],
+        "deepseek_v4": ["debug", "flash", "pro"],
+        "qwen3_5": ["debug", "27B"],
+        "qwen3_5_moe": ["debug", "35B-A3B"],
+        "kimi_linear": ["debug", "48B-A3B"],
     }
 
 
@@ -28,7 +33,8 @@ def test_get_model_returns_class_and_config_with_overrides():
 def test_unknown_family_lists_the_known_ones():
     with pytest.raises(
         ValueError,
-        match=r"unknown model family 'gpt2'; known: \['llama3', 'qwen3', 'qwen3_moe', 'deepseek_v3'\]",
+        match=r"unknown model family 'gpt2'; known: \['llama3', 'qwen3', 'qwen3_moe', "
+        r"'deepseek_v3', 'gpt_oss', 'deepseek_v4', 'qwen3_5', 'qwen3_5_moe', 'kimi_linear'\]",
     ):
         titan_models.get_model("gpt2", "debug")
 

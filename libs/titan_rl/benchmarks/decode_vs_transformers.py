@@ -2,39 +2,73 @@
 
 Same weights in both (our Llama 3 exported with ``titan_models.to_hf`` and loaded by
 ``AutoModelForCausalLM``), same prompts, greedy decoding of exactly ``--new-tokens`` tokens per
-row (no stop token), fp32 on CPU. Rows interleave the engines round by round and report the
-median. Engines: TorchGenerator eager, with its compiled decode step, and in batch-invariant
-mode; transformers with its default dynamic cache (eager) and with ``cache_implementation=
-"static"`` plus its own ``torch.compile`` of the forward (``CompileConfig``, forced on CPU).
-Compiles happen in the untimed warm-up; the script prints the dynamo graph count before and
-after the timed rounds (equal: no recompiles while timing).
+row (no stop token), fp32. Every engine runs in one process, interleaved round by round; the
+table gives the median wall time per engine (and the process CPU time, less sensitive to other
+jobs on a shared machine) and the ratios. The load average before and after is printed: on a
+shared machine wall-clock ratios are noisy.
 
-    uv run python libs/titan_rl/benchmarks/decode_vs_transformers.py
+Engines: TorchGenerator decodes through the model's own forward, ``model(tokens,
+kv_cache=cache)`` over a static KV cache: eager, with ``compile_decode=True`` (one compiled
+graph per step: the forward and the sampler), and in batch-invariant mode. transformers runs
+with its default dynamic cache (eager) and with ``cache_implementation="static"`` plus its own
+``torch.compile`` of the forward (``CompileConfig``, forced on CPU). ``--cpu-rowwise`` adds the
+compiled engine under ``RowwiseLinear`` (below): a CPU-only trick kept here, not in the
+library, to state its gain. Compiles happen in the untimed warm-up; the script prints the
+dynamo graph count before and after the timed rounds (equal: no recompiles while timing).
+
+    uv run python libs/titan_rl/benchmarks/decode_vs_transformers.py --rounds 7 --threads 2
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault(
-    "TORCHINDUCTOR_CACHE_DIR", os.path.expanduser("~/.cache/titan_rl_bench_inductor")
-)
 
 import torch
+import torch.nn.functional as F
 from torch._dynamo.utils import counters
+from torch.overrides import TorchFunctionMode
 
 import titan_models
 from titan_rl import SamplingParams, TorchGenerator
 
 
-def _ours(gen: TorchGenerator, prompts: list[list[int]], new_tokens: int) -> torch.Tensor:
+class RowwiseLinear(TorchFunctionMode):
+    """CPU-only: ``F.linear`` over 2..32 rows as ``(x[:, None, :] * W).sum(-1)``.
+
+    Traced into a compiled step, Inductor emits a vectorised dot-product kernel that splits
+    the weight rows over the threads and fuses with the norm, activation and residual around
+    it, where a GEMM library gains little from a second thread at M = 8. Meant for tracing only:
+    run eagerly it materialises the ``(M, N, K)`` product. Not in the library (it serves small
+    CPUs, not accelerators); this benchmark states its gain.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and torch.compiler.is_compiling():
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            x_MK = x.reshape(-1, x.shape[-1])
+            if 2 <= x_MK.shape[0] <= 32:
+                out_MN = (x_MK[:, None, :] * weight).sum(-1)
+                out_MN = out_MN if bias is None else out_MN + bias
+                return out_MN.view(*x.shape[:-1], weight.shape[0])
+        return func(*args, **kwargs)
+
+
+def _ours(
+    gen: TorchGenerator, prompts: list[list[int]], new_tokens: int, *, rowwise: bool = False
+) -> torch.Tensor:
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
-    return gen.generate(prompts, params, [0] * len(prompts)).tokens
+    with RowwiseLinear() if rowwise else contextlib.nullcontext():
+        return gen.generate(prompts, params, [0] * len(prompts)).tokens
 
 
 def _theirs(
@@ -71,6 +105,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cpu-rowwise", action="store_true", help="add the RowwiseLinear engine")
+    p.add_argument("--no-compile", action="store_true", help="eager engines only")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -84,49 +120,67 @@ def main() -> None:
     model.init_weights(device="cpu", seed=0).eval()
     with tempfile.TemporaryDirectory() as tmp:
         titan_models.to_hf(model, tmp)
-        hf_model = AutoModelForCausalLM.from_pretrained(tmp, torch_dtype=torch.float32).eval()
+        hf_model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 2048, (args.batch, args.prompt_len), generator=g).tolist()
+    n = args.new_tokens
 
-    compiled = TorchGenerator(model, compile_decode=True)  # one instance: compiled once
+    def ours(gen: TorchGenerator, *, rowwise: bool = False) -> Callable[[], torch.Tensor]:
+        return lambda: _ours(gen, prompts, n, rowwise=rowwise)
+
     engines = {
-        "TorchGenerator": lambda: _ours(TorchGenerator(model), prompts, args.new_tokens),
-        "TorchGenerator, compiled decode": lambda: _ours(compiled, prompts, args.new_tokens),
-        "TorchGenerator (batch-invariant)": lambda: _ours(
-            TorchGenerator(model, batch_invariant=True), prompts, args.new_tokens
-        ),
-        "transformers generate": lambda: _theirs(hf_model, prompts, args.new_tokens),
-        "transformers generate, static cache + compile": lambda: _theirs(
-            hf_model, prompts, args.new_tokens, compiled=True
-        ),
+        "TorchGenerator": ours(TorchGenerator(model)),
+        "TorchGenerator (batch-invariant)": ours(TorchGenerator(model, batch_invariant=True)),
+        "transformers generate": lambda: _theirs(hf_model, prompts, n),
     }
-    outputs = {name: fn() for name, fn in engines.items()}  # warm-up, and the parity check
+    if not args.no_compile:
+        engines["TorchGenerator, compile_decode"] = ours(TorchGenerator(model, compile_decode=True))
+        if args.cpu_rowwise:
+            engines["TorchGenerator, compile_decode + RowwiseLinear (CPU trick)"] = ours(
+                TorchGenerator(model, compile_decode=True), rowwise=True
+            )
+        engines["transformers generate, static cache + compile"] = lambda: _theirs(
+            hf_model, prompts, n, compiled=True
+        )
+    load_before = os.getloadavg()
+    outputs = {name: fn() for name, fn in engines.items()}  # warm-up (compiles), parity check
     outputs.update({name: fn() for name, fn in engines.items() if "compile" in name})
     same = {
         name: torch.equal(out, outputs["transformers generate"]) for name, out in outputs.items()
     }
     graphs_before = dict(counters["stats"])
-    times: dict[str, list[float]] = {name: [] for name in engines}
+    wall: dict[str, list[float]] = {name: [] for name in engines}
+    cpu: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, fn in engines.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             fn()
-            times[name].append(time.perf_counter() - start)
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
 
-    tokens = args.batch * args.new_tokens
+    tokens = args.batch * n
     print(
         f"llama3 {args.layers} layers, dim {args.dim}, vocab 2048; batch {args.batch}, prompt "
-        f"{args.prompt_len}, {args.new_tokens} new tokens, greedy, fp32, {args.threads} threads; "
-        f"median of {args.rounds}"
+        f"{args.prompt_len}, {n} new tokens, greedy, fp32, {args.threads} threads; median of "
+        f"{args.rounds} interleaved rounds; torch {torch.__version__}"
+    )
+    print(
+        "load average (1, 5, 15 min) before: "
+        + ", ".join(f"{x:.1f}" for x in load_before)
+        + "; after: "
+        + ", ".join(f"{x:.1f}" for x in os.getloadavg())
     )
     print(f"same greedy tokens as transformers generate: {same}")
     print(f"dynamo stats before timing {graphs_before}, after {dict(counters['stats'])}")
-    base = statistics.median(times["transformers generate"])
-    ours = statistics.median(times["TorchGenerator"])
-    print("| engine | tokens/s | vs transformers | vs TorchGenerator |\n|---|---:|---:|---:|")
-    for name, ts in times.items():
-        t = statistics.median(ts)
-        print(f"| {name} | {tokens / t:,.0f} | {base / t:.2f}x | {ours / t:.2f}x |")
+    base = statistics.median(wall["transformers generate"])
+    base_cpu = statistics.median(cpu["transformers generate"])
+    print(
+        "| engine | tokens/s | vs transformers | CPU s per call | vs transformers (CPU) |\n"
+        "|---|---:|---:|---:|---:|"
+    )
+    for name in engines:
+        t, c = statistics.median(wall[name]), statistics.median(cpu[name])
+        print(f"| {name} | {tokens / t:,.0f} | {base / t:.2f}x | {c:.3f} | {base_cpu / c:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from titan_rl import (
     batch_invariant,
     sequence_logprobs,
 )
-from titan_rl.generator import _ROWWISE_ROWS, _noise, _rowwise_linear, _sample
+from titan_rl.generator import _noise, _sample
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -134,68 +136,78 @@ def test_bad_sampling_input_is_refused(tiny_model):
         gen.generate(PROMPTS, SamplingParams(max_new_tokens=1), seeds=[0, 1])
     with pytest.raises(ValueError, match="non-empty"):
         gen.generate([[1], []], SamplingParams(max_new_tokens=1), seeds=[0, 1])
-    with pytest.raises(TypeError, match="titan_models Transformer"):
-        TorchGenerator(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="torch.nn.Module causal LM"):
+        TorchGenerator(lambda input_ids: input_ids)
     with pytest.raises(ValueError, match="compile_decode=True cannot be combined"):
         TorchGenerator(gen.model, batch_invariant=True, compile_decode=True)
+    with pytest.raises(ValueError, match="compile_decode=True needs a titan_models Transformer"):
+        TorchGenerator(AsCausalLM(gen.model), compile_decode=True)
 
 
-@pytest.mark.slow  # one torch.compile (5-30 s here)
-def test_compiled_decode_equals_eager_and_compiles_once(tiny_model, tmp_path, monkeypatch):
-    """The compiled static-shape step gives eager's tokens (greedy, and sampled with top-k and
-    stop tokens), log-probs within fp32 rounding, and no recompile on later calls or steps."""
+class AsCausalLM(torch.nn.Module):
+    """A titan_models model seen only through ``model(input_ids) -> logits``: the generator's
+    path for any causal LM (no KV cache, the whole sequence recomputed each step)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids)
+
+
+@pytest.mark.parametrize(
+    "window",
+    [None, {"sliding_window": 3}, {"sliding_window": 3, "sliding_window_layers": (1,)}],
+    ids=["full", "all-windowed", "mixed"],
+)
+def test_cached_decoding_equals_recomputing_the_whole_sequence(model_factory, window):
+    """The static KV cache (rings for windowed layers, prompts longer than the window) gives
+    the tokens and log-probs of a forward over the whole sequence at every step."""
+    model = model_factory(**(window or {}))
+    params = SamplingParams(max_new_tokens=8, temperature=0.9, top_k=30)
+    cached = TorchGenerator(model).generate(PROMPTS, params, seeds=[1, 2, 3])
+    full = TorchGenerator(AsCausalLM(model)).generate(PROMPTS, params, seeds=[1, 2, 3])
+    assert torch.equal(cached.tokens, full.tokens) and cached.mask.all()
+    torch.testing.assert_close(cached.logprobs, full.logprobs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        cached.processed_logprobs, full.processed_logprobs, rtol=0, atol=1e-5
+    )
+
+
+@pytest.mark.slow  # one torch.compile of the decode step (30-70 s on a shared 2-core machine)
+def test_compiled_decode_equals_eager_and_compiles_once(model_factory):
+    """The compiled step (the model's own forward over the static cache, with a windowed
+    layer's ring, then the sampler) gives eager's tokens, log-probs within fp32 rounding, and
+    one graph for every step and call, weights changed in place included."""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch._dynamo.reset()
     counters.clear()  # reset() keeps them: graphs of earlier tests in this process would count
-    eager, compiled = TorchGenerator(tiny_model), TorchGenerator(tiny_model, compile_decode=True)
-    sampled = SamplingParams(max_new_tokens=12, temperature=0.8, top_k=20)
-    stop = int(eager.generate(PROMPTS, sampled, seeds=[1, 2, 3]).tokens[0, 4])  # row 0 stops
-    cases = [
-        SamplingParams(max_new_tokens=12, temperature=0.0),
-        SamplingParams(max_new_tokens=12, temperature=0.8, top_k=20, stop_token_ids=(stop,)),
-    ]
-    for params in cases:
-        want = eager.generate(PROMPTS, params, seeds=[1, 2, 3])
-        for _ in range(2):
-            got = compiled.generate(PROMPTS, params, seeds=[1, 2, 3])
-            assert torch.equal(got.tokens, want.tokens) and torch.equal(got.mask, want.mask)
-            assert got.finish_reasons == want.finish_reasons
-            torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-5)
-            torch.testing.assert_close(
-                got.processed_logprobs, want.processed_logprobs, rtol=0, atol=1e-5
-            )
+    model = model_factory(num_layers=2, sliding_window=3, sliding_window_layers=(1,))
+    eager, compiled = TorchGenerator(model), TorchGenerator(model, compile_decode=True)
+    params = SamplingParams(max_new_tokens=10, temperature=0.8, top_k=20)
+    stop = int(eager.generate(PROMPTS, params, seeds=[1, 2, 3]).tokens[0, 4])  # row 0 stops
+    params = dataclasses.replace(params, stop_token_ids=(stop,))
+    want = eager.generate(PROMPTS, params, seeds=[1, 2, 3])
     assert want.finish_reasons[0] == "stop" and not want.mask.all()
-    # Weights changed in place behind the generator's back (through .data: no version bump)
-    # are seen by the next call, fused projections included.
-    greedy = cases[0]
-    before = compiled.generate(PROMPTS, greedy, seeds=[1, 2, 3])
-    for p in tiny_model.parameters():
+
+    def check(got, want):
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.mask, want.mask)
+        assert got.finish_reasons == want.finish_reasons
+        for name in ("logprobs", "processed_logprobs"):
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=1e-5)
+
+    check(compiled.generate(PROMPTS, params, seeds=[1, 2, 3]), want)
+    check(compiled.generate(PROMPTS, params, seeds=[1, 2, 3]), want)  # a new cache: no recompile
+    # Weights changed in place behind the generator's back are seen by the next call.
+    for p in model.parameters():
         p.data.mul_(-1.5)
-    want = eager.generate(PROMPTS, greedy, seeds=[1, 2, 3])
-    got = compiled.generate(PROMPTS, greedy, seeds=[1, 2, 3])
-    assert torch.equal(got.tokens, want.tokens) and not torch.equal(got.tokens, before.tokens)
-    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-5)
-    # One graph per sampling setting (greedy, sampled), none per step or per repeated call.
-    assert counters["stats"]["unique_graphs"] == 2
+    changed = eager.generate(PROMPTS, params, seeds=[1, 2, 3])
+    assert not torch.equal(changed.tokens, want.tokens)
+    check(compiled.generate(PROMPTS, params, seeds=[1, 2, 3]), changed)
+    assert counters["stats"]["unique_graphs"] == 1
     assert sum(counters["graph_break"].values()) == 0
-
-
-def test_rowwise_linear_is_linear_for_every_row_count():
-    """The compiled step's products + sums form of ``F.linear`` (used for 2..32 rows; other row
-    counts go to ``F.linear`` itself) agrees with it within fp32 rounding, bias and leading
-    dims included."""
-    g = torch.Generator().manual_seed(0)
-    weight, bias = torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
-    for rows in (1, 2, 8, 32, 33):
-        x = torch.randn(rows, 1, 40, generator=g)
-        for b in (None, bias):
-            got, want = _rowwise_linear(x, weight, b), torch.nn.functional.linear(x, weight, b)
-            assert got.shape == want.shape == (rows, 1, 24)
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-            if rows not in _ROWWISE_ROWS:  # the fallback is F.linear itself
-                assert torch.equal(got, want)
 
 
 def test_generation_validate_catches_mismatched_lengths():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from titan_rl import (
-    ArithmeticTask,
+    ExactMatchTask,
     Generation,
     GRPOConfig,
     GRPOTrainer,
@@ -42,7 +42,18 @@ def _run(model_factory, tokenizer, steps: int, **overrides):
     return model, history
 
 
-class _LowIdTask(ArithmeticTask):
+def _sums(index: int) -> tuple[str, str]:
+    return f"{index}+{index}=", str(2 * index)
+
+
+def _task(tokenizer) -> ExactMatchTask:
+    return ExactMatchTask(tokenizer, _sums)
+
+
+class _LowIdTask(ExactMatchTask):
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer, _sums)
+
     def score(self, prompt, response_ids):
         from titan_rl import RewardResult
 
@@ -74,7 +85,7 @@ def test_async_never_trains_on_a_batch_older_than_the_bound(model_factory, token
 
 def test_trainer_refuses_a_batch_outside_the_bound(model_factory, tokenizer):
     model = model_factory()
-    task = ArithmeticTask(tokenizer)
+    task = _task(tokenizer)
     cfg = _config(tokenizer, mode="async", max_offpolicy_steps=1)
     trainer = GRPOTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0), task, cfg)
     batch = collect_rollouts(
@@ -86,13 +97,13 @@ def test_trainer_refuses_a_batch_outside_the_bound(model_factory, tokenizer):
 
 
 def test_a_raising_reward_is_a_logged_failed_reward(model_factory, tokenizer, caplog):
-    class Broken(ArithmeticTask):
+    class Broken(ExactMatchTask):
         def score(self, prompt, response_ids):
             raise KeyError("verifier bug")
 
     gen = TorchGenerator(model_factory())
     batch = collect_rollouts(
-        gen, Broken(tokenizer), step=0, num_prompts=2, group_size=2,
+        gen, Broken(tokenizer, _sums), step=0, num_prompts=2, group_size=2,
         sampling=SamplingParams(max_new_tokens=2),
     )  # fmt: skip
     assert batch.statuses == ["error"] * 4 and torch.equal(batch.rewards, torch.zeros(4))
@@ -108,7 +119,7 @@ def test_a_generator_with_mismatched_lengths_is_refused(model_factory, tokenizer
     gen = Broken(model_factory())
     with pytest.raises(ValueError, match="logprobs has shape"):
         collect_rollouts(
-            gen, ArithmeticTask(tokenizer), step=0, num_prompts=2, group_size=2,
+            gen, _task(tokenizer), step=0, num_prompts=2, group_size=2,
             sampling=SamplingParams(max_new_tokens=3),
         )  # fmt: skip
     assert isinstance(gen.generate([[1]], SamplingParams(max_new_tokens=1), [0]), Generation)
@@ -127,7 +138,7 @@ def test_bad_loop_config_is_refused(tokenizer, tiny_model):
         GRPOTrainer(
             tiny_model,
             torch.optim.SGD(tiny_model.parameters(), lr=0.1),
-            ArithmeticTask(tokenizer),
+            _task(tokenizer),
             _config(tokenizer, loss=LossConfig(kl_coef=0.1)),
         )
 

@@ -1,45 +1,29 @@
-"""Rewards: arithmetic task, exact match and boxed math answers (code rewards: test_sandbox)."""
+"""Rewards: the exact-match task, exact match and boxed math answers (code: test_sandbox)."""
 
 from __future__ import annotations
 
 import pytest
 
-from titan_rl import (
-    ArithmeticTask,
-    arithmetic_problem,
-    boxed_math_reward,
-    exact_match_reward,
-)
+from titan_rl import ExactMatchTask, boxed_math_reward, exact_match_reward
 
 
-def test_arithmetic_problems_match_the_app_corpus():
-    # Golden values produced by titan_train.data.arithmetic.arithmetic_problem (the app's copy).
-    got = [arithmetic_problem(s, i) for s, i in [(0, 0), (0, 1), (0, 2), (7, 123), (1, 5)]]
-    assert [(p.prompt, p.answer) for p in got] == [
-        ("12*6=", "72"),
-        ("72+97=", "169"),
-        ("11+10=", "21"),
-        ("73+65=", "138"),
-        ("61-26=", "35"),
-    ]
-    assert [arithmetic_problem(3, i, max_operand=999).prompt for i in range(4)] == [
-        "12+587=",
-        "6*9=",
-        "779+209=",
-        "10*8=",
-    ]
+def _sums(index: int) -> tuple[str, str]:
+    """A stand-in corpus: problem ``i`` is ``"i+i="`` with answer ``2i``."""
+    return f"{index}+{index}=", str(2 * index)
 
 
-def test_arithmetic_task_prompts_and_scores(tokenizer):
-    task = ArithmeticTask(tokenizer, seed=0)
-    (prompt,) = task.prompts(1, 1)
-    assert prompt.ids == [tokenizer.bos_id, *b"72+97="] and prompt.answer == "169"
+def test_exact_match_task_prompts_and_scores(tokenizer):
+    task = ExactMatchTask(tokenizer, _sums)
+    (prompt,) = task.prompts(36, 1)
+    assert prompt.ids == [tokenizer.bos_id, *b"36+36="] and prompt.answer == "72"
     eos = tokenizer.eos_id
-    assert task.score(prompt, [*b"169", eos]).status == "correct"
-    assert task.score(prompt, [*b"169", eos]).score == 1.0
-    assert task.score(prompt, [*b"168", eos]).status == "wrong"
-    assert task.score(prompt, [*b"1x9", eos]).status == "unparseable"
-    assert task.score(prompt, [*b"169"]).status == "truncated"  # no EOS: not an answer
+    assert task.score(prompt, [*b"72", eos]).status == "correct"
+    assert task.score(prompt, [*b"72", eos]).score == 1.0
+    assert task.score(prompt, [*b"71", eos]).status == "wrong"
+    assert task.score(prompt, [*b"7x", eos]).status == "unparseable"
+    assert task.score(prompt, [*b"72"]).status == "truncated"  # no EOS: not an answer
+    assert task.completion_text([*b"72", eos, *b"9"]) == "72"
+    assert [p.answer for p in task.prompts(3, 2)] == ["6", "8"]
 
 
 def test_exact_match():
@@ -67,11 +51,13 @@ def test_boxed_math_reward(completion, answer, status):
 
 
 def test_digit_credit_rewards_right_digits_below_an_exact_answer(tokenizer):
-    task = ArithmeticTask(tokenizer, seed=0, digit_credit=0.5)
-    (prompt,) = task.prompts(1, 1)  # 72+97= -> 169
+    task = ExactMatchTask(tokenizer, _sums, digit_credit=0.5)
+    (prompt,) = task.prompts(60, 1)  # 60+60= -> 120
     eos = tokenizer.eos_id
-    assert task.score(prompt, [*b"169", eos]).score == 1.0
-    assert task.score(prompt, [*b"168", eos]).score == pytest.approx(0.5 * 2 / 3)
-    assert task.score(prompt, [*b"69", eos]).score == 0.0  # wrong length: no credit
+    assert task.score(prompt, [*b"120", eos]).score == 1.0
+    assert task.score(prompt, [*b"121", eos]).score == pytest.approx(0.5 * 2 / 3)
+    assert task.score(prompt, [*b"20", eos]).score == 0.0  # wrong length: no credit
     with pytest.raises(ValueError, match="digit_credit"):
-        ArithmeticTask(tokenizer, digit_credit=1.0)
+        ExactMatchTask(tokenizer, _sums, digit_credit=1.0)
+    with pytest.raises(TypeError, match="problem must be a callable"):
+        ExactMatchTask(tokenizer, [("1+1=", "2")])

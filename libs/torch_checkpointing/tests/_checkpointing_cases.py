@@ -48,3 +48,20 @@ class CountingStorage(FileSystemStorage):
         data = super().read(path, offset, length)
         self.read_bytes[path] = self.read_bytes.get(path, 0) + len(data)
         return data
+
+
+def flip_byte(path, pos):
+    """Flip the lowest bit of the byte at ``pos`` (negative: from the end) of the file ``path``
+    (a digit stays a digit: a JSON file stays valid JSON)."""
+    data = bytearray(path.read_bytes())
+    data[pos] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def tree_bytes(root):
+    """Every file under ``root`` (lock files aside) with its bytes."""
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.name.startswith(".lock-")
+    }

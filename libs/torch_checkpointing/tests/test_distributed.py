@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,8 @@ from titan_testing import run_distributed
 from torch_checkpointing import (
     CheckpointError,
     CheckpointManager,
+    CheckpointWarning,
+    FsspecStorage,
     PerRank,
     load_hf,
     save_hf,
@@ -94,6 +97,25 @@ def count_module_collectives():
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
+
+
+@contextlib.contextmanager
+def count_offset_computations():
+    """Count calls of torch's DTensor offset computation (an arange over the sharded dim)."""
+    import torch.distributed.tensor._utils as dt_utils
+
+    calls: list[int] = []
+    real = dt_utils.compute_local_shape_and_global_offset
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dt_utils.compute_local_shape_and_global_offset = counted
+    try:
+        yield calls
+    finally:
+        dt_utils.compute_local_shape_and_global_offset = real
 
 
 class Progress:
@@ -306,21 +328,36 @@ def _four_rank_save(root: str) -> dict:
     reload_all(mgr, mesh, rank, world, "4->4", {"meta": meta})
     assert meta == {"step": 6, "who": "four"}
     mgr.close()
-    # HF export from 4 ranks, from DTensor and plain inputs (DTensors are gathered).
+    # HF export from 4 ranks: each writes its own pieces (column shards, a whole tensor on its
+    # owner, tiles, replicas once, a key only rank 3 holds as a pipeline stage would) in place;
+    # one tensor gets a layout transform after its pieces are written.
     full = global_tensors()
-    hf_in = {
-        f"model.{n}": build(full[n], "shard0" if full[n].dim() else "plain", mesh, rank, world)
-        for n in full
-    }
-    index = save_hf(hf_in, root_p / "hf", max_shard_size=300)
+    hf_in = {f"model.{n}": build(full[n], SAVE4[n], mesh, rank, world) for n in full}
+    if rank == 3:
+        hf_in["model.stage3"] = full["w1"][:5].clone()
+    transform = {"model.w3": hf_transform}
+    index = save_hf(hf_in, root_p / "hf", max_shard_size=300, transforms=transform)
+    # Pieces spread over ranks need a storage that writes at offsets; every rank says so.
+    memory = FsspecStorage(f"memory://hf-{rank}")
+    with pytest.raises(CheckpointError, match="cannot write at an offset"):
+        save_hf(hf_in, storage=memory)
+    # One rank's bad input: that rank raises it, the others name it (nobody hangs).
+    bad = {**hf_in, "model.z": torch.zeros(2, dtype=torch.complex128)} if rank == 1 else hf_in
+    with pytest.raises((TypeError, ValueError), match="complex128|rank 1 refused"):
+        save_hf(bad, root_p / "hf-bad")
     dist.barrier()
     return {"first": after_first, "six": after_six, "module": module_calls, "index": index}
+
+
+def hf_transform(w):
+    """A layout change as an HF adapter makes one: rows reversed, then transposed."""
+    return w.flip(0).t()
 
 
 def _four_rank_load(root: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = _mesh()
-    mgr = CheckpointManager(Path(root) / "ckpt2", async_mode="off")
+    mgr = CheckpointManager(Path(root) / "ckpt2", read_only=True)
     meta: dict = {}
     reload_all(mgr, mesh, rank, world, "2->4", {"meta": meta})
     assert meta["who"] == "two"
@@ -359,10 +396,13 @@ def _two_rank(root: str) -> dict:
         mgr = CheckpointManager(
             root_p / "train", process_group=pg, async_mode="process", keep_last=2
         )
+        out["offset_calls"] = []
         for step in range(1, 7):
             progress.tokens += 100
             progress.history.append(step)
-            mgr.save(step, state)
+            with count_offset_computations() as calls:
+                mgr.save(step, state)
+            out["offset_calls"].append(len(calls))
             snaps[step] = (local_snapshot(model.state_dict()), local_snapshot(opt.state_dict()))
             expected_draw = torch.rand(3)  # what the restored RNG must produce next
             fake_step(model, opt, seed=step)  # mutate right after save() returned
@@ -397,6 +437,24 @@ def _two_rank(root: str) -> dict:
     check_layout(owned2["emb"], full["w1"], "owned emb")
     mgr.load({"model": model2}, 5)
     assert same(local_snapshot(model2.state_dict()), snaps[5][0])
+    # -- damage that only rank 1 reads: with fallback=True both ranks load step 5, not just 1.
+    folder6 = next((root_p / "train").glob("step-000000000006.*"))
+    dist.barrier()
+    if rank == 1:
+        f = folder6 / "model-00001.safetensors"
+        data = bytearray(f.read_bytes())
+        data[-5] ^= 0x10
+        f.write_bytes(bytes(data))
+    dist.barrier()
+    model3 = build_model(mesh, seed=11)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert mgr.load({"model": model3}, fallback=True) == 5
+    assert same(local_snapshot(model3.state_dict()), snaps[5][0])
+    said = " ".join(str(w.message) for w in caught if w.category is CheckpointWarning)
+    assert "loaded step 5" in said and folder6.name in said, said
+    assert ("model-00001.safetensors" if rank == 1 else "ranks [1] found it damaged") in said
+    assert folder6.exists()  # left in place
     mgr.close()
 
     # -- async and sync writers produce identical data files.
@@ -410,7 +468,7 @@ def _two_rank(root: str) -> dict:
 
     # -- 4 -> 2 resharding, reading only the files that hold needed bytes.
     storage = CountingStorage(root_p / "ckpt4")
-    mgr4 = CheckpointManager(None, storage=storage, async_mode="off")
+    mgr4 = CheckpointManager(None, storage=storage, read_only=True)
     meta: dict = {}
     reload_all(mgr4, mesh, rank, world, "4->2", {"meta": meta})
     assert meta == {"step": 6, "who": "four"}
@@ -433,12 +491,15 @@ def _two_rank(root: str) -> dict:
         )
 
     # -- HF import of the 4-rank export, in place, into shardings.
+    hf_full = {**full, "w3": hf_transform(full["w3"]), "stage3": full["w1"][:5]}
+    layouts = {**LOADS[1], "stage3": "rows"}
     hf_target = {
-        f"model.{n}": build(full[n], LOADS[1][n], mesh, rank, world, empty=True) for n in full
+        f"model.{n}": build(t, layouts[n], mesh, rank, world, empty=True)
+        for n, t in hf_full.items()
     }
     load_hf(root_p / "hf", hf_target)
-    for n in full:
-        check_layout(hf_target[f"model.{n}"], full[n], f"hf {n}")
+    for n, t in hf_full.items():
+        check_layout(hf_target[f"model.{n}"], t, f"hf {n}")
     dist.barrier()
     return out
 
@@ -472,6 +533,8 @@ def test_two_ranks_round_trip_counts_and_4_to_2(two_ran):
     for r in two_ran:
         assert r["first"] == ["allgather"] and r["six"] == ["allgather"]
         assert r["module"] == []
+        # Shard offsets depend only on the layout: computed at the first save, never again.
+        assert r["offset_calls"][0] > 0 and r["offset_calls"][1:] == [0] * 5, r["offset_calls"]
     for rank, r in enumerate(two_ran):
         # Rank r needs rows [128 r, 128 r + 128): the files of saved ranks 2r and 2r+1. From
         # any other file it reads at most one checksum block (rank 0's file: the header).
@@ -491,7 +554,7 @@ def test_four_ranks_load_two_rank_checkpoint(shared, two_ran):
 def test_one_process_loads_both_and_hf_files_are_standard(shared, two_ran, four_saved):
     full = global_tensors()
     for name in ("ckpt2", "ckpt4"):
-        mgr = CheckpointManager(shared / name, async_mode="off")
+        mgr = CheckpointManager(shared / name, read_only=True)
         for layouts in (
             dict.fromkeys(full, "plain"),
             {"w1": "rows", "w2": "tiles", "w3": "owned", "e": "rows", "s": "plain"},
@@ -506,9 +569,12 @@ def test_one_process_loads_both_and_hf_files_are_standard(shared, two_ran, four_
     loaded = {}
     for f in files:
         loaded.update(load_file(str(shared / "hf" / f)))  # the reference safetensors reader
-    assert sorted(loaded) == sorted(f"model.{n}" for n in full)
+    assert sorted(loaded) == sorted([*(f"model.{n}" for n in full), "model.stage3"])
     for n in full:
-        assert torch.equal(loaded[f"model.{n}"], full[n])
+        want = hf_transform(full[n]) if n == "w3" else full[n]
+        assert torch.equal(loaded[f"model.{n}"], want), n
+    assert torch.equal(loaded["model.stage3"], full["w1"][:5])
     assert index["metadata"]["total_size"] == sum(
-        t.numel() * t.element_size() for t in full.values()
+        t.numel() * t.element_size() for t in loaded.values()
     )
+    assert not list((shared / "hf").glob(".tmp-*")) and not (shared / "hf-bad").exists()

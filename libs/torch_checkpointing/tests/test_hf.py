@@ -1,4 +1,4 @@
-"""HF-style sharded safetensors export and import (one process; 2/4 ranks in test_distributed)."""
+"""HF-style sharded safetensors export and import (one process; 4 ranks in test_distributed)."""
 
 from __future__ import annotations
 
@@ -94,9 +94,43 @@ def test_fsspec_backend_and_bad_input(tmp_path):
     assert all(torch.equal(back[k], sd[k]) for k in sd)
     with pytest.raises(ValueError, match="max_shard_size"):
         save_hf(sd, tmp_path, max_shard_size="lots")
-    with pytest.raises(TypeError, match="sharded tensor"):
-        save_hf({"x": Chunked((2,), torch.float32, [])}, tmp_path)
     with pytest.raises(TypeError, match="safetensors lacks"):
         save_hf({"x": torch.zeros(2, dtype=torch.complex128)}, tmp_path)
     with pytest.raises(FileNotFoundError):
         load_hf(tmp_path / "empty-dir")
+
+
+def test_pieces_and_layout_transforms_are_written_as_whole_hf_tensors(tmp_path):
+    sd = _state()
+    emb, q = sd["model.embed.weight"], sd["model.layers.0.attn.q.weight"]
+    pieces = dict(sd)
+    pieces["model.embed.weight"] = Chunked(  # uneven 2-D pieces, as flexshard or TP leave them
+        emb.shape,
+        emb.dtype,
+        [((0, 0), emb[:30, :8]), ((0, 8), emb[:30, 8:]), ((30, 0), emb[30:]), ((50, 0), emb[:0])],
+    )
+
+    def to_hf(w):  # a layout change: rows reversed, then transposed
+        return w.flip(0).t()
+
+    index = save_hf(pieces, tmp_path, transforms={"model.layers.0.attn.q.weight": to_hf})
+    assert index["weight_map"] == dict.fromkeys(sd, "model.safetensors")
+    loaded = load_file(str(tmp_path / "model.safetensors"))  # the reference reader
+    assert torch.equal(loaded["model.embed.weight"], emb)
+    assert torch.equal(loaded["model.layers.0.attn.q.weight"], to_hf(q))
+    assert all(torch.equal(loaded[k], sd[k]) for k in sd if k != "model.layers.0.attn.q.weight")
+
+
+def test_pieces_that_miss_or_overlap_elements_are_refused_before_any_file(tmp_path):
+    w = torch.arange(12.0).view(4, 3)
+    half = Chunked(w.shape, w.dtype, [((0, 0), w[:2])])
+    overlapping = Chunked(w.shape, w.dtype, [((0, 0), w[:3]), ((2, 0), w[2:])])
+    with pytest.raises(ValueError, match=r"pieces of w cover 6 of its 12 elements"):
+        save_hf({"w": half}, tmp_path / "a")
+    with pytest.raises(ValueError, match=r"w: pieces at \[0, 0\] \[3, 3\] and \[2, 0\].*overlap"):
+        save_hf({"w": overlapping}, tmp_path / "b")
+    with pytest.raises(ValueError, match="same dtype and number of elements"):
+        save_hf({"w": w}, tmp_path / "c", transforms={"w": lambda t: t[:2]})
+    with pytest.raises(ValueError, match=r"transforms name keys not in state_dict: \['v'\]"):
+        save_hf({"w": w}, tmp_path / "d", transforms={"v": lambda t: t})
+    assert not list(tmp_path.iterdir())  # not even the folders

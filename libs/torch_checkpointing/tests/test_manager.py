@@ -19,6 +19,7 @@ from torch_checkpointing import (
     CheckpointError,
     CheckpointManager,
     CheckpointNotFoundError,
+    CheckpointPolicy,
     CheckpointWriteError,
     CorruptCheckpointError,
     FileSystemStorage,
@@ -164,6 +165,17 @@ class FailingStorage(FileSystemStorage):
         super().write(path, chunks)
 
 
+class NoRename:
+    """A would-be storage that forgot ``rename``."""
+
+    process_safe = True
+
+    def __init__(self, root):
+        self._fs = FileSystemStorage(root)
+        for op in ("write", "read", "read_into", "size", "list", "exists", "delete"):
+            setattr(self, op, getattr(self._fs, op))
+
+
 # ---------------------------------------------------------------------------- round trip
 
 
@@ -306,7 +318,7 @@ def test_keep_last_keeps_newest_complete_and_removes_leftovers(tmp_path, mode):
             mgr.save(step, {"m": {"w": torch.full((4,), float(step))}})
         mgr.wait()
         assert mgr.steps() == [5, 6]
-    names = sorted(p.name for p in tmp_path.iterdir())
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-"))
     assert len(names) == 2 and not stale.exists()
     out = {"m": {"w": torch.empty(4)}}
     CheckpointManager(tmp_path, async_mode="off").load(out, 5)
@@ -320,7 +332,7 @@ def test_latest_step_skips_incomplete_checkpoints(tmp_path):
     assert mgr.latest_step() == 3
     (only_dir(tmp_path, 3) / "done-00000.json").unlink()  # rank 0 never finished step 3
     (only_dir(tmp_path, 2) / "manifest.json").unlink()  # the manifest of step 2 never landed
-    fresh = CheckpointManager(tmp_path, async_mode="off")
+    fresh = CheckpointManager(tmp_path, read_only=True)  # mgr still holds the root
     assert fresh.latest_step() == 1 and fresh.steps() == [1]
     out = {"m": {"w": torch.empty(3)}}
     assert fresh.load(out) == 1
@@ -416,6 +428,13 @@ def test_bad_arguments_are_rejected_before_any_work(tmp_path):
         CheckpointManager(tmp_path, keep_last=0)
     with pytest.raises(ValueError, match="block_size"):
         CheckpointManager(tmp_path, block_size=1000)
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['keep'\].*keep_last"):
+        CheckpointManager(tmp_path, keep=2)
+    with pytest.raises(TypeError, match=r"does not implement the Storage protocol.*'rename'"):
+        CheckpointManager(None, storage=NoRename(tmp_path))
+    policy = CheckpointPolicy(async_mode="off", keep_last=2)
+    with CheckpointManager(tmp_path / "p", policy=policy, keep_last=5) as m:  # keywords win
+        assert m.policy == CheckpointPolicy(async_mode="off", keep_last=5)
     mgr = CheckpointManager(tmp_path / "r", async_mode="off")
     with pytest.raises(ValueError, match="step must be an int >= 0"):
         mgr.save(-1, {"x": torch.zeros(1)})
@@ -425,7 +444,7 @@ def test_bad_arguments_are_rejected_before_any_work(tmp_path):
         mgr.save(1, {"x": {"f": lambda: 0}})
     with pytest.raises(TypeError, match="dict key"):
         mgr.save(1, {"x": {torch.zeros(1): 1}})
-    assert list((tmp_path / "r").iterdir()) == []  # nothing written
+    assert [p.name for p in (tmp_path / "r").iterdir()] == [".lock-00000.json"]  # the lock only
     with pytest.raises(CheckpointError, match="cannot be created"):
         (tmp_path / "afile").write_text("x")
         CheckpointManager(tmp_path / "afile" / "sub")

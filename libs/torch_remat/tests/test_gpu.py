@@ -1,4 +1,5 @@
-"""CUDA paths: pinned-memory offload really empties the device; peak from the allocator."""
+"""Accelerator paths (run on CUDA): pinned-memory offload really empties the device; peak from
+the allocator; the device RNG restored after planning."""
 
 from __future__ import annotations
 
@@ -30,10 +31,13 @@ def test_offload_on_cuda_keeps_no_activation_on_the_device(make_stack):
 
 @requires_gpus(1)
 def test_selective_on_cuda_matches_plain_gradients(make_stack):
-    def grads(policy):
+    def grads(policy, *, in_region=False):
         model, tokens = make_stack(layers=2, dim=128, seq=64)
         model, tokens = model.cuda(), tokens.cuda()
-        if policy is not None:
+        if policy is not None and in_region:
+            for block in model.layers:
+                block.mlp_region = policy  # replays its dropout from the device RNG it recorded
+        elif policy is not None:
             tr.apply(model, policy)
         torch.manual_seed(5)
         model(tokens).square().mean().backward()
@@ -41,5 +45,17 @@ def test_selective_on_cuda_matches_plain_gradients(make_stack):
 
     want = grads(None)
     for policy in (tr.Full(), tr.Selective(matmul_every=2), tr.Offload()):
-        for g, w in zip(grads(policy), want, strict=True):
-            assert torch.equal(g, w)
+        for in_region in (False, True):
+            for g, w in zip(grads(policy, in_region=in_region), want, strict=True):
+                assert torch.equal(g, w), (policy, in_region)
+
+
+@requires_gpus(1)
+def test_measure_and_plan_on_the_accelerator_use_its_allocator_and_rng(make_stack):
+    model, tokens = make_stack(layers=2, dim=128, seq=64)  # with dropout: forwards draw numbers
+    model, tokens = model.cuda(), tokens.cuda()
+    m = tr.measure(model, (tokens,), steps=1, warmup=0)
+    assert m.peak_bytes >= m.saved_bytes > 0  # torch.accelerator's counters, not the CPU path
+    state = torch.cuda.get_rng_state()
+    tr.plan(model, (tokens,), 0.5)  # profiling forwards run under a fork of the device RNG
+    assert torch.equal(torch.cuda.get_rng_state(), state)

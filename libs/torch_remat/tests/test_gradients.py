@@ -18,7 +18,7 @@ POLICIES = {
     "save_mm_recompute_pointwise": tr.Selective(save=("mm",), recompute=("pointwise",)),
     "every_2nd_layer": tr.EveryNth(2, tr.Selective()),
     "offload": tr.Offload(),
-    "per_unit_dict": {"layers.0": tr.Offload(), "layers.[12]": tr.Full()},
+    "per_unit_dict": {"layers.0": tr.Offload(), "layers.1": tr.Full(), "layers.2": tr.Full()},
     "per_unit_callable": lambda fqn: tr.Full() if fqn.endswith("3") else None,
 }
 

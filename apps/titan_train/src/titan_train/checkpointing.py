@@ -8,7 +8,9 @@ replicas, the data position and RNG).
 
 from __future__ import annotations
 
+import json
 import random
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +20,12 @@ from torch import nn
 
 import titan_models
 from titan_train.config import JobConfig
+from titan_train.errors import ConfigError
+from titan_train.materialize import global_state
 from titan_train.parallelize import ParallelModel
+from titan_train.run_folder import RunFolderPlan
 
-
-class ConfigError(ValueError):
-    """The job cannot start with this config; raised before anything is written."""
+__all__ = ["ConfigError", "TrainState", "checkpoint_state", "export_hf", "resume"]
 
 
 class TrainState:
@@ -118,58 +121,70 @@ def checkpoint_state(
     }
 
 
-def resume(cfg: JobConfig, run_dir: Path, stateful: dict[str, Any]) -> Any:
-    """The checkpoint manager (None without checkpoints), after loading the latest complete
-    checkpoint of the run folder when resuming. A checkpoint that does not fit this job (another
-    model, another layout) is a ``ConfigError`` and nothing is written."""
+def resume(cfg: JobConfig, plan: RunFolderPlan, stateful: dict[str, Any]) -> Any:
+    """The checkpoint manager (None without checkpoints), after loading the checkpoint the
+    plan resumes from (or the newest intact one below it, when that one turns out damaged:
+    a warning names what was skipped, nothing is deleted). A checkpoint that does not fit this
+    job (another model, another layout), or a root another live job holds, is a
+    ``ConfigError`` and nothing is written."""
     if cfg.checkpoint.interval == 0:
         return None
-    from torch_checkpointing import CheckpointManager, StateMismatchError
-
-    ckpt = CheckpointManager(
-        run_dir / "checkpoints",
-        async_mode=cfg.checkpoint.async_mode,
-        keep_last=cfg.checkpoint.keep_last,
+    from torch_checkpointing import (
+        CheckpointLockedError,
+        CheckpointManager,
+        CorruptCheckpointError,
+        StateMismatchError,
     )
-    step = ckpt.latest_step() if cfg.checkpoint.resume else None
-    if step is None:
-        return ckpt
+
+    root = plan.run_dir / "checkpoints"
     try:
-        ckpt.load(stateful, step)
+        ckpt = CheckpointManager(
+            root, async_mode=cfg.checkpoint.async_mode, keep_last=cfg.checkpoint.keep_last
+        )
+    except CheckpointLockedError as e:
+        raise ConfigError(str(e)) from None
+    if plan.resume_step is None:
+        return ckpt
+    step = plan.resume_step
+    try:
+        ckpt.load(stateful, step, fallback=True)
     except StateMismatchError as e:
         ckpt.close()
         diff = [*e.missing[:2], *e.unexpected[:2]]
         diff += [f"{name} ({ours} here, {theirs} saved)" for name, ours, theirs in e.mismatched[:2]]
         raise ConfigError(
-            f"checkpoint step {step} in {run_dir / 'checkpoints'} does not fit this job "
+            f"checkpoint step {step} in {root} does not fit this job "
             f"({cfg.model.family} {cfg.model.flavor}): {len(e.missing)} missing, "
             f"{len(e.unexpected)} unexpected, {len(e.mismatched)} mismatched entries, e.g. "
-            f"{', '.join(diff)}; use another --name or --checkpoint.no-resume"
+            f"{', '.join(diff)}; use another --name, or --checkpoint.no-resume --overwrite"
+        ) from None
+    except CorruptCheckpointError as e:
+        ckpt.close()
+        raise ConfigError(
+            f"no intact checkpoint to resume from in {root} ({e}); the damaged ones were left "
+            "in place: move them aside, or start over with --checkpoint.no-resume --overwrite"
         ) from None
     return ckpt
 
 
-def export_hf(pm: ParallelModel, model_cls: type, model_config: Any, path: Path) -> None:
-    """HF safetensors of the final weights: full tensors gathered to rank 0, written there."""
-    model = pm.parts[0]
-    rank = dist.get_rank() if pm.dims.world_size > 1 else 0
-    if pm.dims.world_size > 1:
-        from torch.distributed.tensor import DTensor
+def export_hf(pm: ParallelModel, model_config: Any, path: Path) -> None:
+    """HF safetensors of the final weights, written by every rank at once from the pieces it
+    holds (flexshard shards, tensor-parallel slices); see ``write_hf``."""
+    write_hf(global_state(pm), model_config, path)
 
-        import flexshard
 
-        if pm.sharded:
-            full = flexshard.full_state_dict(model, rank0_only=False)
-        else:
-            full = model.state_dict()
-        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in full.items()}
-        if rank == 0:
-            with torch.device("meta"):
-                model = model_cls(model_config)
-            model.to_empty(device="cpu")  # staging for the file writer
-            model.load_state_dict(full)
-        dist.barrier()
-    if rank == 0:
-        titan_models.to_hf(model, path)
-    if pm.dims.world_size > 1:
+def write_hf(state: Mapping[str, Any], model_config: Any, path: Path) -> None:
+    """``state`` (FQN -> whole tensor or this rank's pieces) as an HF folder: titan_models maps
+    it to HF keys (``hf_export``) and ``torch_checkpointing.save_hf`` writes every rank's
+    pieces into the files in place, nothing gathered. ``config.json`` comes last, so a folder
+    that has one is complete."""
+    from torch_checkpointing import save_hf
+
+    export = titan_models.hf_export(state, model_config)
+    save_hf(export.tensors, path, transforms=export.transforms)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        partial = path / ".config.json.partial"
+        partial.write_text(json.dumps(export.config, indent=2) + "\n")
+        partial.replace(path / "config.json")
+    if dist.is_initialized():
         dist.barrier()

@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from titan_train.trainer import ConfigError, prepare, train
+    from titan_train.trainer import ConfigError, NonFiniteError, prepare, train
+    from torch_checkpointing import CheckpointError
 
     if launcher.nproc > 1 and "LOCAL_RANK" not in os.environ:
         try:  # every check that needs no process, before launching any
@@ -97,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"titan-train: error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:
+        print(f"titan-train: error: {e}", file=sys.stderr)
+        return 1
+    except CheckpointError as e:  # a disk that is full or read-only, a lost connection
+        print(f"titan-train: error: checkpoint: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -124,8 +131,24 @@ def _relaunch(nproc: int, argv: list[str]) -> int:
     if "--nproc" in argv:  # "--nproc N" form: drop the value too
         i = argv.index("--nproc")
         args = argv[:i] + argv[i + 2 :]
-    torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "titan_train", *args])
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    # A rank that fails ends the others within the monitor interval; a stopped one is ended
+    # by its peers' process-group timeout (comm.timeout_s) or its own step watchdog.
+    launch = ["--standalone", f"--nproc-per-node={nproc}", f"--monitor-interval={MONITOR_S}"]
+    try:
+        torchrun([*launch, "-m", "titan_train", *args])
+    except ChildFailedError as e:
+        failures = ", ".join(
+            f"rank {rank} exit code {f.exitcode}" for rank, f in sorted(e.failures.items())
+        )
+        print(f"titan-train: error: the job failed ({failures}); see above", file=sys.stderr)
+        return 2 if all(f.exitcode == 2 for f in e.failures.values()) else 1
     return 0
+
+
+MONITOR_S = 0.5
+"""How often torchrun checks its ranks (seconds)."""
 
 
 if __name__ == "__main__":

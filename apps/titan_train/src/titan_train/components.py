@@ -1,10 +1,10 @@
 """Component overrides: swap modules of a built model, chosen by FQN glob, for named
 replacements, without touching the model code.
 
-A recipe lists ``model.overrides = ("layers.*.attention_norm=torch_rms_norm",
-"output=chunked_cross_entropy")``. Each replacement takes over the original module's
-parameters (the same ``nn.Parameter`` objects), so state dicts, checkpoints, HF export and the
-parallel plan see the same FQNs. This is where fused or alternative kernels plug in.
+A recipe lists ``model.overrides = ("output=chunked_cross_entropy",)``. Each replacement
+takes over the original module's parameters (the same ``nn.Parameter`` objects), so state
+dicts, checkpoints, HF export and the parallel plan see the same FQNs. This is where fused or
+alternative kernels plug in.
 
 ``chunked_cross_entropy`` replaces the output head with the loss itself: given the step's
 labels (``targets``), the head computes the cross-entropy over chunks of rows, each chunk's
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,23 +25,6 @@ from torch.utils.checkpoint import checkpoint
 import titan_models
 
 IGNORE_INDEX = -100
-
-
-class TorchRMSNorm(nn.Module):
-    """RMSNorm as one ``F.rms_norm`` call with the weight inside the kernel (the default norm
-    multiplies by the weight after rounding to the input dtype, as HF does: in bf16 the two
-    differ by an ulp)."""
-
-    def __init__(self, weight: nn.Parameter, eps: float) -> None:
-        super().__init__()
-        self.weight, self.eps = weight, eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-    def param_init(self, *, std: float = 0.0, out_std: float = 0.0) -> dict[str, Any]:
-        """Scale of one on every channel, as the norm it replaces."""
-        return {"weight": titan_models.Constant(1.0)}
 
 
 class ChunkedCrossEntropyHead(nn.Module):
@@ -86,12 +68,6 @@ def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> torch
     return F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def _torch_rms_norm(module: nn.Module) -> nn.Module:
-    if not isinstance(getattr(module, "weight", None), nn.Parameter) or not hasattr(module, "eps"):
-        raise TypeError("needs an RMSNorm-like module (a 'weight' parameter and 'eps')")
-    return TorchRMSNorm(module.weight, module.eps)
-
-
 def _chunked_cross_entropy(module: nn.Module) -> nn.Module:
     if not isinstance(module, nn.Linear) or module.bias is not None:
         raise TypeError("needs the bias-free nn.Linear output head")
@@ -99,7 +75,6 @@ def _chunked_cross_entropy(module: nn.Module) -> nn.Module:
 
 
 REPLACEMENTS: dict[str, Callable[[nn.Module], nn.Module]] = {
-    "torch_rms_norm": _torch_rms_norm,
     "chunked_cross_entropy": _chunked_cross_entropy,
 }
 """Replacement name -> factory building it from the module it replaces."""
@@ -113,7 +88,7 @@ def parse_overrides(overrides: tuple[str, ...]) -> list[tuple[str, str]]:
         if not sep or not pattern or not name:
             raise ValueError(
                 f"model.overrides entry {entry!r} must read 'module-glob=replacement' "
-                "(e.g. 'layers.*.ffn_norm=torch_rms_norm')"
+                "(e.g. 'output=chunked_cross_entropy')"
             )
         if name not in REPLACEMENTS:
             raise ValueError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -21,7 +22,7 @@ class ModelConfig:
     """Multi-token-prediction modules (DeepSeek-V3); -1 keeps the flavour's."""
     overrides: tuple[str, ...] = ()
     """Component overrides, ``"module-glob=replacement"`` (see titan_train.components), e.g.
-    ``output=chunked_cross_entropy`` or ``layers.*.ffn_norm=torch_rms_norm``."""
+    ``output=chunked_cross_entropy``."""
     attention_backend: str = "auto"
     """titan_models attention backend: auto (flex on CUDA, varlen elsewhere; context_parallel
     under parallel.cp > 1), flex, varlen, sdpa (dense mask: reference and short sequences), or
@@ -108,6 +109,10 @@ class TrainingConfig:
     """Use deterministic algorithms (bitwise-repeatable runs on CPU)."""
     mixed_precision: Literal["fp32", "bf16"] = "fp32"
     """Parameter/compute dtype; bf16 keeps fp32 master weights and reductions."""
+    skip_nonfinite: int = 0
+    """Steps with a non-finite gradient norm that may be skipped (no update) before the run
+    stops; 0: the first non-finite loss or norm stops the run, found at the next log step or
+    checkpoint (no host read per step). > 0 reads one flag per step on the host."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where each rank trains: auto takes the accelerator (``torch.accelerator``, device
     ``LOCAL_RANK``) when there is one, else the CPU."""
@@ -141,7 +146,7 @@ class DataConfig:
     """Fraction of documents held out for validation (by document index)."""
     arithmetic_slip_rate: float = 0.0
     """source=arithmetic: chance that a + / - document's answer is written with a systematic
-    slip (carry-less +, borrow-less -; titan_rl.slip_answer) instead of the true one. 0: the
+    slip (carry-less +, borrow-less -; titan_train.data.arithmetic.slip_answer) instead of the true one. 0: the
     clean corpus. Used by the arith_grpo RL recipe's pre-training run."""
     arithmetic_reverse_answer: bool = False
     """source=arithmetic: write answers least-significant digit first ("47+38=58" for 85)."""
@@ -184,6 +189,41 @@ class CompileConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class QuantizeConfig:
+    """Low-precision GEMMs (titan_models.quantize_modules), swapped in on the meta model
+    before parallelisation; master weights keep their dtype."""
+
+    linear: Literal["none", "fp8_tensorwise", "fp8_rowwise", "mxfp8"] = "none"
+    """Recipe of the linear layers' forward and backward GEMMs: per-tensor or per-row FP8
+    scales, or MXFP8 (e8m0 scale per 32 elements along the reduction dim)."""
+    experts: Literal["none", "fp8_tensorwise", "fp8_rowwise", "mxfp8"] = "none"
+    """Recipe of the routed experts' grouped GEMMs (MoE models)."""
+    grad_dtype: Literal["e4m3", "e5m2"] = "e4m3"
+    """fp8 format of the output gradients in the backward GEMMs (inputs, weights: e4m3)."""
+    kernels: Literal["auto", "emulated"] = "auto"
+    """auto: the device's fp8 kernels on CUDA (an error where it has none for the recipe),
+    emulation elsewhere; emulated: quantise and dequantise as the kernels would, multiply in
+    fp32, on any device."""
+    include: tuple[str, ...] = ()
+    """Module globs to quantise ('*' within a segment, '**' a run of them); empty: every
+    linear / experts module (router gates always stay in high precision)."""
+    exclude: tuple[str, ...] = ("output",)
+    """Module globs left in high precision."""
+
+
+@dataclass(kw_only=True, slots=True)
+class FlexShardConfig:
+    """Options of flexshard's data-parallel sharding."""
+
+    fp8_gather: bool = False
+    """All-gather the quantised linears' weights as e4m3 tiles with power-of-two scales
+    (BlockShard + quantize='fp8_block_pow2'): half the bytes of bf16, and the GEMMs'
+    re-quantisation of the gathered weight is exact for MXFP8 (the weight is rounded once)."""
+    fp8_block: int = 128
+    """Tile edge of the FP8 gather, a multiple of 32 dividing both dims of every such weight."""
+
+
+@dataclass(kw_only=True, slots=True)
 class MetricsConfig:
     """What is logged and where."""
 
@@ -218,6 +258,14 @@ class JobConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
+    flexshard: FlexShardConfig = field(default_factory=FlexShardConfig)
+    overwrite: bool = False
+    """With --checkpoint.no-resume in a run folder that holds checkpoints: move the old run's
+    outputs to <run>/archive/<time>/ and start over (nothing is deleted)."""
+    allow_config_change: bool = False
+    """When resuming: apply changed lr / steps / checkpoint / metrics settings from the resumed
+    step (recorded in config.json's history) instead of refusing."""
 
 
 def validate(cfg: JobConfig) -> None:
@@ -235,11 +283,27 @@ def validate(cfg: JobConfig) -> None:
             f"training.batch_size={t.batch_size} must be divisible by "
             f"training.grad_accum={t.grad_accum}"
         )
-    if t.max_grad_norm < 0:
-        raise ValueError(f"training.max_grad_norm={t.max_grad_norm} must be >= 0 (0 disables)")
+    if not (math.isfinite(t.max_grad_norm) and t.max_grad_norm >= 0):
+        raise ValueError(
+            f"training.max_grad_norm={t.max_grad_norm} must be a finite number >= 0 (0 disables)"
+        )
+    if t.skip_nonfinite < 0:
+        raise ValueError(f"training.skip_nonfinite={t.skip_nonfinite} must be >= 0")
     o = cfg.optimizer
-    if o.lr <= 0:
-        raise ValueError(f"optimizer.lr={o.lr} must be > 0")
+    for name in ("lr", "muon_lr", "eps"):
+        _finite_positive(f"optimizer.{name}", getattr(o, name))
+    for i, beta in enumerate(o.betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"optimizer.betas[{i}]={beta} must be in [0, 1)")
+    if not 0.0 <= o.momentum < 1.0:
+        raise ValueError(f"optimizer.momentum={o.momentum} must be in [0, 1)")
+    if not (math.isfinite(o.weight_decay) and o.weight_decay >= 0):
+        raise ValueError(f"optimizer.weight_decay={o.weight_decay} must be a finite number >= 0")
+    if not (math.isfinite(cfg.metrics.peak_flops) and cfg.metrics.peak_flops >= 0):
+        raise ValueError(
+            f"metrics.peak_flops={cfg.metrics.peak_flops} must be > 0 (FLOP/s per rank), or 0 "
+            "to measure it"
+        )
     s = cfg.lr_schedule
     if s.warmup_steps < 0:
         raise ValueError(f"lr_schedule.warmup_steps={s.warmup_steps} must be >= 0")
@@ -293,11 +357,26 @@ def validate(cfg: JobConfig) -> None:
     if cfg.metrics.validate_every < 0:
         raise ValueError(f"metrics.validate_every={cfg.metrics.validate_every} must be >= 0")
     _positive("remat.every_nth", cfg.remat.every_nth)
-    if not cfg.comm.timeout_s > 0:
-        raise ValueError(f"comm.timeout_s={cfg.comm.timeout_s} must be > 0 (seconds)")
+    _finite_positive("comm.timeout_s", cfg.comm.timeout_s)
     if cfg.comm.fake_world_size < 0:
         raise ValueError(
             f"comm.fake_world_size={cfg.comm.fake_world_size} must be >= 0 (0: a real run)"
+        )
+    f = cfg.flexshard
+    if f.fp8_block < 32 or f.fp8_block % 32:
+        raise ValueError(
+            f"flexshard.fp8_block={f.fp8_block} must be a positive multiple of 32 (MX blocks of "
+            "32 must lie inside one tile)"
+        )
+    if f.fp8_gather and cfg.quantize.linear == "none":
+        raise ValueError(
+            "flexshard.fp8_gather gathers the weights the FP8 GEMMs read: it needs "
+            "quantize.linear other than 'none'"
+        )
+    if f.fp8_gather and cfg.optimizer.name == "muon":
+        raise ValueError(
+            "flexshard.fp8_gather with optimizer.name='muon' is not supported (Muon keeps the "
+            "matrices Owned, whole on one rank: there is nothing to gather in tiles)"
         )
     if not cfg.name or "/" in cfg.name or cfg.name in (".", ".."):
         raise ValueError(f"name={cfg.name!r} must be a non-empty folder name without '/'")
@@ -305,6 +384,11 @@ def validate(cfg: JobConfig) -> None:
 
 _BUILTIN_ATTENTION_BACKENDS = ("auto", "context_parallel", "flex", "sdpa", "varlen")
 """titan_models' own attention backends (checked without importing torch)."""
+
+
+def _finite_positive(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={value} must be a finite number > 0")
 
 
 def _positive(name: str, value: int) -> None:

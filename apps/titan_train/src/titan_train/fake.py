@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import resource
 import time
 import weakref
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +36,38 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+import titan_models
 from titan_train.config import JobConfig
 from titan_train.data.tokenizers import Tokenizer
 from titan_train.device import FAKE_DEVICE
 from titan_train.parallelize import ParallelDims
+
+
+class _FusedAttentionMemory(torch.autograd.Function):
+    """What a fused attention kernel (flash / FlexAttention / cuDNN) keeps: it saves q, k, v,
+    the output and an fp32 ``(B, S, H)`` log-sum-exp, and materialises no score matrix. On
+    fake tensors only the shapes and the saved storages matter."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fused_attention_memory(q, k, v, meta, prepared, *, window, sinks, scale, softcap):
+    return _FusedAttentionMemory.apply(q, k, v)
+
+
+FAKE_ATTENTION = "fused_memory_model"
+"""The attention backend of fake mode: an accelerator's fused kernels cannot run on fake
+``meta`` tensors (FlexAttention refuses the device), so their memory is modelled instead."""
 
 
 def static_moe(model: nn.Module) -> None:
@@ -125,13 +155,12 @@ def run_fake(
     loader, _ = _loaders(cfg, tokenizer, dp_rank=0, dp_size=dims.dp)
     batches = [next(loader) for _ in range(cfg.training.steps)]  # real tensors, made outside
     stages = []
+    # One fresh process per rank: torch's DeviceMesh caches outlive a destroyed process group.
+    spawn = multiprocessing.get_context("spawn")
     for rank in _representative_ranks(dims):
         start = time.perf_counter()
-        try:
-            row = _run_rank(cfg, dims, model_cls, config, rank, batches)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+            row = pool.submit(_run_rank, cfg, dims, model_cls, config, rank, batches).result()
         row["seconds"] = round(time.perf_counter() - start, 2)
         stages.append(row)
     with torch.device("meta"):
@@ -147,7 +176,10 @@ def run_fake(
         "seq_len": cfg.training.seq_len,
         "batch_size": cfg.training.batch_size,
         "stages": stages,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": max(
+            resource.getrusage(who).ru_maxrss * 1024
+            for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        ),
     }
     run_dir = Path(cfg.output_dir) / cfg.name
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -157,6 +189,30 @@ def run_fake(
 
 
 def _run_rank(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    model_cls: type,
+    config: Any,
+    rank: int,
+    batches: list[Any],
+) -> dict[str, Any]:
+    """Rank ``rank``'s fake steps and memory (in a fresh process: see ``run_fake``)."""
+
+    device_type = "cuda" if cfg.training.device == "auto" else cfg.training.device
+    if hasattr(config, "attention_backend"):
+        backend = titan_models.resolve_attention_backend(config.attention_backend, device_type)
+        if backend in ("flex", "varlen") and device_type == "cuda":  # fused kernels there
+            titan_models.register_attention_backend(FAKE_ATTENTION, _fused_attention_memory)
+            backend = FAKE_ATTENTION
+        config = dataclasses.replace(config, attention_backend=backend)
+    try:
+        return _fake_steps(cfg, dims, model_cls, config, rank, batches)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _fake_steps(
     cfg: JobConfig,
     dims: ParallelDims,
     model_cls: type,

@@ -36,10 +36,18 @@ def _synchronize(device: torch.device) -> None:
 
 
 class MetricsLogger:
-    """Writes each logged step to the console, ``metrics.jsonl`` and TensorBoard (rank 0 only)."""
+    """Writes each logged step to the console, ``metrics.jsonl`` and TensorBoard (rank 0 only).
+    A run resumed from ``resumed_step`` drops the records of later steps from
+    ``metrics.jsonl`` first: those steps run again and are logged again."""
 
     def __init__(
-        self, run_dir: Path, *, total_steps: int, tensorboard: bool, enabled: bool = True
+        self,
+        run_dir: Path,
+        *,
+        total_steps: int,
+        tensorboard: bool,
+        enabled: bool = True,
+        resumed_step: int = 0,
     ) -> None:
         self.run_dir, self.total_steps, self.enabled = run_dir, total_steps, enabled
         self._start = time.perf_counter()
@@ -50,6 +58,8 @@ class MetricsLogger:
         from rich.console import Console
 
         self._console = Console(highlight=False)
+        if resumed_step:
+            _drop_records_after(run_dir / "metrics.jsonl", resumed_step)
         self._jsonl = (run_dir / "metrics.jsonl").open("a")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -115,6 +125,23 @@ class MetricsLogger:
         fig.tight_layout()
         fig.savefig(self.run_dir / "loss.png", dpi=120)
         plt.close(fig)
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Keep the records of steps <= ``step`` (an atomic rewrite; unparsable lines are kept)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            if json.loads(line)["step"] > step:
+                continue
+        except (ValueError, KeyError, TypeError):
+            pass
+        kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
 
 
 def _fmt(v: float) -> str:

@@ -4,7 +4,9 @@
 (the whole model, or its pipeline stages), applies in order: tensor parallelism (torch
 DTensor ``parallelize_module`` from the plan's layout), expert parallelism (``dist_moe``),
 rematerialisation (``torch_remat``, per block), per-block ``torch.compile``, and data-parallel
-sharding (``flexshard``; Muon puts matrices ``Owned``). Nothing is allocated: ``materialize``
+sharding (``flexshard``; Muon puts matrices ``Owned``; ``flexshard.fp8_gather`` tiles the FP8
+linears' weights ``BlockShard`` gathered in e4m3). Before all of it, ``quantize.*`` swaps the
+linears and experts for FP8 / MXFP8 ones (``low_precision``). Nothing is allocated: ``materialize``
 then gives each rank the pieces it holds. The pipeline split happens first, so each stage is
 parallelised on its own, as in torchtitan. No sharding, schedule or MoE logic lives here: only
 the wiring.
@@ -272,7 +274,11 @@ def parallelize(
     model: nn.Module, cfg: JobConfig, dims: ParallelDims, meshes: dict[str, Any]
 ) -> ParallelModel:
     """Split, shard and wrap ``model`` (on the meta device) for this rank; nothing is
-    allocated (``materialize`` does that)."""
+    allocated (``materialize`` does that). ``quantize.*`` swaps in the FP8 / MXFP8 GEMMs first,
+    on the whole model, so every layout below shards the swapped modules."""
+    from titan_train.low_precision import apply_quantize
+
+    apply_quantize(model, cfg)
     plan = titan_models.get_plan(model.config)
     pm = ParallelModel(parts=[model], dims=dims, meshes=meshes)
     if dims.pp > 1:
@@ -410,7 +416,11 @@ def _apply_data_parallel(module: nn.Module, cfg: JobConfig, pm: ParallelModel) -
     defaults = fs.default_buckets(module, ignored_params=local_experts)
     for bucket in _merge_into_root(defaults, "mtp."):
         params = list(bucket.match)
-        if cfg.optimizer.name == "muon" and bucket.name != "<root>":
+        if cfg.flexshard.fp8_gather:  # the FP8 linears' weights gathered as e4m3 tiles
+            from titan_train.low_precision import fp8_gather_buckets
+
+            buckets += fp8_gather_buckets(module, bucket, cfg)
+        elif cfg.optimizer.name == "muon" and bucket.name != "<root>":
             mats = [p for p in params if _local(p).ndim == 2]
             rest = [p for p in params if _local(p).ndim != 2]
             if mats:

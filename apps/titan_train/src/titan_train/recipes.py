@@ -70,7 +70,7 @@ def _full_size(name: str, family: str, flavor: str, parallel: ParallelConfig) ->
         optimizer=OptimizerConfig(lr=3e-4, weight_decay=0.1),
         lr_schedule=LRScheduleConfig(warmup_steps=2000, decay="cosine", min_lr_ratio=0.1),
         training=TrainingConfig(
-            steps=100_000, batch_size=4, seq_len=8192, mixed_precision="bf16", grad_accum=1
+            steps=100_000, batch_size=1, seq_len=8192, mixed_precision="bf16", grad_accum=1
         ),
         checkpoint=CheckpointConfig(interval=500, keep_last=3, async_mode="process"),
         remat=RematConfig(policy="selective"),
@@ -79,13 +79,13 @@ def _full_size(name: str, family: str, flavor: str, parallel: ParallelConfig) ->
 
 @recipe
 def llama3_8b() -> JobConfig:
-    """Llama 3.1 8B pre-training on 64 GPUs: FSDP 64 (one node of TP would also do)."""
+    """Llama 3.1 8B pre-training on 64 GPUs: FSDP 64, one 8192-token sequence per rank."""
     return _full_size("llama3_8b", "llama3", "8B", ParallelConfig(dp_shard=64))
 
 
 @recipe
 def llama3_70b() -> JobConfig:
-    """Llama 3.1 70B on 256 GPUs: TP 8 within a node, PP 4 (interleaved), FSDP 8."""
+    """Llama 3.1 70B on 256 GPUs: TP 8 within a node, PP 4 (interleaved), FSDP 8; full remat."""
     cfg = _full_size(
         "llama3_70b",
         "llama3",
@@ -93,6 +93,7 @@ def llama3_70b() -> JobConfig:
         ParallelConfig(dp_shard=8, tp=8, pp=4, pp_schedule="interleaved_1f1b", pp_microbatches=8),
     )
     cfg.training.batch_size = 8
+    cfg.remat = RematConfig(policy="full")  # 8 microbatches in flight on the first stage
     return cfg
 
 
@@ -113,8 +114,10 @@ def llama3_405b() -> JobConfig:
 
 @recipe
 def qwen3_32b() -> JobConfig:
-    """Qwen3 32B on 128 GPUs: TP 8, FSDP 16."""
-    return _full_size("qwen3_32b", "qwen3", "32B", ParallelConfig(dp_shard=16, tp=8))
+    """Qwen3 32B on 128 GPUs: TP 8, FSDP 16; full remat."""
+    cfg = _full_size("qwen3_32b", "qwen3", "32B", ParallelConfig(dp_shard=16, tp=8))
+    cfg.remat = RematConfig(policy="full")
+    return cfg
 
 
 @recipe
@@ -128,6 +131,7 @@ def qwen3_moe_235b() -> JobConfig:
         ParallelConfig(dp_shard=64, pp=4, ep=64, pp_microbatches=4),
     )
     cfg.training.seq_len = 4096
+    cfg.training.batch_size = 4  # one sequence per pipeline microbatch
     return cfg
 
 
@@ -166,4 +170,84 @@ def deepseek_v3_671b() -> JobConfig:
     cfg.training.seq_len = 4096
     cfg.training.batch_size = 2
     cfg.remat = RematConfig(policy="full")
+    return cfg
+
+
+@recipe
+def gpt_oss_debug() -> JobConfig:
+    """Tiny gpt-oss (alternating window-16 / full attention with biases and learned sinks,
+    8 biased clamped-SwiGLU experts top-2, YaRN) on arithmetic."""
+    cfg = llama3_debug()
+    cfg.name = "gpt_oss_debug"
+    cfg.model = ModelConfig(family="gpt_oss", flavor="debug")
+    return cfg
+
+
+@recipe
+def gpt_oss_120b() -> JobConfig:
+    """gpt-oss-120b pre-training on 64 GPUs: FSDP 64 with its 128 experts over EP 32 (four
+    per GPU, each sharded over two FSDP ranks); full remat. Fake mode estimates ~88 GiB per
+    rank at 2 × 8192 tokens (selective remat at 4 × 8192 would keep ~175 GiB of activations)."""
+    cfg = _full_size("gpt_oss_120b", "gpt_oss", "120B", ParallelConfig(dp_shard=64, ep=32))
+    cfg.training.batch_size = 2
+    cfg.remat = RematConfig(policy="full")
+    return cfg
+
+
+@recipe
+def deepseek_v4_debug() -> JobConfig:
+    """Tiny DeepSeek-V4 (sliding / compressed-sparse / heavily-compressed attention, two
+    hyper-connection streams, a hash-routed then learned MoE layers) on arithmetic."""
+    cfg = llama3_debug()
+    cfg.name = "deepseek_v4_debug"
+    cfg.model = ModelConfig(family="deepseek_v4", flavor="debug")
+    return cfg
+
+
+@recipe
+def qwen3_5_debug() -> JobConfig:
+    """Tiny Qwen3.5 (Gated DeltaNet + gated attention, alternating) on arithmetic."""
+    cfg = llama3_debug()
+    cfg.name = "qwen3_5_debug"
+    cfg.model = ModelConfig(family="qwen3_5", flavor="debug")
+    return cfg
+
+
+@recipe
+def qwen3_5_moe_debug() -> JobConfig:
+    """Tiny Qwen3.5-MoE (Gated DeltaNet + gated attention, 8 experts top-2 + a gated shared
+    expert) on arithmetic."""
+    cfg = llama3_debug()
+    cfg.name = "qwen3_5_moe_debug"
+    cfg.model = ModelConfig(family="qwen3_5_moe", flavor="debug")
+    return cfg
+
+
+@recipe
+def kimi_linear_debug() -> JobConfig:
+    """Tiny Kimi Linear (Kimi Delta Attention + NoPE MLA, dense first block, sigmoid-routed
+    experts with aux-loss-free balancing) on arithmetic."""
+    cfg = llama3_debug()
+    cfg.name = "kimi_linear_debug"
+    cfg.model = ModelConfig(family="kimi_linear", flavor="debug")
+    return cfg
+
+
+@recipe
+def qwen3_5_moe_35b_a3b() -> JobConfig:
+    """Qwen3.5-35B-A3B on 64 GPUs: EP 64 = DP-shard 64 (four routed experts per GPU)."""
+    cfg = _full_size(
+        "qwen3_5_moe_35b_a3b", "qwen3_5_moe", "35B-A3B", ParallelConfig(dp_shard=64, ep=64)
+    )
+    cfg.training.seq_len = 4096
+    return cfg
+
+
+@recipe
+def kimi_linear_48b_a3b() -> JobConfig:
+    """Kimi Linear 48B-A3B on 64 GPUs: EP 64 = DP-shard 64 (four routed experts per GPU)."""
+    cfg = _full_size(
+        "kimi_linear_48b_a3b", "kimi_linear", "48B-A3B", ParallelConfig(dp_shard=64, ep=64)
+    )
+    cfg.training.seq_len = 4096
     return cfg

@@ -28,7 +28,9 @@ import torch
 
 import titan_models
 import titan_rl
+from titan_train.checkpointing import write_hf
 from titan_train.config import JobConfig
+from titan_train.data.arithmetic import Problem, answer_breakdown, arithmetic_problem
 from titan_train.data.tokenizers import ByteTokenizer
 
 
@@ -96,7 +98,7 @@ class RLConfig:
 def arith_grpo_clean() -> RLConfig:
     """GRPO on arithmetic from a 600-step llama3_debug run on the clean corpus (made first if
     absent, ~5 min), then at most 14 min of RL on 2 cores: learning a new skill (carrying)
-    from the reward, which gave +6.6 points (see titan_rl's README)."""
+    from the reward, which gave +6.6 points (see docs/benchmarks/titan_rl.md)."""
     return RLConfig(
         init_steps=600,
         lr=3e-5,
@@ -111,7 +113,7 @@ def arith_grpo_clean() -> RLConfig:
 def arith_grpo() -> RLConfig:
     """GRPO from a 3000-step llama3_debug run on a corpus with a competing wrong rule: answers
     written least-significant digit first, 60% of the + / - documents with carry-less /
-    borrow-less answers (see titan_rl's README for why); RL rewards the true answer only.
+    borrow-less answers (docs/benchmarks/titan_rl.md says why); RL rewards the true answer only.
     At most 14 min of RL on 2 cores; pre-training is made first if absent (~20 min)."""
     cfg = arith_grpo_clean()
     cfg.init_steps = 3000
@@ -188,6 +190,18 @@ def initial_model(cfg: RLConfig) -> tuple[torch.nn.Module, Path]:
     return titan_models.from_hf(hf_dir), hf_dir
 
 
+def arithmetic_problems(cfg: RLConfig, seed: int) -> Callable[[int], Problem]:
+    """Problem ``i`` of the corpus for ``seed`` with ``cfg``'s operands and digit order (never
+    the slip rule: the RL task and the held-out score use the true answer)."""
+
+    def problem(index: int) -> Problem:
+        return arithmetic_problem(
+            seed, index, max_operand=cfg.max_operand, reverse_answer=cfg.reverse_answer
+        )
+
+    return problem
+
+
 def run_rl(cfg: RLConfig) -> dict[str, Any]:
     """Post-train with GRPO; returns the summary (accuracy before/after, steps, seconds)."""
     validate_rl(cfg)
@@ -203,19 +217,10 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
 
-    task = titan_rl.ArithmeticTask(
-        tokenizer,
-        seed=cfg.train_seed,
-        max_operand=cfg.max_operand,
-        digit_credit=cfg.digit_credit,
-        reverse_answer=cfg.reverse_answer,
+    task = titan_rl.ExactMatchTask(
+        tokenizer, arithmetic_problems(cfg, cfg.train_seed), digit_credit=cfg.digit_credit
     )
-    heldout = titan_rl.ArithmeticTask(
-        tokenizer,
-        seed=cfg.heldout_seed,
-        max_operand=cfg.max_operand,
-        reverse_answer=cfg.reverse_answer,
-    )
+    heldout = titan_rl.ExactMatchTask(tokenizer, arithmetic_problems(cfg, cfg.heldout_seed))
     stop = (tokenizer.eos_id,)
     grpo = titan_rl.GRPOConfig(
         num_prompts=cfg.num_prompts,
@@ -248,7 +253,7 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
         answers = [
             heldout.completion_text(r) if tokenizer.eos_id in r else "" for r in out.responses()
         ]
-        return titan_rl.answer_breakdown(problems, answers, reverse_answer=cfg.reverse_answer)
+        return answer_breakdown(problems, answers, reverse_answer=cfg.reverse_answer)
 
     metrics_file = (run_dir / "metrics.jsonl").open("w")
     first = evaluate()
@@ -280,7 +285,7 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
     after = last["accuracy"]
     metrics_file.write(json.dumps({"step": len(history), "split": "eval", **last}) + "\n")
     metrics_file.close()
-    titan_models.to_hf(model, run_dir / "hf")
+    write_hf(model.state_dict(), model.config, run_dir / "hf")
     summary = {
         "accuracy_before": before,
         "accuracy_after": after,

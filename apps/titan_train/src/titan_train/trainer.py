@@ -17,7 +17,6 @@ device and are read only when logged.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import random
 import time
@@ -26,32 +25,33 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import titan_models
 from titan_train.checkpointing import (
-    ConfigError,
     TrainState,
     checkpoint_state,
     export_hf,
     resume,
 )
-from titan_train.components import apply_overrides, loss_head, parse_overrides
+from titan_train.components import apply_overrides, parse_overrides
 from titan_train.config import JobConfig, validate
 from titan_train.data.packing import IGNORE_INDEX, Batch, PackedLoader
 from titan_train.data.sources import DocumentSource
 from titan_train.data.tokenizers import Tokenizer, build_tokenizer
 from titan_train.device import (
-    FAKE_DEVICE,
     free_memory_bytes,
     init_fake_process_group,
     init_process_group,
     resolve_device,
 )
+from titan_train.errors import ConfigError, NonFiniteError
+from titan_train.losses import autocast, loss_sum
+from titan_train.low_precision import apply_quantize, check_low_precision
 from titan_train.lr_schedule import build_lr_scheduler
 from titan_train.materialize import local_bytes, materialize
 from titan_train.metrics import MetricsLogger, measure_matmul_flops, memory_bytes
+from titan_train.numerics import NonFiniteGuard
 from titan_train.parallelize import (
     ParallelDims,
     ParallelModel,
@@ -60,16 +60,29 @@ from titan_train.parallelize import (
     check_plan,
     parallelize,
 )
+from titan_train.pipelined import evaluate_pipeline, pipeline_micro_step
+from titan_train.run_folder import (
+    RunLock,
+    apply_resumed_changes,
+    archive_outputs,
+    plan_run_folder,
+    write_config,
+)
+from titan_train.watchdog import StepWatchdog
 
-__all__ = ["ConfigError", "StepResult", "build_model", "build_optimizer", "train", "train_step"]
+__all__ = [
+    "ConfigError",
+    "NonFiniteError",
+    "StepResult",
+    "build_model",
+    "build_optimizer",
+    "train",
+    "train_step",
+]
 
 
 def check_supported(cfg: JobConfig, dims: ParallelDims) -> None:
     """Reject combinations this trainer cannot run yet, before anything is built or written."""
-    if dims.pp > 1 and cfg.checkpoint.export_hf:
-        raise ValueError("checkpoint.export_hf with parallel.pp > 1 is not supported yet")
-    if dims.ep > 1 and cfg.checkpoint.export_hf:
-        raise ValueError("checkpoint.export_hf with parallel.ep > 1 is not supported yet")
     if dims.pp > 1 and cfg.compile.enabled:
         raise ValueError("compile.enabled with parallel.pp > 1 is not supported yet")
     chunked = any(n == "chunked_cross_entropy" for _, n in parse_overrides(cfg.model.overrides))
@@ -119,6 +132,7 @@ def build_model(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device) -> n
             model = model_cls(config)
         model.init_weights(device=device, seed=cfg.training.seed)
     apply_overrides(model, cfg.model.overrides)
+    apply_quantize(model, cfg)
     return model
 
 
@@ -165,36 +179,6 @@ def build_optimizer(pm: ParallelModel, cfg: JobConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, foreach=True)
 
 
-def _loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
-    head = loss_head(model)
-    if head is not None:  # the head computes the loss itself (chunked cross-entropy)
-        with head.targets(batch.labels):
-            return model(
-                batch.input_ids, positions=batch.positions, document_ids=batch.document_ids
-            )
-    inputs = dict(positions=batch.positions, document_ids=batch.document_ids)
-    num_mtp = getattr(model.config, "num_mtp_modules", 0)
-    if num_mtp and model.training:  # multi-token prediction: its weighted mean, per token
-        logits, mtp_logits = model(batch.input_ids, **inputs, return_mtp=True)
-        mtp = titan_models.mtp_loss(
-            mtp_logits,
-            batch.labels,
-            document_ids=batch.document_ids,
-            weight=model.config.mtp_loss_weight,
-            ignore_index=IGNORE_INDEX,
-        )
-        targets = (batch.labels != IGNORE_INDEX).sum()
-        return _cross_entropy_sum(logits, batch.labels) + mtp * targets
-    logits = model(batch.input_ids, **inputs)
-    return _cross_entropy_sum(logits, batch.labels)
-
-
-def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepResult:
     """What one step measured, on the device (read at log steps only)."""
@@ -205,6 +189,8 @@ class StepResult:
     """Global gradient norm before clipping."""
     expert_counts: torch.Tensor | None
     """Tokens per expert of this rank's MoE layers, ``(layers, E)``; None without MoE."""
+    skipped: bool = False
+    """The gradient norm was not finite and the update was skipped (``skip_nonfinite`` only)."""
 
 
 def train_step(
@@ -214,11 +200,13 @@ def train_step(
     cfg: JobConfig,
     *,
     on_grads: Any = None,
+    skip_nonfinite: bool = False,
 ) -> StepResult:
     """One optimizer step over ``grad_accum`` micro-batches of ``batch`` (on the training
     device); the loss is the mean over every target token of the global batch (see the module
     doc). Forces no host synchronisation. ``on_grads()`` runs once the gradients are
-    complete, before clipping."""
+    complete, before clipping. ``skip_nonfinite``: read whether the gradient norm is finite
+    (one host read) and skip the update when it is not."""
     import flexshard
 
     dims = pm.dims
@@ -235,10 +223,10 @@ def train_step(
             for part in pm.parts:
                 part.set_requires_gradient_sync(last)
         if pm.schedule is not None:
-            total += _pipeline_micro_step(pm, mb, scale, cfg, sync=last)
+            total += pipeline_micro_step(pm, mb, scale, cfg, sync=last)
             continue
-        with _autocast(cfg, mb.input_ids.device):
-            loss = _loss_sum(pm.parts[0], mb) * scale
+        with autocast(cfg, mb.input_ids.device):
+            loss = loss_sum(pm.parts[0], mb) * scale
         loss.backward()
         total += loss.detach()
     if on_grads is not None:
@@ -252,15 +240,18 @@ def train_step(
         norm = flexshard.clip_grad_norm_(params, cfg.training.max_grad_norm, **clip)
     else:
         norm = flexshard.global_grad_norm(params, **clip)
-    optimizer.step()
+    skipped = skip_nonfinite and not bool(torch.isfinite(norm))  # the same on every rank
+    if not skipped:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     counts = _expert_counts(pm)
-    _update_expert_biases(pm)
+    if not skipped:
+        _update_expert_biases(pm)
     if dims.dp_cp > 1:  # each rank's share (of dp x cp times the mean); tp ranks agree
         dist.all_reduce(total, group=pm.group("dp_cp"))
     if dims.pp > 1:  # only the last stage holds the loss
         dist.all_reduce(total, group=pm.group("pp"))
-    return StepResult(loss=total / dims.dp_cp, grad_norm=norm, expert_counts=counts)
+    return StepResult(total / dims.dp_cp, norm, counts, skipped)
 
 
 def _expert_counts(pm: ParallelModel) -> torch.Tensor | None:
@@ -289,59 +280,6 @@ def _moe_load(counts: torch.Tensor | None) -> dict[str, float]:
     return {"moe_load_max": max(ratios), "moe_load_mean": sum(ratios) / len(ratios)}
 
 
-def _sync_on_last(pm: ParallelModel, m: int) -> Any:
-    """Reduce each stage's gradients (flexshard) in its last microbatch's backward only."""
-
-    def hook(stage: Any, microbatch: int) -> None:
-        stage.module.set_requires_gradient_sync(microbatch == m - 1)
-
-    return hook if pm.sharded else None
-
-
-def _pipeline_micro_step(
-    pm: ParallelModel, mb: Batch, scale: torch.Tensor, cfg: JobConfig, *, sync: bool
-) -> torch.Tensor:
-    m = cfg.parallel.pp_microbatches
-
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return _cross_entropy_sum(logits, labels) * scale
-
-    with _autocast(cfg, mb.input_ids.device):
-        return _run_pipeline(
-            pm,
-            mb,
-            m,
-            loss_fn,
-            loss_scale=1.0,
-            before_backward=_sync_on_last(pm, m) if sync else None,
-        )
-
-
-def _run_pipeline(
-    pm: ParallelModel, batch: Batch, m: int, loss_fn: Any, **options: Any
-) -> torch.Tensor:
-    """One titan_pipeline step over ``batch`` in ``m`` microbatches; the summed losses (zero on
-    ranks without the last stage), on the device."""
-    import titan_pipeline
-
-    inputs = titan_pipeline.split_microbatches(batch.input_ids, m)
-    size = tuple(inputs[0].shape)
-    losses = titan_pipeline.run(
-        pm.schedule,
-        pm.stages,
-        inputs,
-        titan_pipeline.split_microbatches(batch.labels, m),
-        loss_fn,
-        stage_kwargs=_side_inputs(batch, m),
-        stage_outputs=[((*size, width), dtype) for width, dtype in pm.stage_outputs],
-        **options,
-    )
-    total = torch.zeros((), dtype=torch.float32, device=batch.input_ids.device)
-    for loss in losses:
-        total += loss.detach().float()
-    return total
-
-
 def _update_expert_biases(pm: ParallelModel) -> None:
     """Aux-loss-free balancing: one bias update per step from the loads of every DP rank."""
     import dist_moe
@@ -349,21 +287,6 @@ def _update_expert_biases(pm: ParallelModel) -> None:
     group = pm.group("dp_cp")  # every rank's tokens (None: one process)
     for part in pm.parts:
         dist_moe.update_expert_biases(part, group)
-
-
-def _side_inputs(batch: Batch, m: int) -> list[dict[str, torch.Tensor]]:
-    """What every pipeline stage needs besides its input, per microbatch."""
-    return [
-        {"positions": pos, "document_ids": doc}
-        for pos, doc in zip(batch.positions.chunk(m), batch.document_ids.chunk(m), strict=True)
-    ]
-
-
-def _autocast(cfg: JobConfig, device: torch.device) -> Any:
-    if device.type == FAKE_DEVICE.type:  # autocast has no meta variant; flexshard casts
-        return torch.autocast("cpu", enabled=False)
-    bf16 = cfg.training.mixed_precision == "bf16"
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16)
 
 
 @torch.no_grad()
@@ -381,7 +304,7 @@ def evaluate(
     for _ in range(num_batches):
         batch = next(loader) if shard is None else shard(next(loader))
         tokens += batch.num_target_tokens
-        total += _loss_sum(model, batch.to(device)).double()
+        total += loss_sum(model, batch.to(device)).double()
     model.train()
     return float(total), tokens
 
@@ -441,11 +364,21 @@ def prepare(
         tokenizer = build_tokenizer(cfg.data.tokenizer)
         model_cls, config = model_config(cfg, tokenizer)
         check_plan(cfg, dims, config)
+        max_len = getattr(config, "max_seq_len", None)
+        if max_len is not None and cfg.training.seq_len > max_len:
+            raise ValueError(
+                f"training.seq_len={cfg.training.seq_len} exceeds the model's max_seq_len="
+                f"{max_len} ({cfg.model.family} {cfg.model.flavor})"
+            )
         with torch.device("meta"):  # overrides checked on a model that allocates nothing
-            apply_overrides(model_cls(config), cfg.model.overrides)
+            meta_model = model_cls(config)
+            apply_overrides(meta_model, cfg.model.overrides)
+            check_low_precision(meta_model, cfg, dims)
         _loaders(cfg, tokenizer)  # checks data files and fields
         if not fake:
             resolve_device(cfg.training.device)
+            # resume / overwrite rules, config changes (torchrun's ranks: see train)
+            plan_run_folder(cfg, check_lock="LOCAL_RANK" not in os.environ)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     return dims, tokenizer, model_cls, config
@@ -485,12 +418,32 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     Outputs go to ``<output_dir>/<name>/``: ``config.json``, ``metrics.jsonl``, TensorBoard
     events, ``loss.png``, ``checkpoints/`` and, when asked, ``hf/`` (written by rank 0). With
     ``comm.fake_world_size`` it runs the fake backend instead (``titan_train.fake``).
+    A non-finite loss or gradient norm raises ``NonFiniteError`` naming the step (see
+    ``training.skip_nonfinite``); no checkpoint is written after it.
     """
     dims, tokenizer, model_cls, config = prepare(cfg)
     if cfg.comm.fake_world_size:
         from titan_train.fake import run_fake
 
         return run_fake(cfg, dims, tokenizer, model_cls, config)
+    rank = int(os.environ.get("RANK", "0"))
+    run_lock = RunLock(Path(cfg.output_dir) / cfg.name) if rank == 0 else None
+    try:
+        return _train(cfg, dims, tokenizer, model_cls, config, stop_after)
+    finally:
+        if run_lock is not None:
+            run_lock.release()
+
+
+def _train(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    tokenizer: Tokenizer,
+    model_cls: type,
+    config: Any,
+    stop_after: int | None,
+) -> dict[str, Any]:
+    plan = plan_run_folder(cfg, check_lock=False)  # on every rank, before any rank writes
     device = resolve_device(cfg.training.device)
     if cfg.training.deterministic:
         if device.type == "cuda":  # cuBLAS needs a fixed workspace to be deterministic
@@ -509,12 +462,17 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     scheduler = build_lr_scheduler(optimizer, cfg.training.steps, cfg.lr_schedule)
     state = TrainState(device)
 
-    run_dir = Path(cfg.output_dir) / cfg.name
+    run_dir = plan.run_dir
+    if plan.archive and rank == 0:
+        archive_outputs(run_dir)
+    if dims.world_size > 1:
+        dist.barrier()
     stateful = checkpoint_state(pm, optimizer, scheduler, loader, state)
-    ckpt = resume(cfg, run_dir, stateful)  # before anything is written to the run folder
+    ckpt = resume(cfg, plan, stateful)  # before anything else is written to the run folder
+    apply_resumed_changes(plan, cfg, optimizer, scheduler)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        write_config(run_dir, cfg, plan)
     if dims.world_size > 1:
         dist.barrier()
 
@@ -523,6 +481,7 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict[str, Any]:
         total_steps=cfg.training.steps,
         tensorboard=cfg.metrics.tensorboard,
         enabled=rank == 0,
+        resumed_step=state.step,
     )
     bf16 = cfg.training.mixed_precision == "bf16"
     peak = cfg.metrics.peak_flops or measure_matmul_flops(
@@ -530,50 +489,65 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     )
     flops_per_token = titan_models.flops_per_token(config, cfg.training.seq_len)
     tokens_per_step = cfg.training.batch_size * cfg.training.seq_len * dims.dp
+    guard = NonFiniteGuard(cfg.training.skip_nonfinite)
     losses: list[float] = []
-    pending: list[torch.Tensor] = []  # device losses not yet read
     last_log = time.perf_counter()
     steps_since_log = 0
     end = cfg.training.steps if stop_after is None else min(stop_after, cfg.training.steps)
-    while state.step < end:
-        batch = next(loader).to(device)
-        result = train_step(pm, optimizer, batch, cfg)
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
-        state.step += 1
-        steps_since_log += 1
-        pending.append(result.loss)
-        if state.step % cfg.metrics.log_every == 0 or state.step == end:
-            losses += torch.stack(pending).tolist()  # the one host read per log interval
-            pending.clear()
-            elapsed = time.perf_counter() - last_log
-            tps = steps_since_log * tokens_per_step / elapsed
-            logger.log(
-                state.step,
-                {
-                    "loss": losses[-1],
-                    "grad_norm": float(result.grad_norm),
-                    "lr": lr,
-                    "tokens_per_s": tps,
-                    "mfu": tps * flops_per_token / (peak * dims.world_size),
-                    **_moe_load(result.expert_counts),
-                    **memory_bytes(device),
-                },
-            )
-            last_log, steps_since_log = time.perf_counter(), 0
-        every = cfg.metrics.validate_every
-        if every and (state.step % every == 0 or state.step == cfg.training.steps):
-            val = _validate(pm, cfg, tokenizer, val_src, device)
-            logger.log(state.step, {"loss": val}, prefix="validation")
-        if ckpt is not None and state.step % cfg.checkpoint.interval == 0:
-            ckpt.save(state.step, stateful)
-    if ckpt is not None:
-        ckpt.wait()
-        ckpt.close()
-    logger.close()
+    watchdog = StepWatchdog(_watchdog_limit(cfg), rank=rank) if dims.world_size > 1 else None
+    try:
+        while state.step < end:
+            batch = next(loader).to(device)
+            result = train_step(pm, optimizer, batch, cfg, skip_nonfinite=guard.per_step)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            state.step += 1
+            steps_since_log += 1
+            guard.add(state.step, result)
+            if state.step % cfg.metrics.log_every == 0 or state.step == end:
+                losses += guard.read()  # the one host read per log interval
+                elapsed = time.perf_counter() - last_log
+                tps = steps_since_log * tokens_per_step / elapsed
+                logger.log(
+                    state.step,
+                    {
+                        "loss": losses[-1],
+                        "grad_norm": float(result.grad_norm),
+                        "lr": lr,
+                        "tokens_per_s": tps,
+                        "mfu": tps * flops_per_token / (peak * dims.world_size),
+                        **_moe_load(result.expert_counts),
+                        **memory_bytes(device),
+                    },
+                )
+                last_log, steps_since_log = time.perf_counter(), 0
+            every = cfg.metrics.validate_every
+            if every and (state.step % every == 0 or state.step == cfg.training.steps):
+                val = _validate(pm, cfg, tokenizer, val_src, device)
+                logger.log(state.step, {"loss": val}, prefix="validation")
+            if ckpt is not None and state.step % cfg.checkpoint.interval == 0:
+                losses += guard.read()  # never save weights a non-finite step touched
+                ckpt.save(state.step, stateful)
+            if watchdog is not None:
+                watchdog.beat(state.step)
+        if watchdog is not None:
+            watchdog.pause()  # the last save and the export may take longer than a step
+        if ckpt is not None:
+            ckpt.wait()
+    finally:
+        if watchdog is not None:
+            watchdog.close()
+        if ckpt is not None:
+            ckpt.close()
+        logger.close()
     if cfg.checkpoint.export_hf and state.step == cfg.training.steps:
-        export_hf(pm, model_cls, config, run_dir / "hf")
+        export_hf(pm, config, run_dir / "hf")
     return {"losses": losses, "run_dir": run_dir, "model": pm.parts[0], "step": state.step}
+
+
+def _watchdog_limit(cfg: JobConfig) -> float:
+    """The step watchdog fires only after the process group's own timeout would have."""
+    return cfg.comm.timeout_s + max(60.0, 0.25 * cfg.comm.timeout_s)
 
 
 def _validate(
@@ -591,30 +565,9 @@ def _validate(
         n = cfg.metrics.validation_batches
         total, tokens = evaluate(pm.parts[0], val_loader, n, device, pm.shard_batch)
     else:
-        total, tokens = _evaluate_pipeline(pm, val_loader, cfg, device)
+        total, tokens = evaluate_pipeline(pm, val_loader, cfg, device)
     if pm.dims.world_size > 1:
         both = torch.tensor([total, float(tokens)], dtype=torch.float64, device=device)
         dist.all_reduce(both, group=pm.group("dp_cp"))
         total, tokens = float(both[0]), int(both[1])
     return total / max(1, tokens)
-
-
-@torch.no_grad()
-def _evaluate_pipeline(
-    pm: ParallelModel, loader: PackedLoader, cfg: JobConfig, device: torch.device
-) -> tuple[float, int]:
-    for part in pm.parts:
-        part.eval()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    tokens = 0
-    m = cfg.parallel.pp_microbatches
-    for _ in range(cfg.metrics.validation_batches):
-        batch = pm.shard_batch(next(loader))
-        tokens += batch.num_target_tokens
-        total += _run_pipeline(pm, batch.to(device), m, _cross_entropy_sum, forward_only=True)
-    for part in pm.parts:
-        part.train()
-    if not pm.has_head:
-        total.zero_()
-    dist.all_reduce(total, group=pm.group("pp"))  # the last stage's sum to every stage
-    return float(total), tokens

@@ -2,7 +2,7 @@
 
 from dist_moe.cute_gemm import cute_available, cute_codegen, cute_grouped_mm
 from dist_moe.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher
-from dist_moe.experts import GroupedExperts, SharedExperts, grouped_mm_available
+from dist_moe.experts import GroupedExperts, SharedExperts, SwiGLU, grouped_mm_available
 from dist_moe.hf_interop import HFSparseMoeBlock, moe_from_hf_block, swap_hf_moe_blocks
 from dist_moe.kernels import combine_rows, expert_histogram, permute_rows
 from dist_moe.moe import MoE, MoEConfig, expert_parallel
@@ -21,6 +21,7 @@ from dist_moe.router import (
     RouterOutput,
     TopKRouter,
     expert_load,
+    hash_expert_table,
     update_expert_biases,
 )
 from dist_moe.symm_mem import SymmMemDispatcher
@@ -42,6 +43,7 @@ __all__ = [
     "RouterConfig",
     "RouterOutput",
     "SharedExperts",
+    "SwiGLU",
     "SymmMemDispatcher",
     "TopKRouter",
     "__version__",
@@ -53,6 +55,7 @@ __all__ = [
     "expert_load",
     "expert_parallel",
     "grouped_mm_available",
+    "hash_expert_table",
     "moe_from_hf_block",
     "permute",
     "permute_rows",

@@ -4,7 +4,11 @@ Shapes: ``E`` experts (local ones, under expert parallelism), ``D`` model dim, `
 hidden dim, ``R`` rows of the permuted buffer, grouped by expert with ``group_ends`` (E,).
 
 Weights use the ``nn.Linear`` layout per expert: ``w_gate``/``w_up`` (E, I, D), ``w_down``
-(E, D, I); ``expert(x) = (silu(x @ w_gate[e].T) * (x @ w_up[e].T)) @ w_down[e].T``.
+(E, D, I); ``expert(x) = act(x @ w_gate[e].T, x @ w_up[e].T) @ w_down[e].T`` with ``act`` the
+``SwiGLU`` activation (``silu(g) * u`` by default; clamped, with a sigmoid gain and an offset
+on the up branch for gpt-oss / DeepSeek-V4). With ``bias=True`` every projection adds its
+expert's bias (``b_gate``/``b_up`` (E, I), ``b_down`` (E, D), gpt-oss); a row's expert is read
+off ``group_ends`` on the device (no host sync).
 
 ``torch._grouped_mm`` facts this relies on (checked on CPU, torch 2.15): ``offs`` are int32
 group *ends*; rows past ``offs[-1]`` of the output are left uninitialised (no token reads
@@ -15,16 +19,54 @@ used; its backward fails on a stride-0 gradient, hence the ``contiguous`` hook.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GroupedExperts", "SharedExperts", "grouped_mm_available"]
+__all__ = ["GroupedExperts", "SharedExperts", "SwiGLU", "grouped_mm_available"]
 
 ExpertsImpl = Literal["auto", "grouped_mm", "loop"]
-ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+ExpertWeights = tuple[torch.Tensor, ...]
+"""(w_gate, w_up, w_down) or, with biases, (w_gate, w_up, w_down, b_gate, b_up, b_down)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SwiGLU:
+    """The gated activation ``act(g, u)`` of an expert's hidden layer, on the projections
+    ``g = x W_gate^T`` and ``u = x W_up^T``:
+
+    ``g' = min(g, limit)``, ``u' = clamp(u, -limit, limit)`` (no clamp when ``limit`` is None),
+    ``act = g' · sigmoid(alpha · g') · (u' + up_offset)``.
+
+    The default is the plain SwiGLU ``silu(g) · u``; DeepSeek-V4 is ``SwiGLU(limit=10.0)``,
+    gpt-oss ``SwiGLU(limit=7.0, alpha=1.702, up_offset=1.0)``.
+    """
+
+    limit: float | None = None
+    """Clamp of the gate (from above) and the up projection (both sides); None: no clamp."""
+    alpha: float = 1.0
+    """Gain inside the sigmoid (1: SiLU)."""
+    up_offset: float = 0.0
+    """Added to the (clamped) up projection before the product."""
+
+    def __post_init__(self) -> None:
+        if self.limit is not None and not self.limit > 0:
+            raise ValueError(f"SwiGLU.limit must be > 0 or None, got {self.limit!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"SwiGLU.alpha must be > 0, got {self.alpha!r}")
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.limit is not None:
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+        if self.up_offset:
+            up = up + self.up_offset
+        if self.alpha == 1.0:
+            return F.silu(gate) * up
+        return gate * torch.sigmoid(gate * self.alpha) * up
 
 
 def _grouped_mm_fn():
@@ -55,7 +97,18 @@ def _grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, offs: torch.Tensor) -> 
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts over a buffer grouped by expert."""
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int, impl: ExpertsImpl = "auto"):
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        impl: ExpertsImpl = "auto",
+        *,
+        activation: SwiGLU | None = None,
+        bias: bool = False,
+    ):
+        """``activation``: the gated activation (``SwiGLU()`` by default); ``bias``: a bias
+        per expert on every projection."""
         super().__init__()
         for name, v in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -64,15 +117,29 @@ class GroupedExperts(nn.Module):
             raise ValueError(
                 f"GroupedExperts: impl must be 'auto', 'grouped_mm' or 'loop', got {impl!r}"
             )
+        if activation is not None and not isinstance(activation, SwiGLU):
+            raise ValueError(f"GroupedExperts: activation must be a SwiGLU, got {activation!r}")
         self.dim, self.hidden_dim, self.num_experts, self.impl = dim, hidden_dim, num_experts, impl
+        self.activation = activation if activation is not None else SwiGLU()
         self.w_gate = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w_up = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w_down = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.b_gate = nn.Parameter(torch.empty(num_experts, hidden_dim)) if bias else None
+        self.b_up = nn.Parameter(torch.empty(num_experts, hidden_dim)) if bias else None
+        self.b_down = nn.Parameter(torch.empty(num_experts, dim)) if bias else None
         self.reset_parameters()
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether the projections carry per-expert biases."""
+        return self.b_gate is not None
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for w in (self.w_gate, self.w_up, self.w_down):
             nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
+        if self.has_bias:
+            for b in (self.b_gate, self.b_up, self.b_down):
+                nn.init.zeros_(b)
 
     def uses_grouped_mm(self, x: torch.Tensor) -> bool:
         if self.impl == "loop":
@@ -91,7 +158,7 @@ class GroupedExperts(nn.Module):
         One ``split`` per weight: its backward concatenates once, where slicing each run
         would materialise a full-size zero gradient per run.
         """
-        parts = [w.split(sizes) for w in (self.w_gate, self.w_up, self.w_down)]
+        parts = [w.split(sizes) for w in self._weights()]
         return list(zip(*parts, strict=True))
 
     def forward(
@@ -105,15 +172,23 @@ class GroupedExperts(nn.Module):
         ``weights`` (from ``split_weights``) runs a subset of the experts: ``group_ends``
         then has one entry per expert of the subset.
         """
-        w_gate, w_up, w_down = weights if weights is not None else self._weights()
+        w = weights if weights is not None else self._weights()
+        w_gate, w_up, w_down = w[:3]
         if self.uses_grouped_mm(x_RD):
             offs = group_ends.to(torch.int32)
             gate = _grouped_mm(x_RD, w_gate.transpose(-2, -1), offs)
             up = _grouped_mm(x_RD, w_up.transpose(-2, -1), offs)
-            return _grouped_mm(F.silu(gate) * up, w_down.transpose(-2, -1), offs)
+            if len(w) == 3:
+                return _grouped_mm(self.activation(gate, up), w_down.transpose(-2, -1), offs)
+            b_gate, b_up, b_down = (_with_zero_row(b) for b in w[3:])
+            expert_R = _row_experts(group_ends, x_RD.shape[0])
+            hidden = self.activation(gate + b_gate[expert_R], up + b_up[expert_R])
+            return _grouped_mm(hidden, w_down.transpose(-2, -1), offs) + b_down[expert_R]
         return self.forward_loop(x_RD, group_ends, weights)
 
     def _weights(self) -> ExpertWeights:
+        if self.has_bias:
+            return self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up, self.b_down
         return self.w_gate, self.w_up, self.w_down
 
     def forward_loop(
@@ -123,27 +198,44 @@ class GroupedExperts(nn.Module):
         weights: ExpertWeights | None = None,
     ) -> torch.Tensor:
         """Reference: one dense SwiGLU per expert on its rows (reads group_ends to the host)."""
-        w_gate, w_up, w_down = weights if weights is not None else self._weights()
+        w = weights if weights is not None else self._weights()
         ends = group_ends.tolist()
         sizes = [end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)]
         # split/unbind rather than slicing/indexing: their backward concatenates/stacks once
         # instead of materialising a full-size zero gradient per expert.
         xs = torch.split(x_RD, [*sizes, x_RD.shape[0] - ends[-1]])
+        per_expert = [t.unbind(0) for t in w]
+        if len(w) == 3:  # no biases
+            per_expert += [[None] * len(per_expert[0])] * 3
+        act = self.activation
         outs = [
-            F.linear(F.silu(F.linear(xe, wg)) * F.linear(xe, wu), wd)
-            for xe, wg, wu, wd in zip(
-                xs, w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0), strict=False
-            )
+            F.linear(act(F.linear(xe, wg, bg), F.linear(xe, wu, bu)), wd, bd)
+            for xe, wg, wu, wd, bg, bu, bd in zip(xs, *per_expert, strict=False)
         ]
         outs.append(x_RD.new_zeros(xs[-1].shape[0], self.dim))  # slack rows: zeros
         return torch.cat(outs)
 
 
+def _row_experts(group_ends: torch.Tensor, rows: int) -> torch.Tensor:
+    """(R,) expert of every row of a buffer grouped by ``group_ends``; slack rows past the last
+    group get index E (a zero bias row: grouped GEMM leaves their values, and gradients,
+    undefined, which must not reach any expert's bias)."""
+    index_R = torch.arange(rows, device=group_ends.device, dtype=group_ends.dtype)
+    return torch.searchsorted(group_ends, index_R, right=True)
+
+
+def _with_zero_row(bias_EX: torch.Tensor) -> torch.Tensor:
+    return torch.cat([bias_EX, bias_EX.new_zeros(1, bias_EX.shape[1])])
+
+
 class SharedExperts(nn.Module):
     """Dense SwiGLU MLP seen by every token (DeepSeek's shared experts, Qwen2-MoE's shared
-    expert); ``gate=True`` adds Qwen2-MoE's per-token sigmoid gate."""
+    expert); ``gate=True`` adds Qwen2-MoE's per-token sigmoid gate; ``activation`` as in
+    ``GroupedExperts`` (DeepSeek-V4 clamps its shared expert too)."""
 
-    def __init__(self, dim: int, hidden_dim: int, *, gate: bool = False) -> None:
+    def __init__(
+        self, dim: int, hidden_dim: int, *, gate: bool = False, activation: SwiGLU | None = None
+    ) -> None:
         super().__init__()
         for name, v in (("dim", dim), ("hidden_dim", hidden_dim)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -152,6 +244,7 @@ class SharedExperts(nn.Module):
         self.w_up = nn.Linear(dim, hidden_dim, bias=False)
         self.w_down = nn.Linear(hidden_dim, dim, bias=False)
         self.gate = nn.Linear(dim, 1, bias=False) if gate else None
+        self.activation = activation if activation is not None else SwiGLU()
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -160,7 +253,7 @@ class SharedExperts(nn.Module):
                 nn.init.trunc_normal_(m.weight, std=std, a=-3 * std, b=3 * std)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        out = self.w_down(F.silu(self.w_gate(x_TD)) * self.w_up(x_TD))
+        out = self.w_down(self.activation(self.w_gate(x_TD), self.w_up(x_TD)))
         if self.gate is not None:
             out = torch.sigmoid(self.gate(x_TD)) * out
         return out

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dist_moe.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher
-from dist_moe.experts import ExpertsImpl, GroupedExperts, SharedExperts
+from dist_moe.experts import ExpertsImpl, GroupedExperts, SharedExperts, SwiGLU
 from dist_moe.permute import PermuteConfig
 from dist_moe.placement import ExpertPlacement
 from dist_moe.router import ExpertLoad, RouterConfig, TopKRouter
@@ -51,6 +51,10 @@ class MoEConfig:
     """Alignment, dropless or capacity, static shapes, kernel backend."""
     experts_impl: ExpertsImpl = "auto"
     """"grouped_mm", the per-expert "loop" reference, or "auto" (grouped GEMM when usable)."""
+    activation: SwiGLU = field(default_factory=SwiGLU)
+    """Gated activation of the routed and the shared experts (clamps, gain, up offset)."""
+    expert_bias: bool = False
+    """Per-expert biases on the routed experts' projections (gpt-oss)."""
 
     def __post_init__(self) -> None:
         for name in ("dim", "hidden_dim"):
@@ -64,6 +68,8 @@ class MoEConfig:
         v = self.shared_hidden_dim
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"MoEConfig.shared_hidden_dim must be an int >= 0, got {v!r}")
+        if not isinstance(self.activation, SwiGLU):
+            raise ValueError(f"MoEConfig.activation must be a SwiGLU, got {self.activation!r}")
         if self.experts_impl not in ("auto", "grouped_mm", "loop"):
             raise ValueError(
                 "MoEConfig.experts_impl must be 'auto', 'grouped_mm' or 'loop', "
@@ -91,10 +97,20 @@ class MoE(nn.Module):
         rc = config.router
         self.router = TopKRouter(config.dim, rc)
         self.experts = GroupedExperts(
-            config.dim, config.hidden_dim, rc.num_experts, impl=config.experts_impl
+            config.dim,
+            config.hidden_dim,
+            rc.num_experts,
+            impl=config.experts_impl,
+            activation=config.activation,
+            bias=config.expert_bias,
         )
         self.shared_experts = (
-            SharedExperts(config.dim, config.shared_hidden_dim, gate=config.shared_gate)
+            SharedExperts(
+                config.dim,
+                config.shared_hidden_dim,
+                gate=config.shared_gate,
+                activation=config.activation,
+            )
             if config.shared_hidden_dim
             else None
         )
@@ -115,16 +131,26 @@ class MoE(nn.Module):
                 f"MoE: x must have shape (B, S, {self.config.dim}) or (T, {self.config.dim}), "
                 f"got {tuple(x.shape)}"
             )
-        # Not compared with the weights' dtype: under sharded mixed precision the weights
-        # registered before the experts' forward are the fp32 master shards.
         if not x.is_floating_point():
-            raise ValueError(f"MoE: x must be a floating-point tensor, got {x.dtype}")
+            raise ValueError(f"MoE: x must be a floating-point tensor, got dtype {x.dtype}")
+        # x may be narrower than the weights (under sharded mixed precision the experts'
+        # weights are still the fp32 master shards here), never wider: a float64 x against
+        # fp32 weights is a caller's mistake that would otherwise fail deep in a matmul.
+        w_dtype = next(self.experts.parameters()).dtype
+        if x.dtype.itemsize > w_dtype.itemsize:
+            raise ValueError(
+                f"MoE: x has dtype {x.dtype}, wider than the experts' weights ({w_dtype}); "
+                f"cast x to {w_dtype} or narrower"
+            )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, S, D) or (T, D) → the same shape. ``token_ids`` ((B, S) or (T,)): the tokens'
+        ids, needed by hash routing (``RouterConfig.hash_vocab_size``), ignored otherwise."""
         self._check_input(x)
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
-        route = self.router(x_TD, seq_len=shape[1] if x.dim() == 3 else None)
+        ids_T = token_ids.reshape(-1) if token_ids is not None else None
+        route = self.router(x_TD, seq_len=shape[1] if x.dim() == 3 else None, token_ids=ids_T)
         out_TD = self.dispatcher.forward_experts(
             self.experts, x_TD, route.indices, route.weights, route.counts
         )
@@ -182,8 +208,7 @@ def expert_parallel(
         cls = AllToAllDispatcher if dispatcher == "all_to_all" else SymmMemDispatcher
         new_dispatcher = cls(num_experts, group, moe.config.permute)
     experts = moe.experts
-    for name in ("w_gate", "w_up", "w_down"):
-        full = getattr(experts, name)
+    for name, full in list(experts.named_parameters(recurse=False)):  # weights and biases
         shard = nn.Parameter(
             placement.shard(full.detach()).clone(), requires_grad=full.requires_grad
         )

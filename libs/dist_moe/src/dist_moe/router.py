@@ -1,10 +1,12 @@
-"""Token-choice top-k router: softmax or sigmoid scores, group-limited selection, bias balancing.
+"""Token-choice top-k router: softmax, sigmoid or sqrt-softplus scores, group-limited selection,
+bias balancing; or hash routing (experts looked up from the token id).
 
 Shapes: ``T`` tokens, ``E`` experts, ``K`` = top_k, ``G`` groups, ``D`` model dim.
 
 Selection and weights (per token):
 
-1. ``logits = x @ W_gate^T``; ``scores = softmax(logits)`` or ``sigmoid(logits)`` (fp32).
+1. ``logits = x @ W_gate^T`` (``+ b_gate`` with ``gate_bias``, gpt-oss); ``scores`` =
+   ``softmax(logits)``, ``sigmoid(logits)`` or ``sqrt(softplus(logits))`` (DeepSeek-V4), fp32.
 2. ``choice = scores + expert_bias`` (the bias exists only for selection; it is zero unless
    aux-loss-free balancing updates it).
 3. Group-limited (``num_groups > 1``): a group's score is the sum of its top-2 ``choice``
@@ -15,7 +17,12 @@ Selection and weights (per token):
 5. ``weights = scores[indices]`` (unbiased); if ``norm_topk_prob``: divided by their sum
    (+1e-20); then multiplied by ``route_scale``.
 
-Qwen3-MoE is ``score_func="softmax", norm_topk_prob=<config>``; DeepSeek-V3 is
+Hash routing (``hash_vocab_size > 0``, DeepSeek-V4's first layers after Roller et al. 2021):
+steps 2-4 are replaced by a fixed lookup, ``indices = expert_table[token_id]`` (a ``(V, K)``
+buffer saved with the model, never trained); the weights are step 5 on the learned scores.
+
+Qwen3-MoE is ``score_func="softmax", norm_topk_prob=<config>``; gpt-oss (softmax over the
+top-k logits) is ``score_func="softmax", norm_topk_prob=True, gate_bias=True``; DeepSeek-V3 is
 ``score_func="sigmoid", num_groups=n_group, topk_groups=topk_group, group_score="top2_sum",
 norm_topk_prob=True, route_scale=routed_scaling_factor, bias_update_rate=gamma``.
 
@@ -51,6 +58,7 @@ __all__ = [
     "RouterOutput",
     "TopKRouter",
     "expert_load",
+    "hash_expert_table",
     "update_expert_biases",
 ]
 
@@ -63,8 +71,9 @@ class RouterConfig:
     """Routed experts E."""
     top_k: int
     """Experts per token K."""
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
-    """How logits become scores (softmax over all E experts, or an independent sigmoid)."""
+    score_func: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"
+    """How logits become scores (softmax over all E experts, an independent sigmoid, or
+    ``sqrt(softplus(logit))``)."""
     num_groups: int = 1
     """Expert groups G for group-limited routing (1: no group limit). Must divide E."""
     topk_groups: int = 1
@@ -83,6 +92,11 @@ class RouterConfig:
     """Benchmarking: ignore the scores and deal assignments round-robin (perfect balance)."""
     logits_dtype: torch.dtype | None = torch.float32
     """Dtype of the gate matmul (None: the input's dtype, as HF Qwen3-MoE does)."""
+    gate_bias: bool = False
+    """A learned bias on the gate logits (``router.gate.bias``, gpt-oss)."""
+    hash_vocab_size: int = 0
+    """> 0: hash routing over token ids in ``[0, hash_vocab_size)``: the experts of a token are
+    row ``token_id`` of the ``expert_table`` buffer (``forward(..., token_ids=)``); 0: top-k."""
 
     def __post_init__(self) -> None:
         def positive_int(name: str, v: object) -> None:
@@ -97,9 +111,20 @@ class RouterConfig:
             raise ValueError(
                 f"RouterConfig.top_k={self.top_k} must be <= num_experts={self.num_experts}"
             )
-        if self.score_func not in ("softmax", "sigmoid"):
+        if self.score_func not in ("softmax", "sigmoid", "sqrtsoftplus"):
             raise ValueError(
-                f"RouterConfig.score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}"
+                "RouterConfig.score_func must be 'softmax', 'sigmoid' or 'sqrtsoftplus', "
+                f"got {self.score_func!r}"
+            )
+        v = self.hash_vocab_size
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"RouterConfig.hash_vocab_size must be an int >= 0, got {v!r}")
+        if v and (self.num_groups > 1 or self.force_balance or self.bias_update_rate > 0):
+            raise ValueError(
+                "RouterConfig.hash_vocab_size > 0 (hash routing) selects experts by table: "
+                "num_groups must be 1, force_balance False and bias_update_rate 0, got "
+                f"num_groups={self.num_groups}, force_balance={self.force_balance}, "
+                f"bias_update_rate={self.bias_update_rate}"
             )
         if self.num_experts % self.num_groups:
             raise ValueError(
@@ -177,7 +202,7 @@ class TopKRouter(nn.Module):
             raise ValueError(f"TopKRouter: dim must be an int >= 1, got {dim!r}")
         self.config = config
         self.dim = dim
-        self.gate = nn.Linear(dim, config.num_experts, bias=False)
+        self.gate = nn.Linear(dim, config.num_experts, bias=config.gate_bias)
         # Selection-only bias (DeepSeek-V3's e_score_correction_bias); saved in checkpoints.
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
         # Counts since the last bias update / reset; training-only bookkeeping.
@@ -186,19 +211,34 @@ class TopKRouter(nn.Module):
             torch.zeros(config.num_experts, dtype=torch.int64),
             persistent=False,
         )
+        if config.hash_vocab_size:
+            # Hash routing: token id -> its K experts; saved, never trained. Built on the meta
+            # device it stays empty until the model's init or checkpoint fills it.
+            table = torch.zeros(config.hash_vocab_size, config.top_k, dtype=torch.int64)
+            if not table.is_meta:
+                table = hash_expert_table(config.hash_vocab_size, config.num_experts, config.top_k)
+            self.register_buffer("expert_table", table)
+
+    @property
+    def is_hash(self) -> bool:
+        """Whether experts are looked up from token ids (hash routing)."""
+        return self.config.hash_vocab_size > 0
 
     def reset_parameters(self, std: float = 0.02) -> None:
         nn.init.trunc_normal_(self.gate.weight, std=std, a=-3 * std, b=3 * std)
+        if self.gate.bias is not None:
+            nn.init.zeros_(self.gate.bias)
 
     # ---- selection ------------------------------------------------------------------
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         """(T, E) gate logits in ``logits_dtype`` (the input's dtype when None)."""
         cfg = self.config
-        w = self.gate.weight
+        w, b = self.gate.weight, self.gate.bias
         if cfg.logits_dtype is not None:
-            return F.linear(x_TD.to(cfg.logits_dtype), w.to(cfg.logits_dtype))
-        return F.linear(x_TD, w)
+            dtype = cfg.logits_dtype
+            return F.linear(x_TD.to(dtype), w.to(dtype), None if b is None else b.to(dtype))
+        return F.linear(x_TD, w, b)
 
     def scores(self, x_TD: torch.Tensor) -> torch.Tensor:
         """(T, E) fp32 routing scores."""
@@ -207,6 +247,8 @@ class TopKRouter(nn.Module):
     def _scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
         if self.config.score_func == "softmax":
             return torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        if self.config.score_func == "sqrtsoftplus":
+            return F.softplus(logits_TE.float()).sqrt()
         return torch.sigmoid(logits_TE.float())
 
     def select(self, scores_TE: torch.Tensor) -> torch.Tensor:
@@ -231,12 +273,22 @@ class TopKRouter(nn.Module):
             choice_TE = choice_TE.masked_fill(~keep_TE, float("-inf"))
         return _stable_topk(choice_TE, cfg.top_k)
 
-    def forward(self, x_TD: torch.Tensor, *, seq_len: int | None = None) -> RouterOutput:
-        """Route (T, D) tokens. ``seq_len`` splits T into sequences for the aux loss."""
+    def forward(
+        self,
+        x_TD: torch.Tensor,
+        *,
+        seq_len: int | None = None,
+        token_ids: torch.Tensor | None = None,
+    ) -> RouterOutput:
+        """Route (T, D) tokens. ``seq_len`` splits T into sequences for the aux loss;
+        ``token_ids`` (T,) are required by hash routing (and ignored otherwise)."""
         cfg = self.config
         logits_TE = self.logits(x_TD)
         scores_TE = self._scores(logits_TE)
-        indices_TK = self.select(scores_TE)
+        if self.is_hash:
+            indices_TK = self.hash_select(token_ids, x_TD.shape[0])
+        else:
+            indices_TK = self.select(scores_TE)
         weights_TK = scores_TE.gather(1, indices_TK)
         if cfg.norm_topk_prob:
             weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
@@ -256,6 +308,20 @@ class TopKRouter(nn.Module):
             aux_loss=aux,
             logits=logits_TE,
         )
+
+    def hash_select(self, token_ids: torch.Tensor | None, num_tokens: int) -> torch.Tensor:
+        """(T, K) experts of hash routing: rows ``token_ids`` of ``expert_table``."""
+        if token_ids is None:
+            raise ValueError(
+                "hash routing (RouterConfig.hash_vocab_size > 0) needs token_ids: pass the (T,) "
+                "token ids of the routed tokens"
+            )
+        if token_ids.is_floating_point() or tuple(token_ids.shape) != (num_tokens,):
+            raise ValueError(
+                f"token_ids must be an integer tensor of shape ({num_tokens},), got "
+                f"{token_ids.dtype} {tuple(token_ids.shape)}"
+            )
+        return self.expert_table[token_ids].long()
 
     def _sequence_aux_loss(
         self, scores_TE: torch.Tensor, indices_TK: torch.Tensor, seq_len: int | None
@@ -315,6 +381,19 @@ def expert_load(counts: torch.Tensor) -> ExpertLoad:
     return ExpertLoad(
         tokens_per_expert=tuple(c), max_over_mean=max(c) / mean, min_over_mean=min(c) / mean
     )
+
+
+def hash_expert_table(
+    vocab_size: int, num_experts: int, top_k: int, *, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """A ``(vocab_size, top_k)`` int64 hash-routing table: each token id's ``top_k`` distinct
+    experts, uniformly at random (seed 0 unless ``generator`` is given), every expert receiving
+    about the same number of ids."""
+    if generator is None:
+        generator = torch.Generator().manual_seed(0)
+    device = generator.device
+    keys = torch.rand(vocab_size, num_experts, generator=generator, device=device)
+    return keys.argsort(dim=-1)[:, :top_k].contiguous()
 
 
 def _stable_topk(values: torch.Tensor, k: int) -> torch.Tensor:

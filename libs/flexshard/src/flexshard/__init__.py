@@ -6,6 +6,7 @@ from flexshard._runtime import FlexShardModule, MemStats, ParamInfo, param_info
 from flexshard.api import default_buckets, shard
 from flexshard.clip import clip_grad_norm_, global_grad_norm
 from flexshard.fp8 import dequantize_tiles, fp8_block_error_bound, quantize_tiles
+from flexshard.fqn import fqn_matches
 from flexshard.optim_state import (
     init_optim_state,
     load_sharded_optim_state_dict,
@@ -60,6 +61,7 @@ __all__ = [
     "default_buckets",
     "dequantize_tiles",
     "fp8_block_error_bound",
+    "fqn_matches",
     "full_state_dict",
     "global_grad_norm",
     "init_optim_state",

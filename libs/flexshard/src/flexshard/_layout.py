@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexshard.fp8 import dequantize_tiles, quantize_tiles
+from flexshard._groups import GroupInfo
 from flexshard.placements import BlockShard, Owned, Placement, Replicate, Shard
 
 _U8 = torch.uint8
@@ -67,19 +67,6 @@ class Pending:
         for w in self.works:
             w.wait()
         self.works = []
-
-
-@dataclass
-class GroupInfo:
-    """The ranks a bucket is laid out over (``group``) and, under HSDP, the replicas of this
-    rank's shard (``replicate_group``); gradients are divided by ``divide`` once reduced."""
-
-    group: Any
-    rank: int
-    world: int
-    replicate_group: Any = None
-    replicate_world: int = 1
-    divide: float = 1.0
 
 
 class Layout:
@@ -332,264 +319,6 @@ class ShardLayout(Layout):
 
 
 # ---------------------------------------------------------------------------------------
-# BlockShard(block=(r, c))
-# ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class _BlockSpec:
-    nti: int
-    ntj: int
-    counts: list[int]  # tiles held by each rank
-    offsets: list[int]  # tile offset of this param in each rank's segment
-    local_tiles: torch.Tensor  # indices of this rank's tiles (row-major tile index)
-    src_index: torch.Tensor  # for every tile: its position in the (world * M) tile array
-    owners: torch.Tensor  # owning rank of every tile
-
-
-class BlockShardLayout(Layout):
-    def __init__(self, infos: list[Any], g: GroupInfo, placement: BlockShard) -> None:
-        self.placement = placement
-        br, bc = placement.block
-        self.tile = br * bc
-        W = g.world
-        k0 = 0
-        rank_tiles = [0] * W
-        specs = []
-        for info in infos:
-            R, C = info.shape
-            nti, ntj = R // br, C // bc
-            nt = nti * ntj
-            owners = (torch.arange(nt) + k0) % W
-            k0 += nt
-            counts = [int((owners == r).sum()) for r in range(W)]
-            offsets = list(rank_tiles)
-            src = torch.empty(nt, dtype=torch.long)
-            for r in range(W):
-                idx = (owners == r).nonzero().flatten()
-                src[idx] = torch.arange(counts[r]) + offsets[r]  # offset inside rank r's segment
-                rank_tiles[r] += counts[r]
-            local = (owners == g.rank).nonzero().flatten()
-            specs.append(_BlockSpec(nti, ntj, counts, offsets, local, src, owners))
-        self.M = max(rank_tiles) if rank_tiles else 0
-        for s in specs:
-            s.src_index = s.src_index + s.owners * self.M
-        self.specs = specs
-        self.my_tiles = rank_tiles[g.rank]
-        super().__init__(infos, g)
-
-    def _tiles(self, full: torch.Tensor, s: _BlockSpec) -> torch.Tensor:
-        br, bc = self.placement.block
-        return full.view(s.nti, br, s.ntj, bc).permute(0, 2, 1, 3).reshape(s.nti * s.ntj, br, bc)
-
-    def local_from_full(self, i, full):
-        s = self.specs[i]
-        return self._tiles(full, s).index_select(0, s.local_tiles.to(full.device)).contiguous()
-
-    def local_chunks(self, i, local):
-        s = self.specs[i]
-        br, bc = self.placement.block
-        out = []
-        for j, t in enumerate(s.local_tiles.tolist()):
-            ti, tj = divmod(t, s.ntj)
-            out.append(((ti * br, tj * bc), local[j]))
-        return out
-
-    def holds_anything(self, i: int) -> bool:
-        return self.specs[i].local_tiles.numel() > 0
-
-    def _cat_local(self, locals_: list[torch.Tensor], dtype: torch.dtype, dev) -> torch.Tensor:
-        br, bc = self.placement.block
-        buf = torch.empty(self.M, br, bc, dtype=dtype, device=dev)
-        for s, loc in zip(self.specs, locals_, strict=True):
-            n = s.counts[self.g.rank]
-            if n:
-                buf[s.offsets[self.g.rank] : s.offsets[self.g.rank] + n].copy_(loc)
-        if self.my_tiles < self.M:
-            buf[self.my_tiles :].zero_()
-        return buf
-
-    def issue_gather(self, locals_, flat, dtype, quantize, stats):
-        W, M, tile = self.g.world, self.M, self.tile
-        dev = flat.device
-        if quantize == "fp8_block":
-            local = self._cat_local(locals_, torch.float32, dev)[: self.my_tiles]
-            q, scale = quantize_tiles(local)
-            seg = M * (tile + 4)
-            send = torch.zeros(seg, dtype=_U8, device=dev)
-            send[: self.my_tiles * tile].copy_(q.view(_U8).reshape(-1))
-            send[M * tile : M * tile + 4 * self.my_tiles].copy_(scale.view(_U8))
-            recv = torch.empty(W * seg, dtype=_U8, device=dev)
-        else:
-            send = self._cat_local(locals_, dtype, dev).view(-1)
-            recv = torch.empty(W * M * tile, dtype=dtype, device=dev)
-        work = dist.all_gather_into_tensor(recv, send, group=self.g.group, async_op=True)
-        stats.add("all_gather", send.nbytes)
-        return Pending([work], recv, [send], send.nbytes + recv.nbytes, extra=(quantize, dtype))
-
-    def finish_gather(self, p, flat):
-        p.wait()
-        W, M, tile = self.g.world, self.M, self.tile
-        br, bc = self.placement.block
-        quantize, dtype = p.extra
-        if quantize == "fp8_block":
-            rv = p.recv.view(W, M * (tile + 4))
-            q = rv[:, : M * tile].contiguous().view(_FP8).view(W * M, br, bc)
-            scale = rv[:, M * tile :].contiguous().view(torch.float32).view(W * M)
-            tiles = dequantize_tiles(q, scale, dtype)
-        else:
-            tiles = p.recv.view(W * M, br, bc)
-        for i, s in enumerate(self.specs):
-            out = self.out_view(flat, i)
-            t = tiles.index_select(0, s.src_index.to(tiles.device))
-            out.view(s.nti, br, s.ntj, bc).copy_(t.view(s.nti, s.ntj, br, bc).permute(0, 2, 1, 3))
-        p.recv = None
-        p.keep = []
-
-    def issue_reduce(self, grads, rdtype, predivide, stats, device):
-        W, M, tile = self.g.world, self.M, self.tile
-        br, bc = self.placement.block
-        send = torch.zeros(W * M * tile, dtype=rdtype, device=device)
-        st = send.view(W * M, br, bc)
-        for s, gr in zip(self.specs, grads, strict=True):
-            if gr is None:
-                continue
-            st.index_copy_(0, s.src_index.to(device), self._tiles(gr.to(rdtype), s))
-        return self._reduce_scatter(send, M * tile, predivide, stats)
-
-    def finish_reduce(self, p, predivide):
-        out = self._reduced(p, predivide)
-        br, bc = self.placement.block
-        tiles = out.view(self.M, br, bc)
-        r = self.g.rank
-        res: list[torch.Tensor | None] = []
-        for s in self.specs:
-            res.append(tiles[s.offsets[r] : s.offsets[r] + s.counts[r]])
-        p.keep = []
-        return res
-
-
-# ---------------------------------------------------------------------------------------
-# Owned
-# ---------------------------------------------------------------------------------------
-
-
-class OwnedLayout(Layout):
-    """Parameters grouped by owner in the flat buffer: one broadcast / reduce per owner."""
-
-    writes_flat_at_issue = True
-
-    def __init__(self, infos: list[Any], g: GroupInfo, placement: Owned) -> None:
-        self.placement = placement
-        self.owners = [info.owner for info in infos]
-        super().__init__(infos, g)
-        self.regions: list[tuple[int, int, int, list[int]]] = []  # (owner, start, numel, members)
-        for r in range(g.world):
-            members = [i for i in self.full_order() if self.owners[i] == r]
-            if not members:
-                continue
-            start = self.full_offsets[members[0]]
-            numel = sum(infos[i].numel for i in members)
-            self.regions.append((r, start, numel, members))
-
-    def full_order(self) -> list[int]:
-        return sorted(range(len(self.infos)), key=lambda i: self.owners[i])
-
-    def local_from_full(self, i, full):
-        if self.owners[i] == self.g.rank:
-            return full.clone(memory_format=torch.contiguous_format)
-        return full.new_empty(0)
-
-    def local_chunks(self, i, local):
-        if self.owners[i] != self.g.rank:
-            return []
-        return [((0,) * len(self.infos[i].shape), local)]
-
-    def holds_anything(self, i: int) -> bool:
-        return self.owners[i] == self.g.rank
-
-    def issue_gather(self, locals_, flat, dtype, quantize, stats):
-        works = []
-        for r, start, numel, members in self.regions:
-            if r == self.g.rank:
-                for i in members:
-                    self.out_view(flat, i).copy_(locals_[i].view(self.infos[i].shape))
-                stats.add("broadcast", numel * flat.element_size())
-            works.append(
-                dist.broadcast(
-                    flat[start : start + numel], group=self.g.group, group_src=r, async_op=True
-                )
-            )
-        return Pending(works)
-
-    def issue_reduce(self, grads, rdtype, predivide, stats, device):
-        if self.rank_ordered:
-            return self._issue_ordered_reduce(grads, rdtype, predivide, stats, device)
-        works, bufs = [], []
-        for r, start, numel, members in self.regions:
-            send = torch.empty(numel, dtype=rdtype, device=device)
-            for i in members:
-                off = self.full_offsets[i] - start
-                v = send[off : off + self.infos[i].numel].view(self.infos[i].shape)
-                if grads[i] is None:
-                    v.zero_()
-                else:
-                    v.copy_(grads[i])
-            if predivide:
-                send.div_(self.g.divide)
-            works.append(
-                dist.reduce(
-                    send, group=self.g.group, group_dst=r, op=dist.ReduceOp.SUM, async_op=True
-                )
-            )
-            stats.add("reduce", send.nbytes)
-            bufs.append(send)
-        return Pending(works, bufs, [], sum(b.nbytes for b in bufs))
-
-    def _issue_ordered_reduce(self, grads, rdtype, predivide, stats, device) -> Pending:
-        """One all-to-all: each owner receives every rank's gradients of its parameters (the
-        flat order groups parameters by owner, so the send buffer is already split by
-        destination)."""
-        send = self._full_send(grads, rdtype, predivide, device)
-        splits = [0] * self.g.world
-        for r, _start, numel, _members in self.regions:
-            splits[r] = numel
-        mine = splits[self.g.rank]
-        recv = torch.empty(self.g.world * mine, dtype=rdtype, device=device)
-        work = dist.all_to_all_single(
-            recv, send, [mine] * self.g.world, splits, group=self.g.group, async_op=True
-        )
-        stats.add("all_to_all", send.nbytes)
-        return Pending([work], recv, [send], send.nbytes + recv.nbytes)
-
-    def finish_reduce(self, p, predivide):
-        p.wait()
-        res: list[torch.Tensor | None] = [None] * len(self.infos)
-        if self.rank_ordered:
-            region = next((x for x in self.regions if x[0] == self.g.rank), None)
-            if region is not None:
-                _r, start, _numel, members = region
-                out = self._sum_over_ranks(p.recv)
-                if not predivide:
-                    out.div_(self.g.divide)
-                for i in members:
-                    off = self.full_offsets[i] - start
-                    res[i] = out[off : off + self.infos[i].numel].view(self.infos[i].shape)
-            p.recv, p.keep = None, []
-            return res
-        for (r, start, _numel, members), send in zip(self.regions, p.recv, strict=True):
-            if r != self.g.rank:
-                continue
-            if not predivide:
-                send.div_(self.g.divide)
-            for i in members:
-                off = self.full_offsets[i] - start
-                res[i] = send[off : off + self.infos[i].numel].view(self.infos[i].shape)
-        p.recv = None
-        return res
-
-
-# ---------------------------------------------------------------------------------------
 # Replicate
 # ---------------------------------------------------------------------------------------
 
@@ -633,6 +362,9 @@ class ReplicateLayout(Layout):
 
 
 def make_layout(placement: Placement, infos: list[Any], g: GroupInfo) -> Layout:
+    from flexshard._block_layout import BlockShardLayout  # (they subclass Layout)
+    from flexshard._owned_layout import OwnedLayout
+
     if isinstance(placement, Shard):
         return ShardLayout(infos, g, placement)
     if isinstance(placement, BlockShard):

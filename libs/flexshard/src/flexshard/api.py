@@ -5,12 +5,12 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable, Sequence
-from fnmatch import fnmatchcase
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from flexshard._groups import group_info
 from flexshard._layout import make_layout
 from flexshard._runtime import (
     BucketRuntime,
@@ -19,8 +19,8 @@ from flexshard._runtime import (
     ParamInfo,
     _register,
     _swap_class,
-    group_info,
 )
+from flexshard.fqn import fqn_matches
 from flexshard.placements import BlockShard, Bucket, MixedPrecision, Owned, Placement, Shard
 
 __all__ = ["default_buckets", "shard"]
@@ -71,7 +71,7 @@ def default_buckets(
 
 def _matches(match: Any, fqns: list[str], param: nn.Parameter) -> bool:
     if isinstance(match, str):
-        return any(fnmatchcase(f, match) for f in fqns)
+        return any(fqn_matches(match, f) for f in fqns)
     if isinstance(match, nn.Module):
         return any(p is param for p in match.parameters())
     if isinstance(match, torch.Tensor):

@@ -9,6 +9,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from flexshard.fqn import fqn_matches
+
 __all__ = [
     "BlockShard",
     "Bucket",
@@ -102,29 +104,39 @@ Match = (
 class Bucket:
     """A group of parameters sharing one placement and one gather/reduce.
 
-    ``match`` selects parameters by fully qualified name glob (``fnmatch``, ``*`` also
-    crosses dots: ``"layers.0.*"``), by module (all parameters below it), by the parameter
-    tensors themselves, by a list of any of these, or by a predicate ``(fqn, param) -> bool``.
+    ``match`` selects parameters by fully qualified name glob (``fqn_matches``: ``*`` stays
+    inside one dotted segment, a ``**`` segment spans any number: ``"layers.0.**"``), by module
+    (all parameters below it), by the parameter tensors themselves, by a list of any of these,
+    or by a predicate ``(fqn, param) -> bool``.
     ``quantize="fp8_block"`` (``BlockShard`` only) gathers float8-e4m3 tiles with one fp32
-    scale per tile.
+    scale per tile; ``"fp8_block_pow2"`` rounds those scales up to powers of two (exact to
+    re-quantise into MXFP8 or other power-of-two formats; see ``flexshard.fp8``).
     """
 
     match: Any
     placement: Placement = field(default_factory=Shard)
-    quantize: Literal["fp8_block"] | None = None
+    quantize: Literal["fp8_block", "fp8_block_pow2"] | None = None
     name: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.match, str):
+            try:
+                fqn_matches(self.match, "")
+            except ValueError as e:
+                raise ValueError(f"Bucket.match: {e}") from None
         if not isinstance(self.placement, Placement):
             raise ValueError(
                 f"Bucket.placement must be Shard(dim), Replicate(), Owned() or "
                 f"BlockShard(block), got {self.placement!r}"
             )
-        if self.quantize not in (None, "fp8_block"):
-            raise ValueError(f"Bucket.quantize must be None or 'fp8_block', got {self.quantize!r}")
-        if self.quantize == "fp8_block" and not isinstance(self.placement, BlockShard):
+        if self.quantize not in (None, "fp8_block", "fp8_block_pow2"):
             raise ValueError(
-                f"Bucket.quantize='fp8_block' needs a BlockShard placement (scales are per "
+                "Bucket.quantize must be None, 'fp8_block' or 'fp8_block_pow2', got "
+                f"{self.quantize!r}"
+            )
+        if self.quantize is not None and not isinstance(self.placement, BlockShard):
+            raise ValueError(
+                f"Bucket.quantize={self.quantize!r} needs a BlockShard placement (scales are per "
                 f"tile), got {self.placement!r}"
             )
 

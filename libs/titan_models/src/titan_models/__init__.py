@@ -1,11 +1,11 @@
-"""Model zoo (Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3), Hugging Face interop, KV-cache decoding,
-declarative plans."""
+"""Model zoo (Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3, Qwen3.5, Qwen3.5-MoE, Kimi Linear), Hugging
+Face interop, KV-cache decoding, declarative plans."""
 
 from .components import (
     AttentionMetadata,
     Constant,
     ContextParallel,
-    ContextParallelComm,
+    Float8Recipe,
     Init,
     KVCache,
     Normal,
@@ -15,16 +15,24 @@ from .components import (
     attend,
     attention_backends,
     init_state,
+    quantize_modules,
     register_attention_backend,
+    resolve_attention_backend,
 )
 from .decoding import greedy_generate
 from .deepseek_v3 import DeepSeekV3, DeepSeekV3Config
+from .deepseek_v4 import DeepSeekV4, DeepSeekV4Config
 from .flops import flops_per_token, matmul_params
-from .hf_io import from_hf, hf_model_config, load_hf_state, to_hf
+from .fqn import fqn_matches
+from .gpt_oss import GptOss, GptOssConfig
+from .hf_io import HFExport, from_hf, hf_export, hf_model_config, load_hf_state, to_hf
+from .kimi_linear import KimiLinear, KimiLinearConfig
 from .llama3 import Llama3, Llama3Config
 from .mtp import mtp_loss
-from .plan import ModelPlan, PipelineUnit, TensorParallelPlan, fqn_matches
+from .plan import ModelPlan, PipelineUnit, TensorParallelPlan, check_tensor_parallel
 from .qwen3 import Qwen3, Qwen3Config
+from .qwen3_5 import Qwen3_5, Qwen3_5Config
+from .qwen3_5_moe import Qwen3_5Moe, Qwen3_5MoeConfig
 from .qwen3_moe import Qwen3Moe, Qwen3MoeConfig
 from .registry import get_model, get_plan, list_models
 
@@ -34,11 +42,18 @@ __all__ = [
     "AttentionMetadata",
     "Constant",
     "ContextParallel",
-    "ContextParallelComm",
     "DeepSeekV3",
     "DeepSeekV3Config",
+    "DeepSeekV4",
+    "DeepSeekV4Config",
+    "Float8Recipe",
+    "GptOss",
+    "GptOssConfig",
+    "HFExport",
     "Init",
     "KVCache",
+    "KimiLinear",
+    "KimiLinearConfig",
     "Llama3",
     "Llama3Config",
     "ModelPlan",
@@ -48,6 +63,10 @@ __all__ = [
     "Qwen3Config",
     "Qwen3Moe",
     "Qwen3MoeConfig",
+    "Qwen3_5",
+    "Qwen3_5Config",
+    "Qwen3_5Moe",
+    "Qwen3_5MoeConfig",
     "RopeConfig",
     "TensorParallelPlan",
     "Transformer",
@@ -55,18 +74,22 @@ __all__ = [
     "__version__",
     "attend",
     "attention_backends",
+    "check_tensor_parallel",
     "flops_per_token",
     "fqn_matches",
     "from_hf",
     "get_model",
     "get_plan",
     "greedy_generate",
+    "hf_export",
     "hf_model_config",
     "init_state",
     "list_models",
     "load_hf_state",
     "matmul_params",
     "mtp_loss",
+    "quantize_modules",
     "register_attention_backend",
+    "resolve_attention_backend",
     "to_hf",
 ]

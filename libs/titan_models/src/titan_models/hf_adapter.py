@@ -36,7 +36,10 @@ class HFTensor:
     """HF's layout → ours (``None``: identical)."""
     shape: tuple[int, ...] | None = None
     """The checkpoint tensor's shape when it holds more than this view: a fused tensor split
-    over several of our parameters (read-only: such a tensor is never written)."""
+    over several of our parameters (written only when every part has a ``put``)."""
+    put: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+    """For a fused tensor: ``put(full, ours)`` copies this view (our layout) into its place in
+    the full HF tensor, so ``to_hf`` can assemble the tensor from its parts."""
 
     def hf_shape(self) -> tuple[int, ...]:
         """Shape of the tensor in the checkpoint (free on the meta device)."""
@@ -123,6 +126,21 @@ def _fused_experts(per_expert_key: str, param: torch.Tensor) -> HFTensor:
         param,
         from_hf=lambda t: t[:, half],
         shape=(experts, 2 * hidden, dim),
+        put=lambda full, w: full[:, half].copy_(w),
+    )
+
+
+def hf_rows(key: str, ours: torch.Tensor, total_rows: int, start: int) -> HFTensor:
+    """Our ``ours`` as rows ``start .. start + len(ours)`` of the checkpoint tensor ``key`` that
+    has ``total_rows`` rows (and ``ours``' other dims): a fused projection such as Qwen3.5's
+    ``in_proj_qkv``, one of our parameters per part."""
+    rows = slice(start, start + ours.shape[0])
+    return HFTensor(
+        key,
+        ours,
+        from_hf=lambda t: t[rows],
+        shape=(total_rows, *ours.shape[1:]),
+        put=lambda full, w: full[rows].copy_(w),
     )
 
 
@@ -273,20 +291,30 @@ class DenseHFAdapter(HFAdapter):
         }
 
 
-def check_supported(hf: Mapping[str, Any], *, sliding_window: bool = False) -> None:
+def check_supported(
+    hf: Mapping[str, Any],
+    *,
+    sliding_window: bool = False,
+    allowed: Mapping[str, tuple[Any, ...]] | None = None,
+    layer_types: tuple[str, ...] = ("full_attention",),
+) -> None:
     """``ValueError`` naming the first HF config field whose value we do not model
-    (``sliding_window``: the caller reads the window fields itself)."""
-    for name, allowed in _NEUTRAL.items():
-        if name in hf and hf[name] not in allowed:
+    (``sliding_window``: the caller reads the window fields itself; ``allowed``: a family's
+    own supported values of some fields, e.g. gpt-oss's ``attention_bias=True``;
+    ``layer_types``: the entries of HF's ``layer_types`` the family models)."""
+    for name, values in {**_NEUTRAL, **(allowed or {})}.items():
+        if name in hf and hf[name] not in values:
             raise ValueError(
                 f"HF config field {name}={hf[name]!r} is not supported (supported: "
-                f"{', '.join(repr(a) for a in allowed if a is not None) or 'absent'})"
+                f"{', '.join(repr(a) for a in values if a is not None) or 'absent'})"
             )
     if not sliding_window:
-        refuse_sliding_window(hf)
+        refuse_sliding_window(hf, layer_types=layer_types)
 
 
-def refuse_sliding_window(hf: Mapping[str, Any]) -> None:
+def refuse_sliding_window(
+    hf: Mapping[str, Any], *, layer_types: tuple[str, ...] = ("full_attention",)
+) -> None:
     """``ValueError`` when an HF config asks for sliding-window layers."""
     if "use_sliding_window" in hf:
         if hf["use_sliding_window"]:
@@ -299,10 +327,11 @@ def refuse_sliding_window(hf: Mapping[str, Any]) -> None:
             f"HF config field sliding_window={hf['sliding_window']!r} is not supported "
             "(sliding-window attention is not modelled; supported: None)"
         )
-    other = sorted({t for t in hf.get("layer_types") or () if t != "full_attention"})
+    other = sorted({t for t in hf.get("layer_types") or () if t not in layer_types})
     if other:
         raise ValueError(
-            f"HF config field layer_types contains {other} (supported: 'full_attention')"
+            f"HF config field layer_types contains {other} (supported: "
+            f"{', '.join(repr(t) for t in layer_types)})"
         )
 
 

@@ -2,9 +2,14 @@
 
 ``from_hf`` validates every key, shape and dtype against the model built on the meta device
 before it allocates anything, then materialises the model once and copies each checkpoint
-tensor into place as it is read (peak memory: the model plus one tensor). ``to_hf`` writes
-``config.json`` and size-capped safetensors shards (plus the index when there is more than one)
-into a temporary folder that is renamed into place only when complete.
+tensor into place as it is read (peak memory: the model plus one tensor).
+
+``hf_export`` is the key mapping for writing: our state (whole tensors, or the pieces one rank
+holds) as HF keys, each rank's pieces of every HF tensor and the layout transforms of permuted
+tensors, ready for ``torch_checkpointing.save_hf``, where every rank writes its own pieces into
+the files in place (the app's export; this library does not import torch_checkpointing).
+``to_hf`` writes a whole model from one process through the same mapping, into a temporary
+folder that is renamed into place only when complete.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import re
 import shutil
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +44,14 @@ _DTYPES = {
     "F16": torch.float16,
     "BF16": torch.bfloat16,
 }
+_INT_DTYPES = {
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+}
+"""Integer tensors load into integer buffers only (a hash-routing table)."""
 _DTYPE_NAMES = {
     "float64": torch.float64,
     "float32": torch.float32,
@@ -154,11 +168,11 @@ def _copy_pieces(
         target = chunk[tuple(i - o for i, o in zip(lead, offset, strict=False))]
         if ht.from_hf is not None:
             if transformed is None:
-                with safe_open(file, framework="pt") as f:
+                with _safe_open(file) as f:
                     transformed = ht.from_hf(f.get_tensor(ht.key))
             target.copy_(transformed[rest])
             continue
-        with safe_open(file, framework="pt") as f:  # mapped only while this slice is read
+        with _safe_open(file) as f:  # mapped only while this slice is read
             piece = f.get_slice(ht.key)[rest] if rest else f.get_tensor(ht.key)
         target.copy_(piece.reshape(target.shape))
 
@@ -188,10 +202,128 @@ def _open_checkpoint(path: str | os.PathLike) -> tuple[Path, dict, HFAdapter, di
     config_file = root / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} does not exist: not an HF checkpoint folder")
-    hf_config = json.loads(config_file.read_text())
+    hf_config = _read_json(config_file)
     adapter = family_for_hf(hf_config.get("model_type")).hf_adapter
     files = checkpoint_files(root)
     return root, adapter.adapt_to_checkpoint(hf_config, files.keys()), adapter, files
+
+
+@dataclass(frozen=True, slots=True)
+class HFExport:
+    """A model's state as Hugging Face tensors, for ``torch_checkpointing.save_hf``."""
+
+    tensors: dict[str, Any]
+    """HF key -> this process's pieces of that tensor (sharded-tensor protocol: ``global_shape``,
+    ``dtype``, ``local_chunks()``; the chunks are views of the state's tensors)."""
+    transforms: dict[str, Callable[[torch.Tensor], torch.Tensor]]
+    """HF key -> the layout change from our layout to HF's, applied to the whole tensor."""
+    config: dict[str, Any]
+    """The ``config.json`` to write beside the tensors."""
+
+
+class _Pieces:
+    """One HF tensor's pieces held here, as the sharded-tensor protocol (converted to
+    ``dtype`` as they are asked for, so a converted copy lives only while it is written)."""
+
+    __slots__ = ("_chunks", "dtype", "global_shape")
+
+    def __init__(
+        self,
+        global_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        chunks: list[tuple[tuple[int, ...], torch.Tensor]],
+    ) -> None:
+        self.global_shape, self.dtype, self._chunks = global_shape, dtype, chunks
+
+    def local_chunks(self) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+        return [(o, c.detach().to(self.dtype)) for o, c in self._chunks]
+
+
+def hf_export(
+    state: Mapping[str, Any], config: TransformerConfig, *, dtype: torch.dtype | None = None
+) -> HFExport:
+    """Our state as HF tensors: ``state`` maps FQNs to whole tensors or this rank's pieces
+    (objects with ``global_shape`` / ``local_chunks()``: flexshard shards, tensor- or
+    expert-parallel slices, one pipeline stage's layers); an FQN missing here is another
+    rank's. Every rank passes the result to ``torch_checkpointing.save_hf`` and one writes
+    ``config`` as ``config.json``::
+
+        export = titan_models.hf_export(state, model.config)
+        torch_checkpointing.save_hf(export.tensors, path, transforms=export.transforms)
+
+    ``dtype``: of the written parameters (buffers keep theirs); the parameters' own by default.
+    """
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"hf_export: dtype must be a floating torch.dtype, got {dtype!r}")
+    family = family_of(config)
+    adapter = family.hf_adapter
+    hf_config = adapter.config_to_hf(config)
+    with torch.device("meta"):
+        reference = family.model_cls(config)
+    whole = dict(named_state(reference))
+    buffers = {name for name, _ in reference.named_buffers()}
+    unknown = sorted(set(state) - set(reference.state_dict()) - buffers)
+    if unknown:
+        raise ValueError(
+            f"hf_export: {_listing('keys are not in ' + type(reference).__name__, unknown)}"
+        )
+    tensors: dict[str, Any] = {}
+    transforms: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+    fused: dict[str, list[HFTensor]] = defaultdict(list)
+    param_dtype = None
+    for fqn, ours in whole.items():
+        if fqn not in state:
+            continue
+        global_shape, chunks = local_chunks(state[fqn])
+        if tuple(global_shape) != tuple(ours.shape):
+            raise ValueError(
+                f"hf_export: {fqn!r} has global shape {tuple(global_shape)}, the config gives "
+                f"{tuple(ours.shape)}"
+            )
+        own = state[fqn].dtype
+        if fqn not in buffers:
+            param_dtype = param_dtype or own
+        target = own if dtype is None or fqn in buffers else dtype
+        for ht in adapter.hf_tensors(fqn, ours, hf_config):
+            if ht.shape is not None:  # a part of a fused HF tensor (gpt-oss's gate_up_proj)
+                fused[ht.key] += _fused_parts(fqn, state[fqn], ht.key, adapter, hf_config)
+                tensors[ht.key] = target
+                continue
+            lead = _leading_index(ht.ours, ours)
+            if lead is None or ht.shape is not None:
+                raise ValueError(f"{ht.key}: not a whole-trailing-dims view of {fqn!r}")
+            k = len(lead)
+            pieces = [
+                (offset[k:], chunk[tuple(i - o for i, o in zip(lead, offset, strict=False))])
+                for offset, chunk in chunks
+                if all(o <= i < o + n for i, o, n in zip(lead, offset, chunk.shape, strict=False))
+            ]
+            tensors[ht.key] = _Pieces(tuple(ht.ours.shape), target, pieces)
+            if ht.to_hf is not None:
+                transforms[ht.key] = ht.to_hf
+    for key, parts in fused.items():
+        full = parts[0].ours.new_empty(parts[0].shape)
+        for part in parts:
+            part.put(full, part.ours.detach())
+        tensors[key] = _Pieces(tuple(full.shape), tensors[key], [((0,) * full.dim(), full)])
+    hf_config["torch_dtype"] = str(dtype or param_dtype or torch.float32).removeprefix("torch.")
+    return HFExport(tensors=tensors, transforms=transforms, config=hf_config)
+
+
+def _fused_parts(
+    fqn: str, value: Any, key: str, adapter: HFAdapter, hf_config: dict
+) -> list[HFTensor]:
+    """The parts ``fqn`` writes into the fused HF tensor ``key``, from its whole value (a
+    fused tensor is assembled in one process: sharded pieces are refused)."""
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+        raise ValueError(
+            f"hf_export: {key} fuses several of our tensors; pass {fqn!r} whole (gather its "
+            "shards first)"
+        )
+    parts = [ht for ht in adapter.hf_tensors(fqn, value, hf_config) if ht.key == key]
+    if any(ht.put is None for ht in parts):
+        raise ValueError(f"{key} is a fused HF tensor this adapter cannot write")
+    return parts
 
 
 def to_hf(
@@ -201,7 +333,9 @@ def to_hf(
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write ``model`` as an HF checkpoint folder that ``AutoModelForCausalLM`` loads.
+    """Write ``model`` as an HF checkpoint folder that ``AutoModelForCausalLM`` loads, from
+    this process alone (a sharded model is written from every rank at once by
+    ``torch_checkpointing.save_hf`` with ``hf_export``'s mapping instead).
 
     Args:
         path: a folder that does not exist yet (or is empty).
@@ -209,24 +343,21 @@ def to_hf(
             (decimal units) or ``"512MiB"``; a tensor larger than this gets a shard of its own.
         dtype: dtype of the written tensors; the parameters' own by default.
     """
-    family = family_of(model)
-    adapter = family.hf_adapter
     limit = parse_size(max_shard_size)
     root = Path(path)
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise ValueError(f"{root} exists and is not an empty folder; to_hf writes a new one")
-    hf_config = adapter.config_to_hf(model.config)
-    tensors, buffers = _hf_tensors_for_saving(model, adapter, hf_config)
-    out_dtype = dtype or tensors[0].ours.dtype
+    _check_whole(model)
+    export = hf_export(dict(named_state(model)), model.config, dtype=dtype)
 
-    shards: list[list[HFTensor]] = [[]]
+    shards: list[list[str]] = [[]]
     shard_bytes = 0
-    for ht in tensors:
-        size = ht.ours.numel() * out_dtype.itemsize
+    for key, pieces in export.tensors.items():
+        size = math.prod(pieces.global_shape) * pieces.dtype.itemsize
         if shards[-1] and shard_bytes + size > limit:
             shards.append([])
             shard_bytes = 0
-        shards[-1].append(ht)
+        shards[-1].append(key)
         shard_bytes += size
     names = (
         [SINGLE_FILE]
@@ -238,15 +369,14 @@ def to_hf(
     partial.mkdir(parents=True)
     try:
         weight_map, total = {}, 0
-        for name, shard in zip(names, shards, strict=True):
-            # Buffers (a router's fp32 selection bias) keep their dtype, as transformers does.
+        for name, keys in zip(names, shards, strict=True):
             state, storages = {}, set()
-            for ht in shard:
-                tensor = _standalone(ht, None if ht.key in buffers else dtype)
+            for key in keys:
+                tensor = _standalone(export, key)
                 if tensor.untyped_storage().data_ptr() in storages:
                     tensor = tensor.clone()  # one parameter under two keys (MTP's head copy)
                 storages.add(tensor.untyped_storage().data_ptr())
-                state[ht.key] = tensor
+                state[key] = tensor
             save_file(state, partial / name, metadata={"format": "pt"})
             total += sum(t.numel() * t.element_size() for t in state.values())
             weight_map.update(dict.fromkeys(state, name))
@@ -257,8 +387,7 @@ def to_hf(
                 "weight_map": dict(sorted(weight_map.items())),
             }
             (partial / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        hf_config["torch_dtype"] = str(out_dtype).removeprefix("torch.")
-        (partial / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        (partial / "config.json").write_text(json.dumps(export.config, indent=2) + "\n")
         if root.exists():
             root.rmdir()
         os.replace(partial, root)
@@ -268,12 +397,33 @@ def to_hf(
     return root
 
 
+def _standalone(export: HFExport, key: str) -> torch.Tensor:
+    """One HF tensor whole, in HF's layout, as a CPU tensor owning exactly its own bytes
+    (safetensors refuses shared storage)."""
+    [(_, tensor)] = export.tensors[key].local_chunks()  # one process holds it whole
+    transform = export.transforms.get(key)
+    tensor = (transform(tensor) if transform is not None else tensor).to("cpu").contiguous()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    return tensor
+
+
 def checkpoint_files(root: Path) -> dict[str, Path]:
     """Every tensor key of the checkpoint in ``root`` and the file holding it."""
     index = root / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = {key: root / name for key, name in weight_map.items()}
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map object")
+        inside = root.resolve()
+        files = {}
+        for key, name in weight_map.items():
+            file = root / str(name)
+            if Path(str(name)).is_absolute() or not file.resolve().is_relative_to(inside):
+                raise ValueError(
+                    f"{index}: weight_map[{key!r}] = {name!r} is outside the checkpoint folder"
+                )
+            files[key] = file
         for file in sorted(set(files.values())):
             if not file.is_file():
                 raise FileNotFoundError(f"{file}, named in {index}, does not exist")
@@ -287,12 +437,30 @@ def checkpoint_files(root: Path) -> dict[str, Path]:
         raise FileNotFoundError(f"{root} holds no *.safetensors file")
     files: dict[str, Path] = {}
     for file in paths:
-        with safe_open(file, framework="pt") as f:
+        with _safe_open(file) as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if key in files:
                     raise ValueError(f"tensor {key!r} is in both {files[key].name} and {file.name}")
                 files[key] = file
     return files
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{file} is not a readable JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _safe_open(file: Path) -> Any:
+    """``safe_open`` whose failure (a truncated or corrupt file) names the file."""
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as e:  # safetensors raises its own SafetensorError
+        raise ValueError(f"{file} is not a readable safetensors file ({e})") from None
 
 
 def parse_size(size: int | str) -> int:
@@ -319,7 +487,7 @@ def _declared_dtype(hf_config: dict) -> torch.dtype | None:
 
 def _first_tensor_dtype(files: dict[str, Path]) -> torch.dtype:
     key, file = next(iter(files.items()))
-    with safe_open(file, framework="pt") as f:
+    with _safe_open(file) as f:
         found = f.get_slice(key).get_dtype()
     if found not in _DTYPES:
         raise ValueError(f"tensor {key!r} has dtype {found}; pass dtype= to from_hf")
@@ -347,11 +515,12 @@ def _validate(
 ) -> None:
     """Every key, shape and dtype, checked on the meta model; one error listing all problems."""
     params = {id(p) for p in model.parameters()}
-    expected, is_param = {}, {}
+    expected, is_param, is_int = {}, {}, {}
     for fqn, tensor in named_state(model):
         for ht in adapter.hf_tensors(fqn, tensor, hf_config):
             expected[ht.key] = ht.hf_shape()
             is_param[ht.key] = id(tensor) in params
+            is_int[ht.key] = not tensor.is_floating_point()
     missing = sorted(set(expected) - set(files))
     unexpected = sorted(
         k for k in files if k not in expected and not adapter.is_ignored(k, model.config)
@@ -362,13 +531,16 @@ def _validate(
         if key in files:
             by_file[files[key]].append(key)
     for file, keys in by_file.items():
-        with safe_open(file, framework="pt") as f:
+        with _safe_open(file) as f:
             for key in keys:
                 piece = f.get_slice(key)
                 shape, found = tuple(piece.get_shape()), piece.get_dtype()
                 if shape != expected[key]:
                     wrong.append(f"{key}: checkpoint shape {shape}, model shape {expected[key]}")
-                if found not in _DTYPES:
+                if is_int[key]:
+                    if found not in _INT_DTYPES:
+                        wrong.append(f"{key}: dtype {found} is not an integer dtype we can load")
+                elif found not in _DTYPES:
                     wrong.append(f"{key}: dtype {found} is not a floating dtype we can load")
                 elif not convert and is_param[key] and _DTYPES[found] != target:
                     # Buffers (a router's fp32 bias in a bf16 checkpoint) convert on copy.
@@ -393,46 +565,27 @@ def _listing(what: str, items: list[str]) -> str:
     return f"{len(items)} {what}: {', '.join(items[:_MAX_LISTED])}{more}"
 
 
-def _hf_tensors_for_saving(
-    model: Transformer, adapter: HFAdapter, hf_config: dict
-) -> tuple[list[HFTensor], set[str]]:
-    """Every HF tensor to write, and the keys of those that are buffers."""
+def _check_whole(model: Transformer) -> None:
+    """``to_hf`` takes a materialised model holding every tensor whole."""
     with torch.device("meta"):
         reference = type(model)(model.config)
     shapes = {name: tuple(t.shape) for name, t in named_state(reference)}
-    wanted = list(shapes)
     params = dict(named_state(model))
-    missing = [name for name in wanted if name not in params]
+    missing = [name for name in shapes if name not in params]
     if missing:
         raise ValueError(
             f"to_hf needs the whole model; {_listing('parameters are absent', missing)}"
         )
-    buffer_names = {name for name, _ in reference.named_buffers()}
-    tensors, buffers = [], set()
-    for name in wanted:
+    for name, shape in shapes.items():
         param = params[name]
         if param.is_meta or type(param.data) is not torch.Tensor:
             raise ValueError(
                 f"parameter {name} is a {type(param.data).__name__} on {param.device}: "
                 "to_hf writes a materialised, unsharded model (gather it first)"
             )
-        if tuple(param.shape) != shapes[name]:
+        if tuple(param.shape) != shape:
             raise ValueError(
                 f"parameter {name} has shape {tuple(param.shape)}, the config gives "
-                f"{shapes[name]}: to_hf writes an unsharded model (gather expert-parallel or "
+                f"{shape}: to_hf writes an unsharded model (gather expert-parallel or "
                 "other shards first)"
             )
-        described = adapter.hf_tensors(name, param, hf_config)
-        tensors += described
-        if name in buffer_names:
-            buffers.update(ht.key for ht in described)
-    return tensors, buffers
-
-
-def _standalone(ht: HFTensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """A CPU tensor owning exactly its own bytes (safetensors refuses shared storage)."""
-    tensor = (ht.to_hf(ht.ours) if ht.to_hf else ht.ours).detach()
-    tensor = tensor.to(device="cpu", dtype=dtype or tensor.dtype).contiguous()
-    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-        tensor = tensor.clone()
-    return tensor

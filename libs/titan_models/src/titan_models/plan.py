@@ -1,8 +1,9 @@
 """Declarative parallelism plans: pure data that the app applies; the model never imports
 ``torch.distributed``.
 
-FQN patterns are dot-separated module names in which ``*`` matches exactly one segment
-(``layers.*.attention.wq`` matches ``layers.7.attention.wq``); see ``fqn_matches``.
+FQN patterns are globs as ``fqn_matches`` reads them (``fqn.py``): ``*`` stays inside one
+dotted segment (``layers.*.attention.wq`` matches ``layers.7.attention.wq``), a ``**`` segment
+spans any number of them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ class TensorParallelPlan:
     """Modules with replicated weights whose gradients are partial per rank and summed over the
     tensor-parallel group: the per-head QK-norms (run on the local heads), and MLA's latent
     down-projections and their norms (``wq_a``, ``q_norm``, ``wkv_a``, ``kv_norm``: computed in
-    full on every rank, read by the local heads only)."""
+    full on every rank, read by the local heads only); linear attention's per-head output norm
+    and KDA's low-rank gate inputs (``wf_a``, ``wg_a``)."""
+    head_sharded: tuple[str, ...] = ()
+    """*Parameter* FQN patterns (not modules) split on dim 0 with the heads, like the outputs
+    of the column-wise projections they act on: linear attention's per-head ``dt_bias`` /
+    ``A_log`` and depthwise conv filters (``conv_q.weight``, ...). Each rank holds its heads'
+    rows as a plain tensor; the modules read head counts off their weights at run time."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,14 +72,12 @@ class ModelPlan:
     ``dist_moe.expert_parallel(module, ep_group)``. They are in no tensor-parallel list (router,
     routed and shared experts run unsharded over TP; under sequence parallelism each TP rank
     routes its own sequence shard)."""
-
-
-def fqn_matches(pattern: str, fqn: str) -> bool:
-    """Whether ``fqn`` matches ``pattern`` segment by segment (``*`` = any one segment)."""
-    parts, wanted = fqn.split("."), pattern.split(".")
-    return len(parts) == len(wanted) and all(
-        w in ("*", p) for w, p in zip(wanted, parts, strict=True)
-    )
+    stage_width: int | None = None
+    """Features per token a pipeline stage sends to the next (``None``: the model width ``dim``;
+    DeepSeek-V4 sends its ``hc_mult`` residual streams, ``hc_mult · dim``)."""
+    stage_inputs: tuple[str, ...] = ()
+    """Forward keyword arguments every pipeline stage needs from the batch besides positions and
+    documents: ``token_ids`` (the input ids, ``(B, S)``) for hash-routed MoE layers."""
 
 
 def decoder_plan(
@@ -85,13 +90,17 @@ def decoder_plan(
     experts: tuple[str, ...] = (),
     sequence_parallel: tuple[str, ...] = (),
     head_modules: tuple[str, ...] = (),
+    head_sharded: tuple[str, ...] = (),
+    stage_width: int | None = None,
+    stage_inputs: tuple[str, ...] = (),
 ) -> ModelPlan:
     """The plan of a ``Transformer``: Megatron-style TP/SP, one pipeline unit per block,
     blocks as remat units, and (MoE families) the expert modules.
 
     The patterns given are the blocks' own; embedding, head and the residual-stream norms are
     added here. Unit sizes are counted on a meta-device build (nothing is allocated).
-    ``head_modules``: modules beside ``norm`` and ``output`` that the last stage keeps.
+    ``head_modules``: modules beside ``norm`` and ``output`` that the last stage keeps;
+    ``stage_width`` / ``stage_inputs``: see ``ModelPlan``.
     """
     with torch.device("meta"):
         model = model_cls(config)
@@ -118,6 +127,7 @@ def decoder_plan(
                 "norm",
             ),
             replicated=replicated,
+            head_sharded=head_sharded,
         ),
         pipeline_units=units,
         remat_units=("layers.*", *(f"{m}.*" for m in head_modules)),
@@ -125,7 +135,27 @@ def decoder_plan(
         if config.tie_embeddings
         else (),
         experts=experts,
+        stage_width=stage_width,
+        stage_inputs=stage_inputs,
     )
+
+
+def check_tensor_parallel(config: TransformerConfig, degree: int) -> None:
+    """``ValueError`` naming the first head count of ``config`` that a tensor-parallel
+    ``degree`` does not divide (attention heads, and the linear-attention heads of hybrids)."""
+    for name in (
+        "num_heads",
+        "num_kv_heads",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_num_heads",
+    ):
+        heads = getattr(config, name, None)
+        if heads is not None and heads % degree:
+            raise ValueError(
+                f"tensor-parallel degree {degree} must divide {type(config).__name__}.{name}="
+                f"{heads} (heads are split whole over the ranks)"
+            )
 
 
 def dense_decoder_plan(

@@ -1,13 +1,7 @@
 """RL post-training with the same model code in trainer and generator."""
 
-from .arithmetic import (
-    ArithmeticTask,
-    Problem,
-    answer_breakdown,
-    arithmetic_problem,
-    slip_answer,
-)
 from .batch_invariant import batch_invariant, invariant_attention, invariant_linear
+from .causal_lm import CausalLM, causal_lm_logits
 from .diagnostics import logprob_diagnostics, reward_diagnostics
 from .environment import (
     CodeToolEnv,
@@ -44,22 +38,23 @@ from .rollout import (
     rollout_seed,
 )
 from .sandbox import SandboxLimits, SandboxResult, SandboxUnavailableError, run_sandboxed
+from .tasks import ExactMatchTask
 from .tokenizer import Tokenizer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArithmeticTask",
+    "CausalLM",
     "CodeToolEnv",
     "Environment",
     "Episode",
+    "ExactMatchTask",
     "GRPOConfig",
     "GRPOTrainer",
     "Generation",
     "Generator",
     "LossConfig",
     "LossOutput",
-    "Problem",
     "Prompt",
     "RewardResult",
     "RolloutBatch",
@@ -73,10 +68,9 @@ __all__ = [
     "TorchGenerator",
     "__version__",
     "aggregate",
-    "answer_breakdown",
-    "arithmetic_problem",
     "batch_invariant",
     "boxed_math_reward",
+    "causal_lm_logits",
     "code_reward",
     "collect_rollouts",
     "correction_weights",
@@ -95,6 +89,5 @@ __all__ = [
     "run_episode",
     "run_sandboxed",
     "sequence_logprobs",
-    "slip_answer",
     "token_logprobs",
 ]

@@ -1,9 +1,12 @@
-"""Rollout generation: the ``Generator`` protocol and ``TorchGenerator`` over titan_models.
+"""Rollout generation: the ``Generator`` protocol and ``TorchGenerator``.
 
-``TorchGenerator`` runs the very model class the trainer trains (one prefill of the ragged
-prompts into the titan_models KV cache, then one token per step) and samples each row with its
-own seeded ``torch.Generator``, so a sample depends only on its prompt, its seed and the
-weights, never on the other rows of the batch (given batch-invariant logits).
+``TorchGenerator`` runs the very model the trainer trains and samples each row with its own
+seeded ``torch.Generator``, so a sample depends only on its prompt, its seed and the weights,
+never on the other rows of the batch (given batch-invariant logits). A titan_models
+``Transformer`` is decoded through its own forward: one prefill of the ragged prompts into a
+static KV cache (``static=True``: every step has the same shapes and no host sync), then
+``model(tokens, kv_cache=cache)`` once per token; any other causal LM (``titan_rl.CausalLM``)
+recomputes the whole sequence each step.
 
 Shapes: B rows, P prompt tokens, T new tokens, V vocabulary.
 """
@@ -12,20 +15,18 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from titan_models import AttentionMetadata, KVCache
-from titan_models.components import CacheStep
+from titan_models import KVCache, Transformer
 
 from .batch_invariant import batch_invariant
+from .causal_lm import causal_lm_logits
 from .logprobs import token_logprobs
 
 
@@ -118,7 +119,7 @@ class Generator(Protocol):
 
 
 class TorchGenerator:
-    """Batched sampling with the titan_models KV cache (see the module docstring)."""
+    """Batched sampling from a causal LM (see the module docstring)."""
 
     def __init__(
         self,
@@ -128,18 +129,27 @@ class TorchGenerator:
         compile_decode: bool = False,
         weight_version: int = 0,
     ) -> None:
-        """``model``: a titan_models ``Transformer`` (the trainer's, or a copy for async mode).
+        """``model``: a titan_models ``Transformer`` (the fast path: its own forward over a
+        static KV cache) or any causal LM that fits ``titan_rl.CausalLM`` (the whole sequence
+        recomputed each step); the trainer's model, or a copy for async mode.
 
-        ``compile_decode``: run each decode step as one ``torch.compile``d graph of static
-        shapes (the cache's full capacity, masked), compiled once per batch size and capacity
-        bucket (``_CAPACITY_BUCKET`` tokens); the prefill stays eager. Fused kernels round
-        differently, so it cannot be combined with ``batch_invariant``. Steps after the first
-        of a call skip dynamo's guard checks (``skip_guard_eval_unsafe``, a process-wide
-        stance): other ``torch.compile``d code must not run in another thread meanwhile (in
-        titan_rl's async mode the trainer thread runs eager code).
+        ``compile_decode``: ``torch.compile`` the decode step (the model's forward over the
+        static cache, then the sampler) as one graph of fixed shapes, compiled once per batch
+        size, capacity bucket (``_CAPACITY_BUCKET`` tokens) and sampling setting; the prefill
+        stays eager. Transformer only; not with ``batch_invariant`` (fused kernels round
+        differently from the trainer's forward).
         """
-        if not hasattr(model, "new_kv_cache"):
-            raise TypeError(f"model must be a titan_models Transformer, got {type(model).__name__}")
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"model must be a torch.nn.Module causal LM (titan_rl.CausalLM), "
+                f"got {type(model).__name__}"
+            )
+        self._cached = isinstance(model, Transformer)
+        if compile_decode and not self._cached:
+            raise ValueError(
+                "TorchGenerator: compile_decode=True needs a titan_models Transformer (the "
+                f"static KV cache path); {type(model).__name__} is decoded by recomputing"
+            )
         if compile_decode and batch_invariant:
             raise ValueError(
                 "TorchGenerator: compile_decode=True cannot be combined with batch_invariant=True "
@@ -147,12 +157,12 @@ class TorchGenerator:
             )
         self.model = model
         self.batch_invariant = batch_invariant
+        self.compile_decode = compile_decode
         self.weight_version = weight_version
         self._lock = threading.Lock()
+        step = functools.partial(_decode_step, model)
         self._decode_step = (
-            torch.compile(functools.partial(_decode_step, model), fullgraph=True, dynamic=False)
-            if compile_decode
-            else None
+            torch.compile(step, fullgraph=True, dynamic=False) if compile_decode else step
         )
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
@@ -188,8 +198,7 @@ class TorchGenerator:
     def _generate(
         self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]
     ) -> Generation:
-        model = self.model
-        device = next(model.parameters()).device
+        device = next(self.model.parameters()).device
         B, T = len(prompts), params.max_new_tokens
         lengths_B = torch.tensor([len(p) for p in prompts], device=device)
         prompt_BP = torch.zeros(B, int(lengths_B.max()), dtype=torch.long, device=device)
@@ -198,17 +207,10 @@ class TorchGenerator:
         rngs = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
         stop_ids = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=device)
 
-        capacity = prompt_BP.shape[1] + T
-        if self._decode_step is not None:  # few distinct shapes: few compiles
-            capacity = -(-capacity // _CAPACITY_BUCKET) * _CAPACITY_BUCKET
-        cache = model.new_kv_cache(B, capacity)
-        # The prefill needs logits at each row's last prompt token only: the head (the largest
-        # GEMM at small sizes) runs on those B rows, not on all B * P.
-        h_BPD, _ = model.run_blocks(prompt_BP, kv_cache=cache, input_lengths=lengths_B)
-        logits_BV = model.head(h_BPD[torch.arange(B, device=device), lengths_B - 1])
+        start = self._cached_decoder if self._cached else self._recompute_decoder
+        logits_BV, step = start(prompt_BP, lengths_B, T, params)
         vocab = logits_BV.shape[-1]
         sampled = _sample(logits_BV, params, _noise(params, rngs, vocab, device))
-        step = self._eager_step if self._decode_step is None else self._static_step(cache)
 
         # Per step: the model, the sampler and (with stop tokens) one host sync for the stop
         # check; the outputs are assembled once at the end.
@@ -222,7 +224,7 @@ class TorchGenerator:
                 live.append(~done_B)
             else:
                 live.append(live[0])
-            sampled = step(sampled[0][:, None], cache, params, rngs)
+            sampled = step(sampled[0][:, None], _noise(params, rngs, vocab, device))
             steps.append(sampled)
         mask_BT = torch.stack(live, 1)
         tokens_BT, raw_BT, processed_BT = (
@@ -242,141 +244,70 @@ class TorchGenerator:
             weight_version=self.weight_version,
         )
 
-    def _eager_step(
-        self,
-        tokens_B1: torch.Tensor,
-        cache: KVCache,
-        params: SamplingParams,
-        rngs: list[torch.Generator],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits_BV = self.model(tokens_B1, kv_cache=cache)[:, 0]
-        device = logits_BV.device
-        return _sample(logits_BV, params, _noise(params, rngs, logits_BV.shape[-1], device))
+    def _cached_decoder(
+        self, prompt_BP: torch.Tensor, lengths_B: torch.Tensor, T: int, params: SamplingParams
+    ) -> tuple[torch.Tensor, _Step]:
+        """A Transformer: one prefill of the ragged prompts into a static KV cache, then each
+        step is ``model(tokens_B1, kv_cache=cache)`` (compiled or not) and the sampler."""
+        model = self.model
+        B, P = prompt_BP.shape
+        capacity = P + T
+        if self.compile_decode:  # few distinct shapes: few compiles
+            capacity = -(-capacity // _CAPACITY_BUCKET) * _CAPACITY_BUCKET
+        cache = model.new_kv_cache(B, capacity, static=True)
+        # The prefill needs logits at each row's last prompt token only: the head (the largest
+        # GEMM at small sizes) runs on those B rows, not on all B * P.
+        h_BPD, _ = model.run_blocks(prompt_BP, kv_cache=cache, input_lengths=lengths_B)
+        logits_BV = model.head(h_BPD[torch.arange(B, device=h_BPD.device), lengths_B - 1])
 
-    def _static_step(self, cache: KVCache):
-        """The compiled step over ``cache``'s buffers; it advances its own slots (the cache's
-        ``lengths`` stay at the prompt lengths)."""
-        slots_B = cache.lengths.clone()
-        buffers = [(layer.k_BKLD, layer.v_BKLD) for layer in cache.layers.values()]
-        vocab = self.model.config.vocab_size
+        def step(tokens_B1: torch.Tensor, noise_BV: torch.Tensor | None) -> _Sampled:
+            return self._decode_step(tokens_B1, cache, params, noise_BV)
 
-        calls = 0
+        return logits_BV, step
 
-        def step(tokens_B1, cache, params, rngs):
-            nonlocal calls
-            noise = _noise(params, rngs, vocab, tokens_B1.device)
-            args = (tokens_B1, slots_B, buffers, params, noise)
-            calls += 1
-            if calls == 1:  # guards checked: picks (or compiles) the graph for these shapes
-                return self._decode_step(*args)
-            # Later steps of this call have the same shapes, params and weights, so the guards
-            # that passed on the first step pass again; evaluating them costs ~0.15 ms a step.
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                return self._decode_step(*args)
+    def _recompute_decoder(
+        self, prompt_BP: torch.Tensor, lengths_B: torch.Tensor, T: int, params: SamplingParams
+    ) -> tuple[torch.Tensor, _Step]:
+        """Any causal LM: the right-padded rows grow by one token per step and each step runs
+        the model over all of them (no cache: O(T²) work, for small models and checks)."""
+        B, P = prompt_BP.shape
+        rows_B = torch.arange(B, device=prompt_BP.device)
+        seq_BL = torch.cat([prompt_BP, prompt_BP.new_zeros(B, T)], dim=1)
+        ends_B = lengths_B.clone()  # each row's length: where its next token goes
+        width = P
 
-        return step
+        def step(tokens_B1: torch.Tensor, noise_BV: torch.Tensor | None) -> _Sampled:
+            nonlocal width
+            seq_BL[rows_B, ends_B] = tokens_B1[:, 0]
+            ends_B.add_(1)
+            width += 1
+            logits_BV = causal_lm_logits(self.model, seq_BL[:, :width])[rows_B, ends_B - 1]
+            return _sample(logits_BV, params, noise_BV)
+
+        logits_BV = causal_lm_logits(self.model, prompt_BP)[rows_B, lengths_B - 1]
+        return logits_BV, step
 
 
 _CAPACITY_BUCKET = 32
 """Compiled decoding rounds the cache capacity up to a multiple of this (fewer recompiles)."""
 
+_Sampled = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""The sampler's ``(next ids, raw log-probs, processed log-probs)``, each ``(B,)``."""
 
-class _StepCache:
-    """A layer's cache for one decode step of the compiled path: the same ``update`` contract
-    as titan_models' ``LayerKVCache``, over the full (static) capacity."""
-
-    def __init__(self, k_BKLE: torch.Tensor, v_BKLE: torch.Tensor, slots_B: torch.Tensor):
-        self.k_BKLE, self.v_BKLE, self.slots_B = k_BKLE, v_BKLE, slots_B
-
-    def update(self, k_B1KE: torch.Tensor, v_B1KE: torch.Tensor):
-        rows_B = torch.arange(self.slots_B.shape[0], device=self.slots_B.device)
-        # Advanced indices on dims 0 and 2 around a slice: the value is (B, K, E).
-        self.k_BKLE[rows_B, :, self.slots_B] = k_B1KE[:, 0]
-        self.v_BKLE[rows_B, :, self.slots_B] = v_B1KE[:, 0]
-        return self.k_BKLE, self.v_BKLE
-
-
-class _DecodeKernels(TorchFunctionMode):
-    """The compiled decode step's own forms of two ops, for Inductor to fuse:
-
-    - SDPA of one query per row as plain matmuls + softmax (the CPU flash-attention kernel
-      costs more than the arithmetic at decode sizes);
-    - ``F.linear`` over a few rows as broadcast products + sums (``_rowwise_linear``)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return _masked_attention(*args, **kwargs)
-        if func is F.linear:
-            return _rowwise_linear(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-_ROWWISE_ROWS = range(2, 33)
-"""Row counts for which the compiled step writes a linear as products + sums (see
-``_rowwise_linear``); measured on the debug model with 8 rows."""
-
-
-def _rowwise_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``F.linear`` written as ``(x[:, None, :] * weight).sum(-1)`` when ``x`` has few rows.
-
-    At decode sizes a GEMM library call gains little from a second thread (the 29 GEMMs of a
-    debug-model step: 1.78 ms on 1 thread, 1.51 ms on 2); written as a reduction over each
-    weight row, Inductor emits a vectorised dot-product kernel that splits the rows over the
-    threads (0.87 ms on 2) and fuses with the norm, activation and residual around it. Meant for tracing: run eagerly, it materialises the ``(M, N, K)`` product first."""
-    x_MK = x.reshape(-1, x.shape[-1])
-    if x_MK.shape[0] not in _ROWWISE_ROWS:
-        return F.linear(x, weight, bias)
-    out_MN = (x_MK[:, None, :] * weight).sum(-1)
-    if bias is not None:
-        out_MN = out_MN + bias
-    return out_MN.view(*x.shape[:-1], weight.shape[0])
-
-
-def _masked_attention(
-    q_BHSE: torch.Tensor,
-    k_BKLE: torch.Tensor,
-    v_BKLE: torch.Tensor,
-    attn_mask: torch.Tensor,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> torch.Tensor:
-    """``scaled_dot_product_attention`` with a boolean ``(B, 1, S, L)`` mask; query head ``h``
-    reads kv head ``h // (H / K)`` (SDPA's ``enable_gqa`` grouping)."""
-    B, H, S, E = q_BHSE.shape
-    K = k_BKLE.shape[1]
-    scale = E**-0.5 if scale is None else scale
-    q_BKGE = q_BHSE.reshape(B, K, (H // K) * S, E)
-    scores = (q_BKGE @ k_BKLE.transpose(-1, -2)).mul_(scale).view(B, K, H // K, S, -1)
-    scores = scores.masked_fill(~attn_mask[:, :, None], float("-inf")).softmax(-1)
-    o_BKGE = scores.view(B, K, (H // K) * S, -1) @ v_BKLE
-    return o_BKGE.view(B, H, S, E)
+_Step = Callable[[torch.Tensor, torch.Tensor | None], _Sampled]
+"""One decode step: the last sampled ids ``(B, 1)`` and the step's noise → the next sample."""
 
 
 def _decode_step(
-    model: nn.Module,
+    model: Transformer,
     tokens_B1: torch.Tensor,
-    slots_B: torch.Tensor,
-    buffers: list[tuple[torch.Tensor, torch.Tensor]],
+    cache: KVCache,
     params: SamplingParams,
     noise_BV: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One decode step of the model's own blocks with static shapes, then the sampler: each
-    row writes its token at its slot, attends to the whole capacity masked to the slots up to
-    its own, and moves its slot on."""
-    capacity = buffers[0][0].shape[2]
-    h_B1D = model.tok_embeddings(tokens_B1)
-    rope = model.rope(slots_B[:, None], h_B1D.dtype)
-    step = CacheStep(slots=slots_B[:, None], lengths=slots_B, kv_len=capacity, reads_cache=True)
-    meta = AttentionMetadata.for_cache_step(step)
-    with _DecodeKernels():
-        for layer, (k_BKLE, v_BKLE) in zip(model.layers.values(), buffers, strict=True):
-            h_B1D = layer(h_B1D, rope, meta, _StepCache(k_BKLE, v_BKLE, slots_B))
-    slots_B.add_(1)
-    return _sample(model.head(h_B1D)[:, 0], params, noise_BV)
+) -> _Sampled:
+    """One token per row through the model's own forward over the static cache, then the
+    sampler (one graph when compiled: same shapes at every step)."""
+    return _sample(model(tokens_B1, kv_cache=cache)[:, 0], params, noise_BV)
 
 
 def _noise(

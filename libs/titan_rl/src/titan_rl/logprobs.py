@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .causal_lm import CausalLM, causal_lm_logits
+
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """``log softmax(logits / temperature)[token]`` per row, in fp32 (``temperature`` 0 → 1)."""
@@ -48,7 +50,7 @@ def pack_sequences(
 
 
 def sequence_logprobs(
-    model: nn.Module,
+    model: CausalLM,
     prompts: list[list[int]],
     responses: torch.Tensor,
     response_mask: torch.Tensor,
@@ -57,14 +59,16 @@ def sequence_logprobs(
 ) -> torch.Tensor:
     """The trainer's log-prob ``(B, T)`` of every masked-in response token (0 elsewhere).
 
-    One forward over the packed ``prompt + response`` rows; response token ``t`` of row ``b`` is
-    predicted by the logits at ``starts[b] + t - 1``. Differentiable.
+    One forward of ``model`` (any ``titan_rl.CausalLM``: a titan_models model, a transformers
+    model) over the right-padded ``prompt + response`` rows; response token ``t`` of row ``b``
+    is predicted by the logits at ``starts[b] + t - 1``. Differentiable.
     """
     seq_BS, starts = pack_sequences(prompts, responses, response_mask)
-    seq_BS = seq_BS.to(responses.device)
-    logits_BSV = model(seq_BS)
+    weight = next(iter(model.parameters()), None) if isinstance(model, nn.Module) else None
+    device = weight.device if weight is not None else responses.device
+    logits_BSV = causal_lm_logits(model, seq_BS.to(device))
     B, T = responses.shape
     index_BT = (starts[:, None] - 1 + torch.arange(T)).clamp(max=seq_BS.shape[1] - 1)
-    logits_BTV = logits_BSV[torch.arange(B)[:, None], index_BT.to(seq_BS.device)]
-    lp_BT = token_logprobs(logits_BTV, responses.clamp(min=0), temperature)
-    return lp_BT.masked_fill(~response_mask.bool(), 0.0)
+    logits_BTV = logits_BSV[torch.arange(B, device=device)[:, None], index_BT.to(device)]
+    lp_BT = token_logprobs(logits_BTV, responses.to(device).clamp(min=0), temperature)
+    return lp_BT.masked_fill(~response_mask.to(device).bool(), 0.0)

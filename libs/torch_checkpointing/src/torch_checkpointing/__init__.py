@@ -1,7 +1,7 @@
 """Async distributed checkpoints with one metadata exchange, atomic commits, resharding, HF export.
 
 ``import torch_checkpointing`` is cheap: names load on first use, and the background writer
-process imports only the torch-free modules (storage, format, writer).
+process imports only the torch-free modules (storage, format, retention, writer).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "CheckpointManager": "manager",
     "SaveHandle": "manager",
-    "ASYNC_MODES": "manager",
+    "ASYNC_MODES": "policy",
+    "CheckpointPolicy": "policy",
     "PerRank": "_tree",
     "Storage": "storage",
     "FileSystemStorage": "storage",
@@ -22,6 +23,8 @@ _EXPORTS = {
     "save_hf": "hf",
     "load_hf": "hf",
     "CheckpointError": "_errors",
+    "CheckpointLockedError": "_errors",
+    "CheckpointWarning": "_errors",
     "CheckpointNotFoundError": "_errors",
     "CheckpointWriteError": "_errors",
     "CorruptCheckpointError": "_errors",
@@ -31,8 +34,11 @@ _EXPORTS = {
 __all__ = [
     "ASYNC_MODES",
     "CheckpointError",
+    "CheckpointLockedError",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "CheckpointPolicy",
+    "CheckpointWarning",
     "CheckpointWriteError",
     "CorruptCheckpointError",
     "FileSystemStorage",
@@ -49,14 +55,17 @@ __all__ = [
 if TYPE_CHECKING:  # pragma: no cover
     from ._errors import (
         CheckpointError,
+        CheckpointLockedError,
         CheckpointNotFoundError,
+        CheckpointWarning,
         CheckpointWriteError,
         CorruptCheckpointError,
         StateMismatchError,
     )
     from ._tree import PerRank
     from .hf import load_hf, save_hf
-    from .manager import ASYNC_MODES, CheckpointManager, SaveHandle
+    from .manager import CheckpointManager, SaveHandle
+    from .policy import ASYNC_MODES, CheckpointPolicy
     from .storage import FileSystemStorage, FsspecStorage, Storage
 
 

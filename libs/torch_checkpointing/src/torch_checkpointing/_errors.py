@@ -4,7 +4,9 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointError",
+    "CheckpointLockedError",
     "CheckpointNotFoundError",
+    "CheckpointWarning",
     "CheckpointWriteError",
     "CorruptCheckpointError",
     "StateMismatchError",
@@ -22,6 +24,19 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 class CheckpointWriteError(CheckpointError):
     """A save failed while writing; the checkpoint it was writing is not complete and earlier
     checkpoints are untouched."""
+
+
+class CheckpointLockedError(CheckpointError):
+    """Another live manager (``holder``: its pid, host, start time, rank) uses the same root."""
+
+    def __init__(self, message: str, holder: dict | None = None) -> None:
+        super().__init__(message)
+        self.holder = holder or {}
+
+
+class CheckpointWarning(UserWarning):
+    """Something about a checkpoint the caller should know but that stops nothing: a damaged
+    checkpoint left in place, a fallback load, a stale lock taken over, a failed retention."""
 
 
 class CorruptCheckpointError(CheckpointError):

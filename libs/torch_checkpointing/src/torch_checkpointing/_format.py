@@ -2,7 +2,8 @@
 
 Imports no torch: the background writer process uses this module alone.
 
-A checkpoint is one folder per save attempt, ``step-<step:012d>.<token>``::
+A checkpoint is one folder per save attempt, ``step-<step:012d>.<token>``, under a root
+that also holds one lock file per rank (``.lock-00000.json``, see ``_lock``)::
 
     step-000000000100.5f2a9c01d3e4-3/
         model-00000.safetensors   rank 0's part of the item "model" (one file per item per rank)
@@ -10,7 +11,8 @@ A checkpoint is one folder per save attempt, ``step-<step:012d>.<token>``::
         optim-00000.safetensors
         done-00000.json           rank 0's done-marker: its files, sizes, block checksums
         done-00001.json
-        manifest.json             global layout (items, keys, shapes, dtypes), by rank 0
+        manifest.json             global layout (items, keys, shapes, dtypes) and the run's
+                                  lineage, by rank 0
 
 Every data file is a valid safetensors file; its ``__metadata__`` carries the non-tensor
 state (JSON) where that rank writes it. The checkpoint is complete exactly when
@@ -27,12 +29,15 @@ import threading
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import xxhash
 
 from ._errors import CorruptCheckpointError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .storage import Storage
 
 FORMAT = "torch_checkpointing/1"
 DEFAULT_BLOCK_SIZE = 1 << 20
@@ -43,6 +48,7 @@ META_KEY = "torch_checkpointing"
 
 _DIR_RE = re.compile(r"^step-(\d{12})\.([0-9a-f]{12})-(\d+)$")
 _TMP_PREFIX = ".tmp-"
+_LOCK_PREFIX = ".lock-"
 
 # dtype name -> (item size, safetensors code or None when safetensors has no code for it)
 DTYPES: dict[str, tuple[int, str | None]] = {
@@ -89,6 +95,10 @@ def item_file(item: str, rank: int) -> str:
 
 def marker_file(rank: int) -> str:
     return f"done-{rank:05d}.json"
+
+
+def lock_file(rank: int) -> str:
+    return f"{_LOCK_PREFIX}{rank:05d}.json"
 
 
 def tmp_name(path: str, tag: str) -> str:
@@ -188,7 +198,7 @@ def _block_digests(pieces: Sequence[memoryview], block_size: int) -> list[int]:
 
 
 def write_checksummed(
-    storage: Any, path: str, pieces: Sequence[Any], block_size: int
+    storage: Storage, path: str, pieces: Sequence[Any], block_size: int
 ) -> tuple[int, list[int]]:
     """Write the concatenation of ``pieces`` to ``path``; return (size, per-block digests).
 
@@ -241,7 +251,7 @@ class ReadRequest:
 
 
 def read_verified(
-    storage: Any,
+    storage: Storage,
     path: str,
     requests: Sequence[ReadRequest],
     *,

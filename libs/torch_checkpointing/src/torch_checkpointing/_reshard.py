@@ -15,13 +15,16 @@ import itertools
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import _format as fmt
 from ._errors import CheckpointError
 from ._tree import Leaf, display, torch_dtype
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .storage import Storage
 
 _MAX_RUNS = 4096
 
@@ -272,7 +275,7 @@ def _units(
 
 
 def execute(
-    storage: Any,
+    storage: Storage,
     plan: ReadPlan,
     files: dict[str, FileInfo],
     *,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,19 +36,11 @@ _SUPPORTED = (
 )
 
 
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # pragma: no cover - torch without distributed
-        return None
-    return DTensor
-
-
-DTensor = _dtensor_type()
-
-
 def is_dtensor(obj: Any) -> bool:
-    return DTensor is not None and isinstance(obj, DTensor)
+    # A DTensor cannot exist before torch.distributed.tensor is imported, and importing it
+    # costs seconds: a process that never made one does not pay for asking.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(obj, module.DTensor)
 
 
 def is_sharded(obj: Any) -> bool:

@@ -1,7 +1,9 @@
-"""Background writing: the job a writer runs, completeness, retention, and the writer process.
+"""Background writing: the job a writer runs, the writer process, and the thread driving it.
 
-Imports no torch: in ``async_mode="process"`` this module is the whole writer process (it
-starts in well under a second and holds only the shared staging buffers).
+Imports no torch: in ``async_mode="process"`` this module (with ``_format``, ``_retention``
+and ``storage``) is the whole writer process, which starts in well under a second and holds
+only the shared staging buffers. ``BackgroundWriter`` is its parent side: one thread that runs
+queued tasks in order, itself (``async_mode="thread"``) or through that process.
 
 Commit protocol, per rank and per save, with no collective:
 
@@ -17,6 +19,7 @@ run can never make a new attempt look complete.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import mmap
@@ -25,20 +28,26 @@ import pickle
 import secrets
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
-from typing import Any
+import warnings
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from . import _format as fmt
-from ._errors import CheckpointWriteError, CorruptCheckpointError
+from ._errors import CheckpointWarning, CheckpointWriteError
+from ._retention import run_retention
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .storage import Storage
 
 # ------------------------------------------------------------------------------ the job
 
 
-def _write_small(storage: Any, path: str, data: bytes, tag: str) -> None:
+def _write_small(storage: Storage, path: str, data: bytes, tag: str) -> None:
     tmp = fmt.tmp_name(path, tag)
     try:
         storage.write(tmp, [data])
@@ -49,7 +58,7 @@ def _write_small(storage: Any, path: str, data: bytes, tag: str) -> None:
         raise
 
 
-def execute_job(storage: Any, job: dict[str, Any], buffer: Callable[[int], memoryview]) -> None:
+def execute_job(storage: Storage, job: dict[str, Any], buffer: Callable[[int], memoryview]) -> None:
     """Write one rank's part of one checkpoint: data files, done-marker, manifest (rank 0)."""
     folder = job["dir"]
     tag = f"{job['id']}-{secrets.token_hex(4)}"
@@ -93,104 +102,6 @@ def execute_job(storage: Any, job: dict[str, Any], buffer: Callable[[int], memor
             f"{type(e).__name__}: {e}. That checkpoint is incomplete (never listed by "
             "latest_step()); earlier checkpoints are untouched."
         ) from e
-
-
-# ------------------------------------------------------------------ completeness, listing
-
-
-def read_manifest(storage: Any, folder: str) -> dict[str, Any]:
-    path = f"{folder}/{fmt.MANIFEST}"
-    return fmt.load_checked(storage.read(path), path)
-
-
-def complete_manifest(storage: Any, folder: str) -> dict[str, Any] | None:
-    """The manifest of ``folder`` when it is a complete checkpoint, else ``None``."""
-    names = set(storage.list(folder))
-    if fmt.MANIFEST not in names:
-        return None
-    try:
-        manifest = read_manifest(storage, folder)
-    except (CorruptCheckpointError, FileNotFoundError, EOFError):
-        return None
-    world = manifest.get("world_size")
-    if not isinstance(world, int) or world < 1:
-        return None
-    if all(fmt.marker_file(r) in names for r in range(world)):
-        return manifest
-    return None
-
-
-def list_attempts(storage: Any) -> list[tuple[int, str, int, str]]:
-    """Every checkpoint folder under the root as (step, nonce, seq, name), oldest step first."""
-    found = []
-    for name in storage.list(""):
-        parsed = fmt.parse_step_dir(name)
-        if parsed is not None:
-            found.append((*parsed, name))
-    return sorted(found)
-
-
-def delete_checkpoint(storage: Any, folder: str) -> None:
-    """Delete ``folder``, manifest first, so it stops counting as complete before anything else
-    disappears."""
-    with contextlib.suppress(FileNotFoundError):
-        storage.delete(f"{folder}/{fmt.MANIFEST}")
-    storage.delete(folder)
-
-
-def wait_complete(storage: Any, folder: str, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    delay = 0.002
-    while True:
-        if complete_manifest(storage, folder) is not None:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(delay)
-        delay = min(delay * 2, 0.1)
-
-
-def apply_retention(storage: Any, keep_last: int, own_nonces: list[str], seq: int) -> list[str]:
-    """Delete what ``keep_last`` no longer keeps; returns the folders deleted.
-
-    Kept: the ``keep_last`` newest complete checkpoints (by step, then by write time).
-    Deleted: older complete ones and duplicate attempts of a kept step; incomplete attempts of
-    this run that are older in queue order than ``seq`` (failed saves); incomplete attempts of
-    other runs at or below the newest complete step (leftovers of crashes).
-    """
-    attempts = list_attempts(storage)
-    complete: list[tuple[int, float, str]] = []
-    incomplete: list[tuple[int, str, int, str]] = []
-    for step, nonce, s, name in attempts:
-        manifest = complete_manifest(storage, name)
-        if manifest is None:
-            incomplete.append((step, nonce, s, name))
-        else:
-            complete.append((step, float(manifest.get("time", 0.0)), name))
-    if not complete:
-        return []
-    complete.sort()
-    newest_by_step: dict[int, tuple[float, str]] = {}
-    for step, t, name in complete:
-        newest_by_step[step] = (t, name)
-    keep_steps = sorted(newest_by_step)[-keep_last:]
-    keep = {newest_by_step[s][1] for s in keep_steps}
-    newest_step = complete[-1][0]
-    doomed = [name for _, _, name in complete if name not in keep]
-    for step, nonce, s, name in incomplete:
-        if nonce in own_nonces:
-            if s < seq:
-                doomed.append(name)
-        elif step <= newest_step:
-            doomed.append(name)
-    for name in doomed:
-        delete_checkpoint(storage, name)
-    return doomed
-
-
-def run_retention(storage: Any, spec: dict[str, Any]) -> None:
-    if wait_complete(storage, spec["dir"], spec["wait_s"]):
-        apply_retention(storage, spec["keep_last"], spec["own_nonces"], spec["seq"])
 
 
 # --------------------------------------------------------------------- writer process
@@ -247,7 +158,7 @@ def main() -> None:
     sock = socket.socket(fileno=fd)
     threading.Thread(target=_watch_parent, args=(ppid,), daemon=True).start()
     buffers: dict[int, mmap.mmap] = {}
-    storage: Any = None
+    storage: Storage | None = None
     while True:
         msg = _recv(sock)
         if msg is None:
@@ -271,8 +182,8 @@ def main() -> None:
                 execute_job(storage, msg["job"], lambda i: memoryview(buffers[i]))
                 reply = {"ok": True}
             elif op == "retain":
-                run_retention(storage, msg["spec"])
-                reply = {"ok": True}
+                result = run_retention(storage, msg["spec"])
+                reply = {"ok": True, "damaged": result.damaged}
             elif op == "exit":
                 _send(sock, {"ok": True})
                 os._exit(0)
@@ -296,6 +207,28 @@ def _picklable(e: BaseException) -> bool:
     return True
 
 
+def check_process_safe(storage: Storage) -> None:
+    """Raise unless a writer process can use ``storage`` (``async_mode="process"``)."""
+    if not storage.process_safe:
+        raise ValueError(
+            f"CheckpointManager: {storage!r} is not visible from another process (an "
+            "in-memory filesystem?); use async_mode='thread' or 'off'"
+        )
+    try:
+        pickle.loads(pickle.dumps(storage))
+    except Exception as e:
+        raise ValueError(
+            f"CheckpointManager: async_mode='process' sends the storage to a writer "
+            f"process, but {storage!r} cannot be pickled ({e}); use async_mode='thread'"
+        ) from e
+    if type(storage).__module__ == "__main__":
+        raise ValueError(
+            "CheckpointManager: async_mode='process' needs a storage class importable "
+            f"by the writer process, but {type(storage).__qualname__} is defined in "
+            "__main__; move it to a module or use async_mode='thread'"
+        )
+
+
 def child_command() -> list[str]:
     code = (
         "import json, os, sys; "
@@ -309,3 +242,191 @@ def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["TORCH_CHECKPOINTING_SYS_PATH"] = json.dumps([p for p in sys.path if p])
     return env
+
+
+# ------------------------------------------------------------------- the parent's thread
+
+
+class BackgroundWriter:
+    """Runs queued tasks in order on one thread; in process mode that thread drives a
+    torch-free writer process over a socket, passing staging buffers as memfd descriptors.
+
+    Tasks: ``("job", job, buffer, events, done)`` writes one rank's part of a save and calls
+    ``done(error)``; ``("retain", spec)`` applies retention and hands the damaged folders it
+    saw to ``on_damaged``; ``("free", buffer)`` releases a staging buffer. ``inherit_fds`` stay
+    open in the writer process for as long as it lives (the root's lock).
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        storage: Storage,
+        *,
+        on_damaged: Callable[[list[tuple[str, str]]], None],
+        inherit_fds: Sequence[int] = (),
+    ) -> None:
+        self.mode = mode
+        self.storage = storage
+        self._on_damaged = on_damaged
+        self._inherit = list(inherit_fds)
+        self._queue: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self._proc: subprocess.Popen | None = None
+        self._sock: socket.socket | None = None
+        self._registered: set[int] = set()
+        self._stopping = False
+        self._failed: set[str] = set()  # folders of this rank's failed jobs
+
+    def submit(self, task: tuple) -> None:
+        with self._cv:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="torch_checkpointing-writer", daemon=True
+                )
+                self._thread.start()
+            self._queue.append(task)
+            self._cv.notify_all()
+
+    def wait_idle(self) -> None:
+        with self._cv:
+            while self._queue or self._busy:
+                self._cv.wait()
+
+    def close(self) -> None:
+        self.wait_idle()
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        self._stop_proc()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopping:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                task = self._queue.popleft()
+                self._busy = True
+            try:
+                self._do(task)
+            except BaseException as e:  # pragma: no cover - _do reports per task
+                warnings.warn(f"torch_checkpointing writer: {e!r}", CheckpointWarning, stacklevel=1)
+            finally:
+                task = None  # a finished job's callback must not keep its manager alive
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _do(self, task: tuple) -> None:
+        kind = task[0]
+        if kind == "job":
+            _, job, buffer, events, done = task
+            error: BaseException | None = None
+            try:
+                for ev in events:
+                    ev.synchronize()
+                self._run_job(job, buffer)
+            except BaseException as e:
+                error = e
+                self._failed.add(job["dir"])
+            done(error)
+        elif kind == "retain":
+            _, spec = task
+            if spec["dir"] in self._failed:  # it will never complete: nothing to wait for
+                return
+            try:
+                if self.mode == "process":
+                    damaged = self._call({"op": "retain", "spec": spec})["damaged"]
+                else:
+                    damaged = run_retention(self.storage, spec).damaged
+            except BaseException as e:
+                warnings.warn(
+                    f"torch_checkpointing: keep_last retention failed (nothing more was "
+                    f"deleted): {e}",
+                    CheckpointWarning,
+                    stacklevel=1,
+                )
+            else:
+                if damaged:
+                    self._on_damaged(damaged)
+        elif kind == "free":
+            _, buffer = task
+            if buffer.id in self._registered and self._sock is not None:
+                with contextlib.suppress(OSError):
+                    send_message(self._sock, {"op": "free", "id": buffer.id})
+                self._registered.discard(buffer.id)
+            buffer.close()
+
+    def _run_job(self, job: dict[str, Any], buffer: Any) -> None:
+        if self.mode != "process":
+            execute_job(self.storage, job, lambda _i: buffer.view)
+            return
+        self._ensure_proc()
+        assert self._sock is not None
+        if buffer.id not in self._registered:
+            send_message(
+                self._sock, {"op": "buffer", "id": buffer.id, "size": buffer.size}, [buffer.fd]
+            )
+            self._registered.add(buffer.id)
+        self._call({"op": "job", "job": job})
+
+    def _ensure_proc(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        self._stop_proc()
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._proc = subprocess.Popen(
+                [*child_command(), str(child.fileno()), str(os.getpid())],
+                pass_fds=[child.fileno(), *self._inherit],
+                env=child_env(),
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            child.close()
+        self._sock = parent
+        self._registered = set()
+        self._call({"op": "init", "storage": pickle.dumps(self.storage)})
+
+    def _call(self, msg: dict[str, Any]) -> dict[str, Any]:
+        assert self._sock is not None
+        try:
+            send_message(self._sock, msg)
+            reply = recv_message(self._sock)
+        except OSError:
+            reply = None
+        if reply is None:
+            code = self._proc.poll() if self._proc is not None else None
+            self._stop_proc()
+            raise CheckpointWriteError(
+                f"the checkpoint writer process exited unexpectedly (exit code {code}); the "
+                "save it was writing is incomplete and earlier checkpoints are untouched"
+            )
+        if not reply["ok"]:
+            if reply.get("error") is not None:
+                raise reply["error"]
+            raise CheckpointWriteError(f"{reply['message']}\n{reply['traceback']}")
+        return reply
+
+    def _stop_proc(self) -> None:
+        if self._sock is not None:
+            if self._proc is not None and self._proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    send_message(self._sock, {"op": "exit"})
+                    recv_message(self._sock)
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # pragma: no cover
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+        self._registered = set()

@@ -1,11 +1,11 @@
 """Hugging Face-style sharded safetensors: ``save_hf`` and ``load_hf``.
 
-``save_hf`` writes a *full* state dict (plain tensors, or DTensors, which it gathers with
-``full_tensor()``, a collective) as ``model-00001-of-0000N.safetensors`` files plus
+``save_hf`` writes ``model-00001-of-0000N.safetensors`` files plus
 ``model.safetensors.index.json`` (a single file is ``model.safetensors`` with no index, as
-Hugging Face does). The shard files are dealt round-robin to the ranks, which write them in
-parallel; rank 0 writes the index last, once every shard file is in place. Key renaming
-between model code and Hugging Face names is the caller's job.
+Hugging Face does) from whatever each rank holds: whole tensors, DTensor shards or
+sharded-protocol pieces, each rank writing its own pieces' bytes in place (``_hf_write``).
+Key renaming between model code and Hugging Face names is the caller's job (titan_models
+gives its models' mapping).
 
 ``load_hf`` reads such a folder (or one written by ``transformers``) either into a new dict of
 full tensors, or in place into a state dict of tensors / DTensors / sharded-protocol objects,
@@ -14,28 +14,27 @@ reading only the byte ranges each rank needs.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import secrets
-import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from . import _format as fmt
+from . import _hf_write as hw
 from . import _reshard as rs
 from . import _tree as tr
 from ._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
-from .storage import FileSystemStorage, PrefixedStorage
+from .storage import FileSystemStorage, PrefixedStorage, Storage
 
 __all__ = ["load_hf", "save_hf"]
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
+INDEX = hw.INDEX
+SINGLE = hw.SINGLE
 
 
-def _storage(path: Any, storage: Any, create: bool) -> Any:
+def _storage(path: Any, storage: Storage | None, create: bool) -> Storage:
     if storage is None:
         if path is None:
             raise ValueError("pass path=... (a folder) or storage=...")
@@ -45,14 +44,16 @@ def _storage(path: Any, storage: Any, create: bool) -> Any:
     return storage
 
 
-def _group(pg: Any) -> tuple[int, int]:
+def _resolve_group(pg: Any) -> Any:
     if pg is not None:
-        return pg.rank(), pg.size()
+        if not (callable(getattr(pg, "rank", None)) and callable(getattr(pg, "size", None))):
+            raise TypeError(f"save_hf: process_group must be a ProcessGroup, got {pg!r}")
+        return pg
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+        return dist.distributed_c10d._get_default_group()
+    return None
 
 
 def _parse_size(size: int | str) -> int:
@@ -70,106 +71,50 @@ def _parse_size(size: int | str) -> int:
 
 
 def save_hf(
-    state_dict: dict[str, Any],
+    state_dict: Mapping[str, Any],
     path: str | os.PathLike[str] | None = None,
     *,
-    storage: Any = None,
+    storage: Storage | None = None,
     process_group: Any = None,
     max_shard_size: int | str = "5GB",
     metadata: dict[str, str] | None = None,
-    index_timeout: float = 600.0,
+    transforms: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
 ) -> dict[str, Any]:
-    """Write ``state_dict`` (name -> full tensor or DTensor) as HF sharded safetensors.
+    """Write HF-style safetensors (shard files + index) from the pieces each rank holds.
 
-    Every rank must call it with the same keys, shapes and dtypes. Returns the index
-    (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``).
+    Every rank of ``process_group`` (default: the default group when torch.distributed is
+    initialised, else this process alone) passes what it holds: plain tensors (whole; a
+    replicated one may come from several ranks), DTensors (their local shards) or sharded
+    tensors (``global_shape``, ``dtype``, ``local_chunks()``). Ranks may pass different keys
+    (pipeline stages); together their pieces must cover every tensor (replicas count once).
+    After one exchange of names, shapes and boxes, each rank writes its own pieces' bytes
+    into the files in place: no tensor is gathered anywhere. Files appear under their final
+    names only when complete; rank 0 writes the index last.
+
+    ``transforms``: key -> a layout change of the whole tensor (same dtype and element count,
+    e.g. a row permutation), applied by one rank holding it after the pieces are written.
+    Returns the index (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``).
+    Pieces spread over ranks need a storage with ``write_at`` (``FileSystemStorage``).
     """
-    if not isinstance(state_dict, dict) or not state_dict:
-        raise TypeError("save_hf: state_dict must be a non-empty dict of name -> tensor")
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"save_hf: state_dict must be a dict of name -> tensor, got {type(state_dict).__name__}"
+        )
     limit = _parse_size(max_shard_size)
     meta = {"format": "pt", **(metadata or {})}
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise TypeError("save_hf: metadata must map str to str")
-    store = _storage(path, storage, create=True)
-    rank, world = _group(process_group)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, value in state_dict.items():
-        if not isinstance(name, str):
-            raise TypeError(f"save_hf: keys must be str, got {name!r}")
-        if tr.is_dtensor(value):
-            value = value.full_tensor()
-        elif tr.is_sharded(value):
-            raise TypeError(
-                f"save_hf: {name} is a sharded tensor; HF files hold full tensors, gather it "
-                "first (or save it with CheckpointManager)"
-            )
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"save_hf: {name} must be a tensor, got {type(value).__name__}")
-        code = fmt.DTYPES.get(str(value.dtype).removeprefix("torch."), (0, None))[1]
-        if code is None:
-            raise TypeError(f"save_hf: {name} has dtype {value.dtype}, which safetensors lacks")
-        tensors[name] = value
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    n = len(shards)
-    names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    weight_map = {k: names[i] for i, keys in enumerate(shards) for k in keys}
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    tag = secrets.token_hex(4)
-    for i in range(rank, n, world):
-        _write_shard(store, names[i], [(k, tensors[k]) for k in shards[i]], meta, tag)
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    if n > 1 and rank == 0:
-        deadline = time.monotonic() + index_timeout
-        while not all(store.exists(f) for f in names):
-            if time.monotonic() > deadline:
-                missing = [f for f in names if not store.exists(f)]
-                raise CheckpointError(
-                    f"save_hf: shard files {missing} did not appear within {index_timeout} s; "
-                    "the index was not written"
-                )
-            time.sleep(0.01)
-        data = json.dumps(index, indent=2).encode()
-        tmp = fmt.tmp_name(INDEX, tag)
-        store.write(tmp, [data])
-        store.rename(tmp, INDEX)
-    return index
-
-
-def _write_shard(
-    store: Any, name: str, items: list[tuple[str, torch.Tensor]], meta: dict[str, str], tag: str
-) -> None:
-    entries = []
-    views = []
-    offset = 0
-    keep = []
-    for key, t in items:
-        t = t.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
-        keep.append(t)
-        nbytes = t.numel() * t.element_size()
-        code = fmt.DTYPES[str(t.dtype).removeprefix("torch.")][1]
-        entries.append((key, code, list(t.shape), offset, offset + nbytes))
-        views.append(rs.bytes_view(t))
-        offset += nbytes
-    header = fmt.safetensors_header(entries, meta)
-    tmp = fmt.tmp_name(name, tag)
+    transforms = dict(transforms or {})
+    pg = _resolve_group(process_group)
+    rank = pg.rank() if pg is not None else 0
     try:
-        store.write(tmp, [header, *views])
-        store.rename(tmp, name)
-    except BaseException:
-        with contextlib.suppress(Exception):
-            store.delete(tmp)
-        raise
+        rows, error = hw.describe(state_dict, transforms), None
+    except (TypeError, ValueError) as e:  # every rank learns of it in the exchange
+        rows, error = [], e
+    all_rows, tag = hw.exchange(pg, rows, error)
+    plan = hw.plan(all_rows, limit, tag, meta)
+    store = _storage(path, storage, create=True)
+    return hw.write(store, pg, rank, state_dict, transforms, plan)
 
 
 def _files(store: Any) -> dict[str, str]:
@@ -196,7 +141,7 @@ def load_hf(
     path: str | os.PathLike[str] | None = None,
     state_dict: dict[str, Any] | None = None,
     *,
-    storage: Any = None,
+    storage: Storage | None = None,
     strict: bool = True,
 ) -> dict[str, Any]:
     """Read HF safetensors: into new full CPU tensors (``state_dict=None``), or in place.

@@ -17,6 +17,9 @@ Paths are relative, ``/``-separated names under the storage's root (``"step-.../
 ``delete(path)``                           remove a file or a whole folder; missing is fine
 ``rename(src, dst)``                       move ``src`` to ``dst``, replacing ``dst`` (atomic
                                            where the backend allows it)
+``write_at(path, writes)`` (optional)      write each ``(offset, bytes-like)`` into the
+                                           existing file ``path``, growing it as needed; what
+                                           lets several ranks fill one file (``save_hf``)
 =========================================  ====================================================
 
 ``process_safe`` tells whether a pickled copy used in another process sees the same files
@@ -157,6 +160,21 @@ class FileSystemStorage:
                         direct = not self._set_direct(fd, False)
                     _write_all(fd, mv)
                     pos += mv.nbytes
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def write_at(self, path: str, writes: Iterable[tuple[int, Any]]) -> None:
+        """Write each ``(offset, bytes-like)`` into the existing file ``path`` (several
+        processes may fill disjoint ranges of one file); durable on return with ``fsync``."""
+        fd = os.open(self.full_path(path), os.O_WRONLY)
+        try:
+            for offset, chunk in writes:
+                mv = memoryview(chunk).cast("B")
+                done = 0
+                while done < mv.nbytes:
+                    done += os.pwrite(fd, mv[done:], offset + done)
             if self.fsync:
                 os.fsync(fd)
         finally:
@@ -369,10 +387,15 @@ class FsspecStorage:
 class PrefixedStorage:
     """A folder inside another storage (``CheckpointManager(root, storage=s)``)."""
 
-    def __init__(self, inner: Any, prefix: str) -> None:
+    def __init__(self, inner: Storage, prefix: str) -> None:
         self.inner = inner
         self.prefix = _check_relative(str(prefix).replace(os.sep, "/"))
         self.process_safe = getattr(inner, "process_safe", True)
+        if callable(getattr(inner, "write_at", None)):  # only where the inner storage can
+            self.write_at = self._write_at
+
+    def _write_at(self, path: str, writes: Iterable[tuple[int, Any]]) -> None:
+        self.inner.write_at(self._p(path), writes)
 
     def __repr__(self) -> str:
         return f"{self.inner!r}/{self.prefix}"

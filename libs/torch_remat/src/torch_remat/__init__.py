@@ -1,6 +1,7 @@
 """Fine-grained activation rematerialisation: policies, regions, CPU offload, memory-budget planner."""
 
 from .checkpoint import checkpoint
+from .fqn import fqn_matches
 from .measure import Measurement, measure
 from .planner import Plan, PlanRow, plan
 from .policies import OP_GROUPS, Budget, EveryNth, Full, Offload, Policy, Selective, UnitPolicies
@@ -24,6 +25,7 @@ __all__ = [
     "__version__",
     "apply",
     "checkpoint",
+    "fqn_matches",
     "measure",
     "plan",
     "region",

@@ -179,9 +179,16 @@ def _saved_bytes_of_forward(
     return ledger, out
 
 
+def _on_accelerator(device: torch.device) -> bool:
+    """Whether ``device`` is the machine's accelerator (CUDA, XPU, MPS, ...): its allocator
+    counts bytes and its work runs asynchronously to the host."""
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    return accelerator is not None and device.type == accelerator.type
+
+
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if _on_accelerator(device):
+        torch.accelerator.synchronize(device)
 
 
 def measure(
@@ -201,11 +208,11 @@ def measure(
     LM, put ``labels`` in ``kwargs`` and pass ``loss_fn=lambda out: out.loss``. The default is
     the mean square of the first tensor in the output (a stand-in that reaches all of it).
 
-    Peak: on CUDA, ``torch.cuda.max_memory_allocated`` during one step minus what was allocated
-    before it. On CPU there is no allocator counter, so peak is the high-water mark of bytes held
-    by storages that ops created during the step (activations, saved and recomputed tensors,
-    offloaded copies, gradients, temporaries), tracked with a dispatch mode and storage
-    finalizers; parameters, buffers and inputs are excluded. The model's ``.grad`` fields are
+    Peak: on an accelerator, ``torch.accelerator.max_memory_allocated`` during one step minus
+    what was allocated before it. On CPU there is no allocator counter, so peak is the
+    high-water mark of bytes held by storages that ops created during the step (activations,
+    saved and recomputed tensors, offloaded copies, gradients, temporaries), tracked with a
+    dispatch mode and storage finalizers; parameters, buffers and inputs are excluded. The model's ``.grad`` fields are
     restored afterwards; RNG state advances as in ``steps + warmup + 1`` real steps.
     """
     if steps < 1 or warmup < 0:
@@ -230,15 +237,15 @@ def measure(
             p.grad = None
 
         excluded = _model_keys(model) | _keys(tree_leaves((inputs, kwargs)))
-        if device.type == "cuda":
+        if _on_accelerator(device):
             _sync(device)
-            before = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.accelerator.memory_allocated(device)
+            torch.accelerator.reset_peak_memory_stats(device)
             ledger, out = _saved_bytes_of_forward(model, inputs, kwargs)
             loss_fn(out).backward()
             del out
             _sync(device)
-            peak = torch.cuda.max_memory_allocated(device) - before
+            peak = torch.accelerator.max_memory_allocated(device) - before
         else:
             with _LiveBytes(excluded) as live:
                 ledger, out = _saved_bytes_of_forward(model, inputs, kwargs)

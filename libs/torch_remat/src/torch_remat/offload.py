@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .measure import _keys, _record_offloaded, _StorageKey
+from .measure import _keys, _on_accelerator, _record_offloaded, _StorageKey
 
 
 class _HostCopy:
@@ -14,7 +14,7 @@ class _HostCopy:
     __slots__ = ("device", "host", "on_device", "pending", "version")
 
     def __init__(self, t: torch.Tensor) -> None:
-        pin = t.device.type == "cuda"
+        pin = _on_accelerator(t.device)
         flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
         self.host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=pin)
         self.host.copy_(flat, non_blocking=pin)

@@ -34,6 +34,7 @@ from .measure import (
     _keys,
     _Ledger,
     _model_keys,
+    _on_accelerator,
     _saved_bytes_of_forward,
     _StorageKey,
     _storages,
@@ -199,8 +200,12 @@ class Plan:
 
 
 def _fork_rng(model: nn.Module):
-    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    return torch.random.fork_rng(devices=devices)
+    """Restore the host's RNG and that of every accelerator device the model is on."""
+    on = {p.device for p in model.parameters() if _on_accelerator(p.device)}
+    if not on:
+        return torch.random.fork_rng(devices=[])
+    devices = sorted(d.index if d.index is not None else 0 for d in on)
+    return torch.random.fork_rng(devices=devices, device_type=next(iter(on)).type)
 
 
 def plan(

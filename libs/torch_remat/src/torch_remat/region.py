@@ -52,6 +52,18 @@ class _Ref:
         self.leaf = leaf
 
 
+def _accelerator_rng() -> tuple[str | None, list[torch.Tensor] | None]:
+    """The accelerator's device type and the RNG states of its devices, if it has been
+    initialised (asking does not initialise it)."""
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if accelerator is None:
+        return None, None
+    module = torch.get_device_module(accelerator.type)
+    if not getattr(module, "is_initialized", lambda: True)():
+        return accelerator.type, None
+    return accelerator.type, module.get_rng_state_all()
+
+
 class _Tape(TorchDispatchMode):
     def __init__(self, decide: Callable[..., Any] | None) -> None:
         super().__init__()
@@ -60,7 +72,7 @@ class _Tape(TorchDispatchMode):
         self.kept: dict[int, list[Any]] = {}
         self.produced: dict[_Key, _Ref] = {}
         self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.device_type, self.device_rng = _accelerator_rng()
         self.replayed: dict[int, list[Any]] | None = None
         self.pending = 0
 
@@ -117,11 +129,12 @@ class _Tape(TorchDispatchMode):
         def resolve(x: Any) -> Any:
             return values[x.op][x.leaf] if isinstance(x, _Ref) else x
 
-        devices = list(range(len(self.cuda_rng))) if self.cuda_rng is not None else []
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+        devices = list(range(len(self.device_rng))) if self.device_rng is not None else []
+        fork = torch.random.fork_rng(devices=devices, device_type=self.device_type)
+        with fork, torch.no_grad():
             torch.set_rng_state(self.cpu_rng)
-            if self.cuda_rng is not None:
-                torch.cuda.set_rng_state_all(self.cuda_rng)
+            if self.device_rng is not None:
+                torch.get_device_module(self.device_type).set_rng_state_all(self.device_rng)
             for i, (func, (args, kwargs), _) in enumerate(self.entries):
                 if i in self.kept:
                     values[i] = self.kept[i]

@@ -6,30 +6,23 @@ hooks and parameter types (plain or DTensor) are untouched.
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
 
 from .checkpoint import _run
+from .fqn import fqn_matches
 from .measure import _model_keys
 from .policies import Budget, EveryNth, Full, Offload, Policy, Selective, UnitPolicies
 
 __all__ = ["apply", "remove"]
 
 Units = str | Sequence[str | nn.Module] | None
-"""A glob over module FQNs, a list of FQNs/globs/modules, or None: the blocks of every ModuleList."""
+"""A glob over module FQNs (``fqn_matches``: ``layers.*`` is each block), a list of FQNs/globs/
+modules, or None: the blocks of every ModuleList."""
 
 _ATTR = "_torch_remat_policy"
-
-
-def _fqn_match(name: str, pattern: str) -> bool:
-    """Glob per dotted segment: ``layers.*`` is each block, not every module inside them."""
-    parts, globs = name.split("."), pattern.split(".")
-    return len(parts) == len(globs) and all(
-        fnmatch.fnmatchcase(p, g) for p, g in zip(parts, globs, strict=True)
-    )
 
 
 def _resolve_units(model: nn.Module, units: Units) -> list[tuple[str, nn.Module]]:
@@ -56,7 +49,7 @@ def _resolve_units(model: nn.Module, units: Units) -> list[tuple[str, nn.Module]
                 hit = [n for n, m in named if m is item]
                 what = f"module {type(item).__name__}"
             elif isinstance(item, str):
-                hit = [n for n, _ in named if _fqn_match(n, item)]
+                hit = [n for n, _ in named if fqn_matches(item, n)]
                 what = f"pattern {item!r}"
             else:
                 raise TypeError(f"units: expected FQN globs or modules, got {item!r}")
@@ -80,7 +73,7 @@ def _resolve_policies(
         unused = set(policy)
         chosen: dict[str, Policy | None] = {}
         for name, _ in units:
-            key = next((k for k in policy if _fqn_match(name, k)), None)
+            key = next((k for k in policy if fqn_matches(k, name)), None)
             if key is not None:
                 unused.discard(key)
                 chosen[name] = policy[key]

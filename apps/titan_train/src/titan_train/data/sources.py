@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-from titan_rl import arithmetic_problem
+from titan_train.data.arithmetic import arithmetic_problem
 
 Split = Literal["train", "validation"]
 
@@ -41,7 +41,7 @@ class DocumentSource:
         reverse_answer: bool = False,
     ) -> None:
         """``slip_rate``, ``reverse_answer``: the arithmetic corpus's options (see
-        ``titan_rl.arithmetic_problem``); the defaults give the clean corpus."""
+        ``arithmetic.arithmetic_problem``); the defaults give the clean corpus."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
         if not 0.0 <= slip_rate <= 1.0:

@@ -47,7 +47,12 @@ class HFTokenizer:
             path = path / "tokenizer.json"
         if not path.is_file():
             raise ValueError(f"data.tokenizer={str(path)!r}: no such tokenizer.json file")
-        self._tok = _HFTokenizer.from_file(str(path))
+        try:
+            self._tok = _HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises its own exception types
+            raise ValueError(
+                f"data.tokenizer={str(path)!r} is not a Hugging Face tokenizer.json ({e})"
+            ) from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_id = self._special(("<|begin_of_text|>", "<s>", "<|endoftext|>", "<bos>"))
         self.eos_id = self._special(("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>"))

@@ -1,6 +1,6 @@
 """Building blocks shared by every model family."""
 
-from .attention import Attention, build_attention_metadata, cached_keys
+from .attention import Attention, AttentionSinks, build_attention_metadata, cached_keys
 from .attention_metadata import AttentionMetadata, CacheStep, positions_from_document_ids
 from .backends import (
     AttentionBackend,
@@ -13,11 +13,12 @@ from .backends import (
 from .context_parallel import ContextParallel, ContextParallelComm, zigzag_shard, zigzag_unshard
 from .dense_attention import math_attention, sdpa
 from .feedforward import FeedForward
-from .init import Constant, Init, Normal, init_state, local_chunks
-from .kv_cache import KVCache, LayerKVCache
+from .init import Constant, HashRoutes, Init, Normal, init_state, local_chunks
+from .kv_cache import KVCache, LayerKVCache, LayerRecurrentState
 from .mla import MultiHeadLatentAttention
 from .moe import MoEFeedForward
-from .norm import RMSNorm
+from .norm import GatedRMSNorm, RMSNorm
+from .quantize import Float8GroupedExperts, Float8Linear, quantize_modules
 from .rope import (
     Llama3RopeScaling,
     RopeConfig,
@@ -26,6 +27,7 @@ from .rope import (
     apply_rotary,
     rope_frequencies,
 )
+from .scaled_mm import Float8Recipe, scaled_grouped_linear, scaled_linear
 from .transformer import (
     Transformer,
     TransformerBlock,
@@ -38,14 +40,21 @@ __all__ = [
     "Attention",
     "AttentionBackend",
     "AttentionMetadata",
+    "AttentionSinks",
     "CacheStep",
     "Constant",
     "ContextParallel",
     "ContextParallelComm",
     "FeedForward",
+    "Float8GroupedExperts",
+    "Float8Linear",
+    "Float8Recipe",
+    "GatedRMSNorm",
+    "HashRoutes",
     "Init",
     "KVCache",
     "LayerKVCache",
+    "LayerRecurrentState",
     "Llama3RopeScaling",
     "MoEFeedForward",
     "MultiHeadLatentAttention",
@@ -69,9 +78,12 @@ __all__ = [
     "math_attention",
     "positions_from_document_ids",
     "prepare_attention",
+    "quantize_modules",
     "register_attention_backend",
     "resolve_attention_backend",
     "rope_frequencies",
+    "scaled_grouped_linear",
+    "scaled_linear",
     "sdpa",
     "zigzag_shard",
     "zigzag_unshard",

@@ -13,10 +13,31 @@ from torch import nn
 from .attention_metadata import AttentionMetadata
 from .backends import attend, prepare_attention, resolve_attention_backend
 from .context_parallel import ContextParallel, shard_metadata
-from .init import Init, Normal, prefixed
+from .init import Constant, Init, Normal, prefixed
 from .kv_cache import KVCache, LayerKVCache
 from .norm import RMSNorm
 from .rope import apply_rotary
+
+
+class AttentionSinks(nn.Linear):
+    """Learned attention sinks: one logit per query head (gpt-oss, DeepSeek-V4), an extra
+    softmax term that takes probability mass and adds nothing to the output (``attend``'s
+    ``sinks``).
+
+    Stored as the ``(H, 1)`` weight of a ``1 → H`` linear and read by calling the module, so a
+    tensor-parallel plan shards it by heads exactly like the query projection
+    (``ColwiseParallel``): each rank gets the sinks of its local heads.
+    """
+
+    def __init__(self, num_heads: int) -> None:
+        super().__init__(1, num_heads, bias=False)
+
+    def forward(self, like: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """``(H,)`` sink logits (the local heads' under tensor parallelism), in ``like``'s
+        dtype and device."""
+        # A (1, 1) input, not (1,): matmul of a vector ends in an in-place squeeze, which
+        # selective activation checkpointing refuses as a mutation of the saved product.
+        return super().forward(like.new_ones(1, 1, dtype=self.weight.dtype)).view(-1)
 
 
 class Attention(nn.Module):
@@ -30,25 +51,38 @@ class Attention(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         qk_norm_eps: float | None = None,
+        qk_norm_offset: float = 0.0,
         softmax_scale: float | None = None,
+        output_gate: bool = False,
         window: int | None = None,
         softcap: float | None = None,
+        bias: bool = False,
+        sinks: bool = False,
     ) -> None:
         """``qk_norm_eps``: RMSNorm q and k per head (Qwen3) with this eps; ``None`` for none.
-        ``window``: sliding window of this layer (``attend``); ``softcap``: logit soft cap."""
+        ``qk_norm_offset``: 1 for zero-centred QK-norm weights (Qwen3.5). ``output_gate``: ``wq``
+        also yields a per-channel sigmoid gate of the attention output (Qwen3.5's gated
+        attention; each head's rows are its query then its gate). ``window``: sliding window of
+        this layer (``attend``); ``softcap``: logit soft cap; ``bias``: biases on the four
+        projections (gpt-oss); ``sinks``: a learned sink logit per head (``AttentionSinks``,
+        gpt-oss)."""
         super().__init__()
         self.head_dim = head_dim
         self.softmax_scale = softmax_scale
+        self.output_gate = output_gate
         self.window = window
         self.softcap = softcap
         self.backend: str | None = None
         """This layer's attention backend instead of the run's (``None``: the run's)."""
-        self.wq = nn.Linear(dim, num_heads * head_dim, bias=False)
-        self.wk = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(dim, num_kv_heads * head_dim, bias=False)
-        self.wo = nn.Linear(num_heads * head_dim, dim, bias=False)
-        self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
-        self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps) if qk_norm_eps is not None else None
+        q_rows = num_heads * head_dim * (2 if output_gate else 1)
+        self.wq = nn.Linear(dim, q_rows, bias=bias)
+        self.wk = nn.Linear(dim, num_kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(dim, num_kv_heads * head_dim, bias=bias)
+        self.wo = nn.Linear(num_heads * head_dim, dim, bias=bias)
+        self.sinks = AttentionSinks(num_heads) if sinks else None
+        norm = None if qk_norm_eps is None else {"eps": qk_norm_eps, "offset": qk_norm_offset}
+        self.q_norm = RMSNorm(head_dim, **norm) if norm is not None else None
+        self.k_norm = RMSNorm(head_dim, **norm) if norm is not None else None
 
     def forward(
         self,
@@ -59,7 +93,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """``meta``: the batch's masks and positions (``build_attention_metadata``)."""
         B, S, _ = x_BSD.shape
-        q_BSHE = self.wq(x_BSD).view(B, S, -1, self.head_dim)
+        gate_BSHE = None
+        if self.output_gate:
+            q_BSHE, gate_BSHE = self.wq(x_BSD).view(B, S, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        else:
+            q_BSHE = self.wq(x_BSD).view(B, S, -1, self.head_dim)
         k_BSKE = self.wk(x_BSD).view(B, S, -1, self.head_dim)
         v_BSKE = self.wv(x_BSD).view(B, S, -1, self.head_dim)
         if self.q_norm is not None:
@@ -72,16 +110,24 @@ class Attention(nn.Module):
             v_BLKE,
             meta,
             window=self.window,
+            sinks=self.sinks(q_BSHE) if self.sinks is not None else None,
             scale=self.softmax_scale,
             softcap=self.softcap,
             backend=self.backend,
         )
+        if gate_BSHE is not None:
+            o_BSHE = o_BSHE * torch.sigmoid(gate_BSHE)
         return self.wo(o_BSHE.reshape(B, S, -1))
 
     def param_init(self, *, std: float, out_std: float) -> dict[str, Init]:
-        """Normal ``std`` for q/k/v, ``out_std`` for the residual output ``wo``; norms to one."""
+        """Normal ``std`` for q/k/v (and the sinks), ``out_std`` for the residual output
+        ``wo``; biases zero; norms to one."""
         inits: dict[str, Init] = {f"{n}.weight": Normal(std) for n in ("wq", "wk", "wv")}
         inits["wo.weight"] = Normal(out_std)
+        if self.wq.bias is not None:
+            inits |= {f"{n}.bias": Constant(0.0) for n in ("wq", "wk", "wv", "wo")}
+        if self.sinks is not None:
+            inits["sinks.weight"] = Normal(std)
         for name in ("q_norm", "k_norm"):
             if getattr(self, name) is not None:
                 inits |= prefixed(name, getattr(self, name).param_init())

@@ -65,9 +65,8 @@ class AttentionMetadata:
     starts: torch.Tensor | None
     """``(B, S)`` index (slot, with a cache) where each query's document begins; ``None`` when
     every row is one document starting at index 0."""
-    cu_seqlens: torch.Tensor
-    """``(N + 1,)`` int32 document boundaries in the flattened ``(B·S)`` tokens, row boundaries
-    included (``[0, S, 2S, ...]`` without documents); empty documents repeat a boundary."""
+    boundaries: torch.Tensor | None = None
+    """``cu_seqlens`` when known at construction (else derived from ``starts`` on first use)."""
     backend: str = "sdpa"
     """Name of the registered attention backend the layers use (``attention_backends()``)."""
     cache: CacheStep | None = None
@@ -101,7 +100,7 @@ class AttentionMetadata:
             seq_len=seq_len,
             positions=positions,
             starts=None,
-            cu_seqlens=cu,
+            boundaries=cu,
             backend=backend,
         )
 
@@ -114,23 +113,16 @@ class AttentionMetadata:
         backend: str = "sdpa",
     ) -> AttentionMetadata:
         """Packed documents: ``document_ids`` ``(B, S)``, a run of one id per document,
-        non-decreasing along each row (checked: one host sync). Positions restart at 0 in
-        every document unless given."""
+        non-decreasing along each row (checked on the host for CPU tensors; on an accelerator
+        by a device-side assertion, so no host sync). Positions restart at 0 in every document
+        unless given."""
         ids = _check_document_ids(document_ids)
         B, S = ids.shape
         starts = _starts(ids)
         if positions is None:
             positions = torch.arange(S, device=ids.device) - starts
         _check_shape("positions", positions, (B, S))
-        cu = _cu_seqlens(starts)
-        return cls(
-            batch_size=B,
-            seq_len=S,
-            positions=positions,
-            starts=None if cu.numel() == B + 1 else starts,  # one document per row: plain causal
-            cu_seqlens=cu,
-            backend=backend,
-        )
+        return cls(batch_size=B, seq_len=S, positions=positions, starts=starts, backend=backend)
 
     @classmethod
     def from_lengths(
@@ -169,7 +161,7 @@ class AttentionMetadata:
             seq_len=seq_len,
             positions=positions,
             starts=None if single else starts,
-            cu_seqlens=cu.to(device),
+            boundaries=cu.to(device),
             backend=backend,
         )
 
@@ -188,21 +180,35 @@ class AttentionMetadata:
         if positions is None:
             positions = step.slots if starts is None else step.slots - starts
         _check_shape("positions", positions, (B, S))
-        if starts is not None and not step.reads_cache:  # a packed prefill: slots = indices
-            cu = _cu_seqlens(starts)
-        else:
+        cu = None  # a packed prefill (slots = indices): derived from the starts when asked
+        if starts is None or step.reads_cache:
             cu = torch.arange(B + 1, device=step.slots.device, dtype=torch.int32) * S
         return cls(
             batch_size=B,
             seq_len=S,
             positions=positions,
             starts=starts,
-            cu_seqlens=cu,
+            boundaries=cu,
             backend=backend,
             cache=step,
         )
 
     # --- derived structures ---------------------------------------------------------------
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """``(N + 1,)`` int32 document boundaries in the flattened ``(B·S)`` tokens, row
+        boundaries included (``[0, S, 2S, ...]`` without documents); empty documents repeat a
+        boundary. Derived on first use (the number of documents is data: on an accelerator
+        that reads a count on the host), so backends that never ask (flex) never pay it."""
+        if self.boundaries is None:
+            if self.starts is None:
+                S, device = self.seq_len, self.positions.device
+                rows = torch.arange(self.batch_size + 1, device=device, dtype=torch.int32)
+                self.boundaries = rows * S
+            else:
+                self.boundaries = _cu_seqlens(self.starts)
+        return self.boundaries
 
     @property
     def num_tokens(self) -> int:
@@ -294,6 +300,11 @@ def _check_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
     if document_ids.is_floating_point() or document_ids.dtype == torch.bool:
         raise TypeError(f"document_ids must be an integer tensor, got {document_ids.dtype}")
     drops_BS = document_ids[:, 1:] < document_ids[:, :-1]
+    if document_ids.device.type == "meta":
+        return document_ids  # shapes only (fake backends): nothing to check
+    if document_ids.device.type != "cpu":  # no host read: the device asserts
+        torch._assert_async(~drops_BS.any(), "document_ids must be non-decreasing along each row")
+        return document_ids
     if bool(drops_BS.any()):
         b, i = (int(x) for x in drops_BS.nonzero()[0])
         raise ValueError(

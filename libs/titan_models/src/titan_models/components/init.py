@@ -24,7 +24,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["ONES", "Constant", "Init", "Normal", "init_state", "local_chunks", "prefixed"]
+__all__ = [
+    "ONES",
+    "Constant",
+    "HashRoutes",
+    "Init",
+    "InverseSoftplusLogUniform",
+    "LogUniform",
+    "Normal",
+    "Uniform",
+    "init_state",
+    "local_chunks",
+    "prefixed",
+]
 
 _BLOCK_ELEMENTS = 1 << 20
 """Elements per random block (4 MiB in fp32): the most any rank draws beyond its piece."""
@@ -48,7 +60,59 @@ class Constant:
     value: float
 
 
-Init = Normal | Constant
+@dataclass(frozen=True, slots=True)
+class Uniform:
+    """U(low, high) in fp32 (``nn.Conv1d``'s default for a depthwise kernel of fan-in W is
+    ``Uniform(-1/√W, 1/√W)``)."""
+
+    low: float
+    high: float
+
+    def sample(self, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+        out = torch.rand(shape, generator=generator, device=generator.device)
+        return out.mul_(self.high - self.low).add_(self.low)
+
+
+@dataclass(frozen=True, slots=True)
+class LogUniform:
+    """``log(U(low, high))``: a decay rate stored as its log (linear attention's ``A_log``)."""
+
+    low: float
+    high: float
+
+    def sample(self, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+        return Uniform(self.low, self.high).sample(shape, generator).log_()
+
+
+@dataclass(frozen=True, slots=True)
+class InverseSoftplusLogUniform:
+    """``softplus⁻¹(dt)`` with ``dt = max(exp(U(log low, log high)), floor)``: a bias whose
+    softplus spreads time steps log-uniformly over ``[low, high]`` (Mamba / KDA ``dt_bias``)."""
+
+    low: float
+    high: float
+    floor: float = 1e-4
+
+    def sample(self, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+        log_range = Uniform(math.log(self.low), math.log(self.high))
+        dt = log_range.sample(shape, generator).exp_().clamp_(min=self.floor)
+        return dt + torch.log(-torch.expm1(-dt))
+
+
+@dataclass(frozen=True, slots=True)
+class HashRoutes:
+    """A hash-routing table ``(V, K)``: every row ``K`` distinct experts of ``num_experts``,
+    uniformly at random (int64; dist_moe's ``expert_table``)."""
+
+    num_experts: int
+
+    def sample(self, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+        rows, k = shape
+        keys = torch.rand(rows, self.num_experts, generator=generator, device=generator.device)
+        return keys.topk(k, dim=-1).indices
+
+
+Init = Normal | Constant | Uniform | LogUniform | InverseSoftplusLogUniform | HashRoutes
 ONES = Constant(1.0)
 
 

@@ -18,17 +18,25 @@ The two buffers of a layer are keys and values for grouped-query attention, and 
 compressed latent and the shared rope key for multi-head latent attention (one "head" each, of
 widths ``kv_lora_rank`` and ``qk_rope_head_dim``): ``value_dim`` sets the second one's width.
 
+A linear-attention layer (hybrid models: Qwen3.5, Kimi Linear) holds a ``LayerRecurrentState``
+instead: fixed-size tensors (its short convolutions' last inputs and the delta-rule state) that
+the layer reads and overwrites each step, whatever the number of cached tokens.
+
 Shapes: B batch, S new tokens, K kv heads, L cache capacity (ring size + 1 for a ring), D head
 dim (value dim for v), R ring size.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from .attention_metadata import CacheStep
+
+StateSpec = tuple[tuple[int, ...], torch.dtype | None]
+"""Shape of one recurrent state tensor without the batch dimension, and its dtype (``None``:
+the cache's dtype)."""
 
 
 class LayerKVCache:
@@ -75,9 +83,31 @@ class LayerKVCache:
         return k_BKLD, v_BKLD
 
 
+class LayerRecurrentState:
+    """One linear-attention layer's fixed-size decode state: ``states[i]`` of shape ``(B, ...)``
+    as the layer declared them (``recurrent_state_specs``). The layer reads them, computes the
+    state after this step's tokens and writes it back with ``copy_``."""
+
+    def __init__(self, parent: KVCache, states: list[torch.Tensor]) -> None:
+        self._parent = parent
+        self.states = states
+
+    def step_lengths(self) -> torch.Tensor | None:
+        """How many of this step's ``S`` tokens each row really has (``input_lengths``), or
+        ``None`` when all of them: tokens past a row's length must leave its state unchanged."""
+        step = self._parent._step
+        assert step is not None, "KVCache.begin() must run before a layer reads its state"
+        return step.input_lengths
+
+
 class KVCache:
-    """Per-layer key/value buffers, the number of cached tokens of every row, and each row's
-    current document (for packed prefills)."""
+    """Per-layer key/value buffers (or recurrent states), the number of cached tokens of every
+    row, and each row's current document (for packed prefills).
+
+    ``static=True``: every step attends to the whole capacity of the full buffers (the unused
+    slots masked) and ``begin`` reads nothing back to the host, so every decode step has the
+    same shapes and control flow: one ``torch.compile`` graph (or CUDA graph) serves them all.
+    Overflow is then a device-side assert instead of a ``ValueError``."""
 
     def __init__(
         self,
@@ -91,10 +121,14 @@ class KVCache:
         device: torch.device | str,
         value_dim: int | None = None,
         windows: Mapping[int, int | None] | None = None,
+        recurrent: Mapping[int, Sequence[StateSpec]] | None = None,
+        static: bool = False,
     ) -> None:
-        """``value_dim``: width of the second buffer (``head_dim`` by default); ``windows``:
-        layer → sliding window (a layer whose window W - 1 < ``max_seq_len`` keeps a ring of
-        W - 1 tokens)."""
+        """``layers``: the attention layers; ``value_dim``: width of their second buffer
+        (``head_dim`` by default); ``windows``: layer → sliding window (a layer whose window
+        W - 1 < ``max_seq_len`` keeps a ring of W - 1 tokens); ``recurrent``: the
+        linear-attention layers and the specs of their state tensors (zero-initialised);
+        ``static``: see the class docstring."""
         value_dim = head_dim if value_dim is None else value_dim
         for name, value in (
             ("batch_size", batch_size),
@@ -110,7 +144,7 @@ class KVCache:
         self._doc_id = torch.zeros(batch_size, dtype=torch.long, device=device)
         self._doc_start = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.ring_sizes: dict[int, int] = {}
-        self.layers: dict[int, LayerKVCache] = {}
+        self.layers: dict[int, LayerKVCache | LayerRecurrentState] = {}
         for i in layers:
             window = (windows or {}).get(i)
             ring = window - 1 if window is not None and window - 1 < max_seq_len else None
@@ -123,6 +157,18 @@ class KVCache:
                 torch.zeros((*shape, value_dim), dtype=dtype, device=device),
                 ring,
             )
+        for i, specs in (recurrent or {}).items():
+            if i in self.layers:
+                raise ValueError(f"KVCache layer {i} is both an attention and a recurrent layer")
+            self.layers[i] = LayerRecurrentState(
+                self,
+                [
+                    torch.zeros((batch_size, *shape), dtype=dt or dtype, device=device)
+                    for shape, dt in specs
+                ],
+            )
+        self.static = static
+        self._filled = False  # a step was committed (static mode's "reads the cache")
         self._packed = False  # a prefill packed documents: track each row's current one
         self._step: CacheStep | None = None
         self._step_docs: torch.Tensor | None = None
@@ -132,14 +178,26 @@ class KVCache:
         return self.lengths.shape[0]
 
     def bytes_per_token(self) -> int:
-        """Cache bytes one more token occupies, summed over the layers with full buffers (both
-        buffers; a ring's size does not grow with the sequence)."""
+        """Cache bytes one more token occupies, summed over the attention layers with full
+        buffers (both buffers; a ring's size does not grow with the sequence)."""
         return (
             sum(
                 (layer.k_BKLD[:, :, 0].numel() + layer.v_BKLD[:, :, 0].numel())
                 * layer.k_BKLD.element_size()
                 for layer in self.layers.values()
-                if layer.ring is None
+                if isinstance(layer, LayerKVCache) and layer.ring is None
+            )
+            // self.batch_size
+        )
+
+    def state_bytes_per_row(self) -> int:
+        """Bytes of the fixed-size recurrent states of one row, summed over layers."""
+        return (
+            sum(
+                t.numel() * t.element_size()
+                for layer in self.layers.values()
+                if isinstance(layer, LayerRecurrentState)
+                for t in layer.states
             )
             // self.batch_size
         )
@@ -153,13 +211,25 @@ class KVCache:
     ) -> CacheStep:
         """Start a forward of ``seq_len`` new tokens per row (``input_lengths`` of them real;
         ``document_ids`` ``(B, S)`` for a packed prefill, non-decreasing, the first one >= the
-        row's current document). One host sync, to bound the attended keys."""
-        kv_len = int(self.lengths.max()) + seq_len
-        if kv_len > self.max_seq_len and any(c.ring is None for c in self.layers.values()):
-            raise ValueError(
-                f"KVCache overflow: a row holds {kv_len - seq_len} tokens and {seq_len} more "
-                f"do not fit in max_seq_len={self.max_seq_len}"
-            )
+        row's current document). One host sync, to bound the attended keys (none when
+        ``static``)."""
+        full = any(isinstance(c, LayerKVCache) and c.ring is None for c in self.layers.values())
+        if self.static:
+            kv_len, reads_cache = self.max_seq_len, self._filled
+            if full:
+                torch._assert_async(
+                    self.lengths.max() + seq_len <= self.max_seq_len,
+                    f"KVCache overflow: {seq_len} more tokens do not fit in "
+                    f"max_seq_len={self.max_seq_len}",
+                )
+        else:
+            kv_len = int(self.lengths.max()) + seq_len
+            reads_cache = kv_len > seq_len
+            if kv_len > self.max_seq_len and full:
+                raise ValueError(
+                    f"KVCache overflow: a row holds {kv_len - seq_len} tokens and {seq_len} "
+                    f"more do not fit in max_seq_len={self.max_seq_len}"
+                )
         B = self.batch_size
         device = self.lengths.device
         slots_BS = self.lengths[:, None] + torch.arange(seq_len, device=device)
@@ -168,7 +238,7 @@ class KVCache:
                 slots=slots_BS,
                 lengths=self.lengths.clone(),
                 kv_len=min(kv_len, self.max_seq_len),
-                reads_cache=kv_len > seq_len,
+                reads_cache=reads_cache,
                 ring_sizes=self.ring_sizes,
                 input_lengths=input_lengths,
             )
@@ -194,7 +264,7 @@ class KVCache:
             slots=slots_BS,
             lengths=self.lengths.clone(),
             kv_len=min(kv_len, self.max_seq_len),
-            reads_cache=kv_len > seq_len,
+            reads_cache=reads_cache,
             ring_sizes=self.ring_sizes,
             input_lengths=input_lengths,
             starts=starts_BS,
@@ -218,12 +288,18 @@ class KVCache:
             self._doc_id = self._step_docs.gather(1, last_B1)[:, 0].clone()
             self._doc_start = step.starts.gather(1, last_B1)[:, 0].clone()
         self.lengths += n_B
+        self._filled = True
         self._step = self._step_docs = None
 
     def reset(self) -> None:
-        """Forget every row's tokens (the buffers are reused)."""
+        """Forget every row's tokens (the buffers are reused, recurrent states zeroed)."""
         self.lengths.zero_()
         self._doc_id.zero_()
         self._doc_start.zero_()
         self._packed = False
+        self._filled = False
         self._step = self._step_docs = None
+        for layer in self.layers.values():
+            if isinstance(layer, LayerRecurrentState):
+                for state in layer.states:
+                    state.zero_()

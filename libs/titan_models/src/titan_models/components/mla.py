@@ -45,11 +45,14 @@ class MultiHeadLatentAttention(nn.Module):
         latent_norm_eps: float,
         softmax_scale: float,
         window: int | None = None,
+        rotary: bool = True,
     ) -> None:
         """``q_lora_rank=0``: queries straight from ``x`` (``wq``), as DeepSeek-V2-Lite;
-        ``window``: sliding window of this layer (``attend``)."""
+        ``window``: sliding window of this layer (``attend``); ``rotary=False``: the "rope"
+        parts carry no position either (Kimi Linear's NoPE MLA)."""
         super().__init__()
         self.window = window
+        self.rotary = rotary
         self.backend: str | None = None
         """This layer's attention backend instead of the run's (``None``: the run's)."""
         self.kv_lora_rank = kv_lora_rank
@@ -84,11 +87,13 @@ class MultiHeadLatentAttention(nn.Module):
         q_BSG = (self.wq if self.wq is not None else self.wq_b)(q_in_BSI)
         q_BSHE = q_BSG.view(B, S, -1, self.nope_dim + self.rope_dim)
         q_nope_BSHN, q_rope_BSHR = q_BSHE.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_rope_BSHR = apply_rotary(q_rope_BSHR, rope)
 
         latent_BSC, k_rope_BSR = self.wkv_a(x_BSD).split([self.kv_lora_rank, self.rope_dim], -1)
         latent_BSC = self.kv_norm(latent_BSC)
-        k_rope_BS1R = apply_rotary(k_rope_BSR.unsqueeze(2), rope)
+        k_rope_BS1R = k_rope_BSR.unsqueeze(2)
+        if self.rotary:
+            q_rope_BSHR = apply_rotary(q_rope_BSHR, rope)
+            k_rope_BS1R = apply_rotary(k_rope_BS1R, rope)
         if kv_cache is not None:
             # The cache holds the latent and the rope key only.
             latent_BL1C, k_rope_BL1R = cached_keys(

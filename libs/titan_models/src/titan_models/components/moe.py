@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from dist_moe import MoE, MoEConfig, RouterConfig
+from dist_moe import MoE, MoEConfig, RouterConfig, SwiGLU
 
-from .init import Init, Normal
+from .init import Constant, HashRoutes, Init, Normal
 
 __all__ = ["MoEFeedForward", "check_moe_fields"]
 
@@ -30,10 +30,22 @@ class MoEFeedForward(MoE):
         hidden_dim: int,
         router: RouterConfig,
         shared_hidden_dim: int = 0,
+        shared_gate: bool = False,
+        activation: SwiGLU | None = None,
+        expert_bias: bool = False,
     ) -> None:
+        """``shared_gate``: a per-token sigmoid gate on the shared expert (Qwen3.5-MoE);
+        ``activation``: the experts' gated activation (plain SwiGLU by default);
+        ``expert_bias``: per-expert biases (gpt-oss)."""
         super().__init__(
             MoEConfig(
-                dim=dim, hidden_dim=hidden_dim, router=router, shared_hidden_dim=shared_hidden_dim
+                dim=dim,
+                hidden_dim=hidden_dim,
+                router=router,
+                shared_hidden_dim=shared_hidden_dim,
+                shared_gate=shared_gate,
+                activation=activation or SwiGLU(),
+                expert_bias=expert_bias,
             )
         )
 
@@ -47,15 +59,30 @@ class MoEFeedForward(MoE):
         return self
 
     def param_init(self, *, std: float, out_std: float) -> dict[str, Init]:
-        """N(0, std²) for the router gate and every input projection, N(0, out_std²) for the
-        down projections into the residual stream (as ``FeedForward``); balancing state (buffers)
-        zero."""
+        """N(0, std²) for the router gate (and its bias) and every input projection,
+        N(0, out_std²) for the down projections into the residual stream (as
+        ``FeedForward``); expert biases zero; a hash-routing table random (``HashRoutes``);
+        balancing state zero (the model's buffer rule)."""
         inputs = ["router.gate.weight", "experts.w_gate", "experts.w_up"]
         outputs = ["experts.w_down"]
+        if self.router.gate.bias is not None:
+            inputs.append("router.gate.bias")
         if self.shared_experts is not None:
             inputs += ["shared_experts.w_gate.weight", "shared_experts.w_up.weight"]
+            if self.shared_experts.gate is not None:
+                inputs.append("shared_experts.gate.weight")
             outputs.append("shared_experts.w_down.weight")
-        return {n: Normal(std) for n in inputs} | {n: Normal(out_std) for n in outputs}
+        inits: dict[str, Init] = {n: Normal(std) for n in inputs}
+        inits |= {n: Normal(out_std) for n in outputs}
+        if self.experts.has_bias:
+            inits |= {f"experts.{n}": Constant(0.0) for n in ("b_gate", "b_up", "b_down")}
+        return inits
+
+    def buffer_inits(self) -> dict[str, Init]:
+        """Buffers that do not start at zero: a hash-routing table."""
+        if self.router.is_hash:
+            return {"router.expert_table": HashRoutes(self.config.router.num_experts)}
+        return {}
 
 
 def check_moe_fields(config: Any) -> None:

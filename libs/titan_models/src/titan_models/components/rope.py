@@ -1,8 +1,9 @@
-"""Rotary position embeddings (Su et al., 2021) in the rotate-half layout.
+"""Rotary position embeddings (Su et al., 2021) in the rotate-half or the interleaved layout.
 
-Frequencies: plain ``theta``, Llama 3.1 scaling, or YaRN (Peng et al., 2023). The layout is the
-one Hugging Face checkpoints use (the two halves of a head are the real and imaginary parts), so
-HF q/k projections load without any permutation.
+Frequencies: plain ``theta``, Llama 3.1 scaling, or YaRN (Peng et al., 2023). The default
+layout is the one most Hugging Face checkpoints use (the two halves of a head are the real and
+imaginary parts), so their q/k projections load without any permutation; ``interleaved=True``
+rotates adjacent channel pairs instead (DeepSeek-V4), for checkpoints stored that way.
 
 Shapes: B batch, S sequence, H heads, D rotary head dim, d = D // 2.
 """
@@ -144,11 +145,14 @@ class RotaryEmbedding:
     construction, ``to_empty`` and dtype casts of the model never touch them.
     """
 
-    def __init__(self, rope: RopeConfig, head_dim: int) -> None:
+    def __init__(self, rope: RopeConfig, head_dim: int, *, interleaved: bool = False) -> None:
+        """``interleaved``: tables for ``apply_rotary(..., interleaved=True)`` (channel pairs
+        ``(2i, 2i+1)`` rotate together) instead of the rotate-half layout."""
         if head_dim % 2:
             raise ValueError(f"rotary head_dim must be even, got {head_dim}")
         self.rope = rope
         self.head_dim = head_dim
+        self.interleaved = interleaved
         self._inv_freq: dict[torch.device, tuple[torch.Tensor, float]] = {}
 
     def __call__(
@@ -157,7 +161,8 @@ class RotaryEmbedding:
         """``(cos, sin)`` tables ``(B, S, 1, D)`` in ``dtype``, broadcastable over heads.
 
         ``cos`` is HF's ``cat(cos, cos)``; ``sin`` carries the sign of the rotation,
-        ``cat(-sin, sin)``, so a rotation is ``x·cos + swap_halves(x)·sin``.
+        ``cat(-sin, sin)``, so a rotation is ``x·cos + swap_halves(x)·sin``. Interleaved: each
+        angle repeated for its pair, ``sin`` as ``(-sin, sin)`` pairs, and ``swap_pairs``.
         """
         device = positions_BS.device
         if device not in self._inv_freq:
@@ -167,7 +172,11 @@ class RotaryEmbedding:
         cos, sin = freqs_BSd.cos(), freqs_BSd.sin()
         if scale != 1.0:
             cos, sin = cos * scale, sin * scale
-        cos_BSD, sin_BSD = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+        if self.interleaved:
+            cos_BSD = cos.repeat_interleave(2, -1)
+            sin_BSD = torch.stack([-sin, sin], -1).flatten(-2)
+        else:
+            cos_BSD, sin_BSD = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
         return cos_BSD.to(dtype).unsqueeze(2), sin_BSD.to(dtype).unsqueeze(2)
 
 
@@ -175,22 +184,51 @@ def _swap_halves(x: torch.Tensor) -> torch.Tensor:
     return x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
 
 
+def _swap_pairs(x: torch.Tensor) -> torch.Tensor:
+    return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+
+
 class _RotaryFunction(torch.autograd.Function):
-    """``x·cos + swap_halves(x)·sin`` in three kernels; its gradient is the inverse rotation,
-    ``g·cos − swap_halves(g)·sin``, so nothing but the tables is saved."""
+    """``x·cos + swap(x)·sin`` in three kernels; its gradient is the inverse rotation,
+    ``g·cos − swap(g)·sin``, so nothing but the tables is saved."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+    ) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
-        return torch.addcmul(x * cos, _swap_halves(x), sin)
+        ctx.swap = _swap_pairs if interleaved else _swap_halves
+        return torch.addcmul(x * cos, ctx.swap(x), sin)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        return torch.addcmul(grad * cos, _swap_halves(grad), sin, value=-1), None, None
+        return torch.addcmul(grad * cos, ctx.swap(grad), sin, value=-1), None, None, None
 
 
-def apply_rotary(x_BSHD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate ``x`` by the position angles; ``rope`` is ``RotaryEmbedding``'s ``(cos, sin)``."""
+def apply_rotary(
+    x_BSHD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], *, interleaved: bool = False
+) -> torch.Tensor:
+    """Rotate ``x`` by the position angles; ``rope`` is ``RotaryEmbedding``'s ``(cos, sin)``
+    (``interleaved`` as the tables were built: rotate channel pairs, not halves).
+
+    Tables narrower than a head rotate its leading channels only and pass the rest through
+    (partial rotary, as Qwen3.5's ``partial_rotary_factor``)."""
     cos, sin = rope
-    return _RotaryFunction.apply(x_BSHD, cos, sin)
+    rotated = cos.shape[-1]
+    if rotated == x_BSHD.shape[-1]:
+        return _RotaryFunction.apply(x_BSHD, cos, sin, interleaved)
+    head, rest = x_BSHD.split([rotated, x_BSHD.shape[-1] - rotated], dim=-1)
+    return torch.cat([_RotaryFunction.apply(head, cos, sin, interleaved), rest], dim=-1)
+
+
+def apply_rotary_tail(
+    x_BSHD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], *, interleaved: bool = False
+) -> torch.Tensor:
+    """Partial RoPE on the *last* channels of each head (as many as the tables are wide); the
+    leading channels pass through (DeepSeek-V4 heads are ``[no-position | rotated]``)."""
+    width = rope[0].shape[-1]
+    if width == x_BSHD.shape[-1]:
+        return apply_rotary(x_BSHD, rope, interleaved=interleaved)
+    plain, rotated = x_BSHD.split([x_BSHD.shape[-1] - width, width], dim=-1)
+    return torch.cat([plain, apply_rotary(rotated, rope, interleaved=interleaved)], dim=-1)

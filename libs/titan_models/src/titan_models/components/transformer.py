@@ -22,7 +22,7 @@ from .backends import check_attention_backend
 from .context_parallel import ContextParallel
 from .feedforward import FeedForward
 from .init import Constant, Init, Normal, init_state, prefixed
-from .kv_cache import KVCache, LayerKVCache
+from .kv_cache import KVCache, LayerKVCache, LayerRecurrentState
 from .norm import RMSNorm
 from .rope import RopeConfig, RotaryEmbedding
 
@@ -111,6 +111,11 @@ class TransformerConfig:
         """Width of the rotated part of a query/key head (all of it here)."""
         return self.head_dim
 
+    @property
+    def norm_offset(self) -> float:
+        """Added to every block/final RMSNorm weight to form its scale (1: zero-centred)."""
+        return 0.0
+
     def matmul_params(self) -> int:
         """Weights that take part in a matmul per token (see ``titan_models.matmul_params``)."""
         attention = self.dim * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
@@ -128,12 +133,20 @@ class TransformerBlock(nn.Module):
     """Pre-norm residual block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
 
     def __init__(
-        self, *, dim: int, norm_eps: float, attention: nn.Module, feed_forward: nn.Module
+        self,
+        *,
+        dim: int,
+        norm_eps: float,
+        attention: nn.Module,
+        feed_forward: nn.Module,
+        norm_offset: float = 0.0,
     ) -> None:
+        """``attention``: the token mixer (softmax attention, or a recurrent mixer such as
+        ``GatedDeltaNet`` that reads the documents off the metadata)."""
         super().__init__()
-        self.attention_norm = RMSNorm(dim, eps=norm_eps)
+        self.attention_norm = RMSNorm(dim, eps=norm_eps, offset=norm_offset)
         self.attention = attention
-        self.ffn_norm = RMSNorm(dim, eps=norm_eps)
+        self.ffn_norm = RMSNorm(dim, eps=norm_eps, offset=norm_offset)
         self.feed_forward = feed_forward
 
     def forward(
@@ -141,7 +154,7 @@ class TransformerBlock(nn.Module):
         x_BSD: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-        kv_cache: LayerKVCache | None = None,
+        kv_cache: LayerKVCache | LayerRecurrentState | None = None,
     ) -> torch.Tensor:
         h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), rope, meta, kv_cache)
         return h_BSD + self.feed_forward(self.ffn_norm(h_BSD))
@@ -202,7 +215,9 @@ class Transformer(nn.Module):
         self.config = config
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(blocks)})
-        self.norm: RMSNorm | None = RMSNorm(config.dim, eps=config.norm_eps)
+        self.norm: RMSNorm | None = RMSNorm(
+            config.dim, eps=config.norm_eps, offset=config.norm_offset
+        )
         self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
         for name, module in (extra_modules or {}).items():
             self.add_module(name, module)
@@ -318,7 +333,8 @@ class Transformer(nn.Module):
         N(0, std²); the projections out of a residual branch (``wo``, ``w2``, the experts'
         down projections) from N(0, (std / √(2·num_layers))²), so the residual stream's
         variance stays flat in depth; every RMSNorm weight is 1; buffers (a router's selection
-        bias) start at 0.
+        bias) start at 0, except those a module's ``buffer_inits()`` names (a hash-routing
+        table).
         """
         std = self.config.init_std
         out_std = std / math.sqrt(2 * self.config.num_layers)
@@ -332,7 +348,11 @@ class Transformer(nn.Module):
         if self.output is not None and not self.config.tie_embeddings:
             inits["output.weight"] = Normal(std)
         inits |= self._extra_param_inits(std=std, out_std=out_std)
-        return inits | {name: Constant(0.0) for name, _ in self.named_buffers()}
+        inits |= {name: Constant(0.0) for name, _ in self.named_buffers()}
+        for prefix, module in self.named_modules():  # buffers that start elsewhere (hash tables)
+            if hasattr(module, "buffer_inits"):
+                inits |= prefixed(prefix, module.buffer_inits())
+        return inits
 
     def _extra_param_inits(self, *, std: float, out_std: float) -> dict[str, Init]:
         """Hook for modules a family adds beside the blocks (DeepSeek-V3's MTP modules)."""
@@ -345,12 +365,22 @@ class Transformer(nn.Module):
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        static: bool = False,
     ) -> KVCache:
-        """An empty cache for this model's layers (dtype and device of the weights by default)."""
+        """An empty cache for this model's layers (dtype and device of the weights by default):
+        key/value buffers for attention layers, fixed-size states for recurrent ones (a token
+        mixer with ``recurrent_state_specs()``); ``static``: every step attends to the whole
+        capacity, no host sync, see ``KVCache``."""
         weight = next(self.parameters())
         heads, key_dim, value_dim = self.kv_cache_widths()
+        recurrent = {
+            int(i): layer.attention.recurrent_state_specs()
+            for i, layer in self.layers.items()
+            if hasattr(layer.attention, "recurrent_state_specs")
+        }
         return KVCache(
-            layers=[int(i) for i in self.layers],
+            layers=[int(i) for i in self.layers if int(i) not in recurrent],
+            recurrent=recurrent,
             batch_size=batch_size,
             max_seq_len=max_seq_len,
             num_kv_heads=heads,
@@ -359,6 +389,7 @@ class Transformer(nn.Module):
             dtype=dtype or weight.dtype,
             device=device or weight.device,
             windows={int(i): self.config.layer_window(int(i)) for i in self.layers},
+            static=static,
         )
 
     def kv_cache_widths(self) -> tuple[int, int, int]:

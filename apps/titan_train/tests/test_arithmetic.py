@@ -1,10 +1,31 @@
-"""The arithmetic corpus's slip option: the slip rule, the clean default, bad rates."""
+"""The arithmetic corpus: fixed problems per (seed, index), the slip rule, the clean default,
+bad rates, and the per-operator breakdown of answers."""
 
 from __future__ import annotations
 
 import pytest
 
-from titan_rl import Problem, answer_breakdown, arithmetic_problem, slip_answer
+from titan_train.data.arithmetic import Problem, answer_breakdown, arithmetic_problem, slip_answer
+
+
+def test_problems_are_fixed_by_seed_and_index():
+    # Golden values: the corpus a pre-trained model saw must not drift between versions.
+    got = [arithmetic_problem(s, i) for s, i in [(0, 0), (0, 1), (0, 2), (7, 123), (1, 5)]]
+    assert got == [
+        ("12*6=", "72"),
+        ("72+97=", "169"),
+        ("11+10=", "21"),
+        ("73+65=", "138"),
+        ("61-26=", "35"),
+    ]
+    assert got[1].text == "72+97=169"
+    assert [arithmetic_problem(3, i, max_operand=999).prompt for i in range(4)] == [
+        "12+587=",
+        "6*9=",
+        "779+209=",
+        "10*8=",
+    ]
+    assert arithmetic_problem(0, 1, reverse_answer=True) == ("72+97=", "961")
 
 
 @pytest.mark.parametrize(

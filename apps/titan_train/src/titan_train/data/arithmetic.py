@@ -1,24 +1,21 @@
-"""The built-in arithmetic task: problems generated from ``(seed, index)`` and their answers.
+"""The built-in arithmetic corpus: problems generated from ``(seed, index)`` and their answers.
 
-``arithmetic_problem`` is the generator of the app's pre-training corpus (same outputs for the
-same arguments), so a model pre-trained on that corpus is post-trained on the same
-distribution; a held-out split is just another seed (and, to make it harder, larger operands).
+One generator for both uses: the pre-training documents (``sources.DocumentSource``) and the
+RL task of ``titan-train rl`` (a ``titan_rl.ExactMatchTask`` over ``arithmetic_problem``), so
+a model pre-trained on the corpus is post-trained on the same distribution; a held-out split
+is just another seed (and, to make it harder, larger operands).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
-
-from .rewards import RewardResult, exact_match_reward
-from .rollout import Prompt
-from .tokenizer import Tokenizer
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class Problem:
-    """One arithmetic problem: ``prompt`` (e.g. ``"17+25="``) and its ``answer`` (``"42"``)."""
+class Problem(NamedTuple):
+    """One arithmetic problem: ``prompt`` (e.g. ``"17+25="``) and its ``answer`` (``"42"``);
+    a ``(prompt, answer)`` pair, as ``titan_rl.ExactMatchTask`` takes them."""
 
     prompt: str
     answer: str
@@ -126,68 +123,3 @@ def answer_breakdown(
         out["true_where_rules_differ"] = true_hits / differ
     out["slip_share_of_wrong"] = wrong_slip / wrong if wrong else 0.0
     return out
-
-
-class ArithmeticTask:
-    """Prompts ``BOS + "a+b="`` (the pre-training document layout) scored by exact match."""
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        *,
-        seed: int = 0,
-        max_operand: int = 99,
-        offset: int = 0,
-        digit_credit: float = 0.0,
-        reverse_answer: bool = False,
-    ) -> None:
-        """Problem ``offset + i`` of ``seed`` is the ``i``-th prompt handed out.
-
-        ``digit_credit``: a wrong integer answer of the right length scores this times the
-        fraction of its digits that are right (0: plain exact match; the reward stays < 1
-        unless the answer is exact, so exact-match accuracy is still what is maximised).
-        ``reverse_answer``: answers are expected least-significant digit first, as in a corpus
-        made with ``arithmetic_problem(..., reverse_answer=True)``. Always the true answer: the
-        corpus's slip rate never enters the task.
-        """
-        if max_operand < 1:
-            raise ValueError(f"max_operand={max_operand} must be >= 1")
-        if not 0.0 <= digit_credit < 1.0:
-            raise ValueError(f"digit_credit={digit_credit} must be in [0, 1)")
-        self.tokenizer = tokenizer
-        self.seed, self.max_operand, self.offset = seed, max_operand, offset
-        self.digit_credit, self.reverse_answer = digit_credit, reverse_answer
-
-    def problem(self, index: int) -> Problem:
-        """The ``index``-th problem of this task."""
-        return arithmetic_problem(
-            self.seed,
-            self.offset + index,
-            max_operand=self.max_operand,
-            reverse_answer=self.reverse_answer,
-        )
-
-    def prompts(self, start: int, count: int) -> list[Prompt]:
-        """Prompts ``start .. start + count - 1``."""
-        out = []
-        for i in range(start, start + count):
-            p = self.problem(i)
-            out.append(Prompt([self.tokenizer.bos_id, *self.tokenizer.encode(p.prompt)], p.answer))
-        return out
-
-    def score(self, prompt: Prompt, response_ids: list[int]) -> RewardResult:
-        """1 for the exact answer followed by EOS, else 0 (``unparseable``: not an integer)."""
-        if self.tokenizer.eos_id not in response_ids:
-            return RewardResult(0.0, "truncated", "no EOS within the token budget")
-        text = self.completion_text(response_ids).strip()
-        result = exact_match_reward(text, prompt.answer)
-        if result.status == "wrong" and self.digit_credit and len(text) == len(prompt.answer):
-            right = sum(a == b for a, b in zip(text, prompt.answer, strict=True))
-            return RewardResult(self.digit_credit * right / len(text), "wrong", result.detail)
-        return result
-
-    def completion_text(self, response_ids: list[int]) -> str:
-        """The decoded response up to (not including) the first EOS."""
-        eos = self.tokenizer.eos_id
-        ids = response_ids[: response_ids.index(eos)] if eos in response_ids else response_ids
-        return self.tokenizer.decode(ids)

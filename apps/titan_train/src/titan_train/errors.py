@@ -1,0 +1,12 @@
+"""The app's own errors: each ends the job with one clear line (``titan-train: error: ...``)."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """The job cannot start with this config or run folder; raised before anything is
+    written."""
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced a non-finite loss or gradient norm; the message names the step."""
