@@ -10,7 +10,7 @@ from .backends import (
     register_attention_backend,
     resolve_attention_backend,
 )
-from .context_parallel import ContextParallel, ContextParallelComm, zigzag_shard, zigzag_unshard
+from .context_parallel import ContextParallel, zigzag_shard, zigzag_unshard
 from .dense_attention import math_attention, sdpa
 from .feedforward import FeedForward
 from .init import Constant, HashRoutes, Init, Normal, init_state, local_chunks
@@ -44,7 +44,6 @@ __all__ = [
     "CacheStep",
     "Constant",
     "ContextParallel",
-    "ContextParallelComm",
     "FeedForward",
     "Float8GroupedExperts",
     "Float8Linear",

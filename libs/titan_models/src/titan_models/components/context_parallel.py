@@ -24,9 +24,9 @@ the window alone, so a step reads no device value. Scores are computed in tiles 
 ``ContextParallel.tile_scores`` elements with an online softmax (flash-attention style: only
 ``q, k, v``, the output and its log-sum-exp are saved; backward recomputes the tiles).
 
-Model code holds no communication: the caller passes a ``ContextParallelComm`` (three
-collectives over its group) inside ``ContextParallel``; ``titan_train`` implements it on
-``torch.distributed``.
+Model code holds no communication: the caller sets ``model.context_parallel`` to a
+``ContextParallel`` over its group, and the backend runs three collectives on it
+(``context_parallel_comm``).
 
 Shapes: B batch, S local queries (``seq_len / cp``), H query heads, K kv heads, G = H / K,
 M = S·G query rows (position-major: row ``s·G + g``), E q/k head dim, V value dim, L keys of
@@ -36,45 +36,16 @@ a tile, Tq queries of a tile.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 
 from .attention_metadata import AttentionMetadata, _starts
+from .context_parallel_comm import GroupComm
 
 ALGORITHMS = ("ring", "allgather")
 """The context-parallel attention algorithms (``ContextParallel.algorithm``)."""
-
-
-class CommHandle(Protocol):
-    """A collective in flight."""
-
-    def wait(self) -> torch.Tensor:
-        """Block until it completes; its result."""
-        ...
-
-
-class ContextParallelComm(Protocol):
-    """The three collectives of the context-parallel group that the backend needs. Every rank
-    of the group calls them in the same order; each returns at once with a handle."""
-
-    rank: int
-    """This rank's index in the group."""
-    size: int
-    """Ranks in the group (``cp``)."""
-
-    def all_gather(self, x: torch.Tensor) -> CommHandle:
-        """``(size, *x.shape)``: every rank's ``x``, in rank order."""
-        ...
-
-    def reduce_scatter(self, x: torch.Tensor) -> CommHandle:
-        """``x`` is ``(size, ...)``: the sum over ranks of their ``x[rank]``."""
-        ...
-
-    def ring_shift(self, x: torch.Tensor) -> CommHandle:
-        """Send ``x`` to rank ``rank + 1`` and receive the same shape from ``rank - 1``."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,14 +53,17 @@ class ContextParallel:
     """How a model runs on one shard of its sequences: set ``model.context_parallel`` to one
     of these and feed the model ``shard(...)`` of its tokens, positions and document ids."""
 
-    comm: ContextParallelComm
-    """The group's collectives (``titan_train.context_parallel.ProcessGroupComm``)."""
+    group: Any = None
+    """The ``torch.distributed`` process group the sequences are split over (the ``cp`` axis
+    of a device mesh: ``mesh["cp"].get_group()``); ``None``: the default group."""
     algorithm: Literal["ring", "allgather"] = "ring"
     """``ring`` (memory O(S/cp), K/V passed round the ring) or ``allgather`` (see the module
     docstring)."""
     tile_scores: int = 1 << 22
     """Most score elements (batch x heads x queries x keys) one tile computes at a time
     (square tiles; 2^22: 16 MiB of fp32 scores)."""
+    comm: GroupComm = field(init=False, repr=False, compare=False)
+    """The group's collectives (built from ``group``)."""
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -97,7 +71,10 @@ class ContextParallel:
                 f"ContextParallel.algorithm={self.algorithm!r} must be one of {list(ALGORITHMS)}"
             )
         if not isinstance(self.tile_scores, int) or self.tile_scores < 1:
-            raise ValueError(f"ContextParallel.tile_scores={self.tile_scores!r} must be an int >= 1")
+            raise ValueError(
+                f"ContextParallel.tile_scores={self.tile_scores!r} must be an int >= 1"
+            )
+        object.__setattr__(self, "comm", GroupComm(self.group))
 
     @property
     def rank(self) -> int:
@@ -119,7 +96,10 @@ class ContextParallel:
         first = _chunk_start(self.rank, 0, self.size, c)
         second = _chunk_start(self.rank, 1, self.size, c)
         return torch.cat(
-            [torch.arange(first, first + c, device=device), torch.arange(second, second + c, device=device)]
+            [
+                torch.arange(first, first + c, device=device),
+                torch.arange(second, second + c, device=device),
+            ]
         )
 
 
@@ -195,7 +175,7 @@ def shard_metadata(
         seq_len=seq_len,
         positions=positions,
         starts=None,
-        cu_seqlens=cu,
+        boundaries=cu,
         backend="context_parallel",
         context_parallel=ContextParallelShard(cp=cp, starts=starts),
     )
@@ -326,7 +306,8 @@ def _tile_forward(q, kv, item, opt, o_acc, lse_acc) -> None:
     lse_new = torch.logaddexp(lse_old, lse_tile)
     ref = _finite(lse_new)
     o_acc[:, :, rows] = (
-        o_acc[:, :, rows] * torch.exp(lse_old - ref)[..., None] + o_tile * torch.exp(m - ref)[..., None]
+        o_acc[:, :, rows] * torch.exp(lse_old - ref)[..., None]
+        + o_tile * torch.exp(m - ref)[..., None]
     )
     lse_acc[:, :, rows] = lse_new
 
