@@ -16,7 +16,7 @@ is ``dp_replicate x dp_shard`` flattened, ``dp_cp`` the same with ``cp``, and un
 parallelism ``dp_shard`` unflattens into ``dp_shard_mod_ep x ep``.
 Data-parallel ranks read different data; ``tp`` and ``pp`` ranks of one data-parallel rank
 read the same, and its ``cp`` ranks each take their shard of every sequence
-(``titan_train.context_parallel``). Parameters are replicated over ``cp`` like over the
+(``ParallelModel.shard_batch``). Parameters are replicated over ``cp`` like over the
 data-parallel ranks, so flexshard shards them over ``dp_shard x cp`` (as torchtitan does).
 Experts are split over ``ep`` and sharded by flexshard over what remains
 (``dp_replicate x dp_shard_mod_ep x cp``); everything else over ``dp_replicate x dp_shard x
@@ -37,7 +37,6 @@ from torch import nn
 
 import titan_models
 from titan_train.config import JobConfig
-from titan_train.context_parallel import ProcessGroupComm, shard_batch
 from titan_train.data.packing import Batch
 
 
@@ -152,10 +151,14 @@ class ParallelModel:
         return self.meshes[axis].get_group() if self.meshes else None
 
     def shard_batch(self, batch: Batch) -> Batch:
-        """This rank's tokens of ``batch`` (all of them without context parallelism)."""
-        if self.context_parallel is None:
+        """This rank's tokens of every row of ``batch`` (the zig-zag chunks of the ``cp``
+        group; all of them without context parallelism): inputs, labels, document ids and
+        positions alike, so each token keeps its target and its place in its document."""
+        cp = self.context_parallel
+        if cp is None:
             return batch
-        return shard_batch(batch, self.context_parallel)
+        fields = (batch.input_ids, batch.labels, batch.document_ids, batch.positions)
+        return Batch(*(cp.shard(t, dim=1) for t in fields))
 
 
 def check_plan(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:
@@ -212,6 +215,8 @@ def check_plan(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:
             f"{model_config.num_mtp_modules}) needs the embedding and the head on one stage; "
             "not supported under pipelining yet"
         )
+    if dims.cp > 1:
+        _check_context_parallel(cfg, dims, model_config)
     if dims.cp > 1 and getattr(model_config, "num_mtp_modules", 0):
         raise ValueError(
             f"parallel.cp={dims.cp}: multi-token prediction (num_mtp_modules="
@@ -228,6 +233,35 @@ def check_plan(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:
             )
         if dims.tp > 1:
             raise ValueError("parallel.ep > 1 together with parallel.tp > 1 is not supported yet")
+
+
+def _check_context_parallel(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:
+    """What context parallelism does not compose with yet: one error naming it."""
+    not_yet = {
+        "parallel.pp": dims.pp > 1,
+        "parallel.ep": dims.ep > 1,
+        f"model.family={cfg.model.family!r} (compressed attention)": cfg.model.family
+        == "deepseek_v4",
+        "linear-attention layers (Gated DeltaNet / KDA)": "linear_attention"
+        in _layer_types(model_config),
+    }
+    for feature, used in not_yet.items():
+        if used:
+            raise ValueError(
+                f"parallel.cp={dims.cp} does not compose with {feature} yet; context "
+                "parallelism composes with parallel.dp_shard, dp_replicate and tp (set "
+                "parallel.cp=1 to use it)"
+            )
+
+
+def _layer_types(model_config: Any) -> tuple[str, ...]:
+    if not getattr(model_config, "layer_types", None) and not hasattr(
+        model_config, "full_attention_interval"
+    ):
+        return ()
+    from titan_models.components.linear_attention.layer_types import resolved_layer_types
+
+    return resolved_layer_types(model_config)
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> dict[str, Any]:
@@ -285,7 +319,7 @@ def parallelize(
         _split_pipeline(pm, model, plan, cfg)
     if dims.cp > 1:
         pm.context_parallel = titan_models.ContextParallel(
-            ProcessGroupComm(pm.group("cp")), algorithm=cfg.parallel.cp_algorithm
+            group=pm.group("cp"), algorithm=cfg.parallel.cp_algorithm
         )
     for part in pm.parts:
         part.context_parallel = pm.context_parallel
