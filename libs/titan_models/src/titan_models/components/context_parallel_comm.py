@@ -46,6 +46,7 @@ class GroupComm:
         single = group is None and not dist.is_initialized()
         self.rank = 0 if single else dist.get_rank(group)
         self.size = 1 if single else dist.get_world_size(group)
+        self._batched = True
         if self.size > 1:
             pg = group if group is not None else dist.group.WORLD
             self._next = dist.get_global_rank(pg, (self.rank + 1) % self.size)
@@ -77,10 +78,14 @@ class GroupComm:
         if self.size == 1:
             return _Done(x)
         out = torch.empty_like(x)
-        works = dist.batch_isend_irecv(
-            [
-                dist.P2POp(dist.isend, x, self._next, self.group),
-                dist.P2POp(dist.irecv, out, self._prev, self.group),
-            ]
-        )
+        ops = [
+            dist.P2POp(dist.isend, x, self._next, self.group),
+            dist.P2POp(dist.irecv, out, self._prev, self.group),
+        ]
+        if self._batched:
+            try:  # one group of both ops: what NCCL needs for a ring of sends and receives
+                return _Pending(dist.batch_isend_irecv(ops), out, x)
+            except RuntimeError:  # no backend for these tensors' device (fake mode's meta)
+                self._batched = False
+        works = [dist.isend(x, self._next, self.group), dist.irecv(out, self._prev, self.group)]
         return _Pending(works, out, x)
