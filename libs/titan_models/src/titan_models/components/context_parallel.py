@@ -24,6 +24,11 @@ the window alone, so a step reads no device value. Scores are computed in tiles 
 ``ContextParallel.tile_scores`` elements with an online softmax (flash-attention style: only
 ``q, k, v``, the output and its log-sum-exp are saved; backward recomputes the tiles).
 
+The tiles run as plain torch ops on any device (a fused kernel per block that returns its
+log-sum-exp, such as flash attention, is where ``_tile_forward`` / ``_tile_backward`` would
+plug in). Under a sliding window the blocks still travel round the whole ring; only the tiles
+the window cannot see are skipped.
+
 Model code holds no communication: the caller sets ``model.context_parallel`` to a
 ``ContextParallel`` over its group, and the backend runs three collectives on it
 (``context_parallel_comm``).
