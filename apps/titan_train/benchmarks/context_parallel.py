@@ -14,8 +14,9 @@ two K/V blocks per layer call (the one in use, the next in flight); all-gather h
 rank's K/V while a layer attends.
 
 Part 2 is ``titan-train --recipe llama3_8b --comm.fake-world-size 8 --parallel.cp 8
---parallel.dp-shard 1 --training.seq-len 131072 --training.steps 1`` (bf16, selective remat,
-FSDP over the 8 context-parallel ranks): the memory report of one real step of rank 0.
+--parallel.dp-shard 1 --training.seq-len 131072 --training.steps 1 --parallel.cp-tile-scores
+67108864`` (bf16, selective remat, FSDP over the 8 context-parallel ranks; score tiles of
+1448 x 1448 for 32 heads, 256 MiB in fp32): the memory report of one real step of rank 0.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def _recipe(a: argparse.Namespace) -> None:
         argv = [
             "--output-dir", out, "--comm.fake-world-size", "8", "--parallel.cp", "8",
             "--parallel.dp-shard", "1", "--training.seq-len", "131072", "--training.steps", "1",
-            "--checkpoint.interval", "0",
+            "--checkpoint.interval", "0", "--parallel.cp-tile-scores", str(1 << 26),
         ]  # fmt: skip
         train(parse_config(argv, "llama3_8b"))  # prints the memory table
 

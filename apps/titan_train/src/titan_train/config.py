@@ -49,6 +49,10 @@ class ParallelConfig:
     cp_algorithm: Literal["ring", "allgather"] = "ring"
     """Context-parallel attention: ring (K/V passed round the ranks, memory O(S / cp)) or
     allgather (K/V gathered whole: fewer, larger messages)."""
+    cp_tile_scores: int = 1 << 22
+    """Context-parallel attention computes scores in tiles of at most this many elements
+    (batch x heads x queries x keys; fp32): larger tiles mean fewer kernels and more
+    temporary memory."""
     pp_schedule: str = "1f1b"
     """titan_pipeline schedule name (gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv, dualpipev)."""
     pp_microbatches: int = 4
@@ -345,6 +349,7 @@ def validate(cfg: JobConfig) -> None:
         raise ValueError(
             "model.attention_backend='context_parallel' needs parallel.cp > 1 (use 'auto')"
         )
+    _positive("parallel.cp_tile_scores", p.cp_tile_scores)
     if p.cp_algorithm not in ("ring", "allgather"):
         raise ValueError(
             f"parallel.cp_algorithm={p.cp_algorithm!r} must be one of ['ring', 'allgather']"

@@ -319,7 +319,9 @@ def parallelize(
         _split_pipeline(pm, model, plan, cfg)
     if dims.cp > 1:
         pm.context_parallel = titan_models.ContextParallel(
-            group=pm.group("cp"), algorithm=cfg.parallel.cp_algorithm
+            group=pm.group("cp"),
+            algorithm=cfg.parallel.cp_algorithm,
+            tile_scores=cfg.parallel.cp_tile_scores,
         )
     for part in pm.parts:
         part.context_parallel = pm.context_parallel
