@@ -149,6 +149,7 @@ def _assert_all_close(results: list[dict[str, float]]) -> None:
     assert len(worst) == 2 * (5 * 4 + 1 + 4 * 2)
 
 
+@pytest.mark.slow
 def test_cp2_forward_and_gradients_equal_one_process():
     _assert_all_close(run_distributed(_cp_checks, 2, timeout=600))
 
