@@ -15,7 +15,7 @@ rank's K/V while a layer attends.
 
 Part 2 is ``titan-train --recipe llama3_8b --comm.fake-world-size 8 --parallel.cp 8
 --parallel.dp-shard 1 --training.seq-len 131072 --training.steps 1 --parallel.cp-tile-scores
-67108864`` (bf16, selective remat, FSDP over the 8 context-parallel ranks; score tiles of
+67108864 --remat.policy full`` (bf16, FSDP over the 8 context-parallel ranks; score tiles of
 1448 x 1448 for 32 heads, 256 MiB in fp32): the memory report of one real step of rank 0.
 """
 
@@ -98,6 +98,7 @@ def _recipe(a: argparse.Namespace) -> None:
             "--output-dir", out, "--comm.fake-world-size", "8", "--parallel.cp", "8",
             "--parallel.dp-shard", "1", "--training.seq-len", "131072", "--training.steps", "1",
             "--checkpoint.interval", "0", "--parallel.cp-tile-scores", str(1 << 26),
+            "--remat.policy", "full",
         ]  # fmt: skip
         train(parse_config(argv, "llama3_8b"))  # prints the memory table
 

@@ -26,6 +26,9 @@ RECIPES = {
     "qwen3_32b": [],
     "qwen3_moe_235b": [],
     "deepseek_v3_671b": [],
+    "deepseek_v4_flash": [],
+    "qwen3_5_moe_35b_a3b": [],
+    "kimi_linear_48b_a3b": [],
 }
 
 

@@ -131,6 +131,11 @@ def test_context_parallel_layouts_train_like_one_process(runs):
             "parallel.cp=2 does not compose with parallel.ep yet",
         ),
         (
+            ["--parallel.cp", "2", "--remat.policy", "selective"],
+            2,
+            "parallel.cp=2 does not compose with remat.policy='selective' yet",
+        ),
+        (
             ["--model.family", "qwen3_5", "--parallel.cp", "2"],
             2,
             "parallel.cp=2 does not compose with linear-attention layers",

@@ -243,3 +243,50 @@ def tp_styles():
         }
 
     return styles
+
+
+class _FromHfError:
+    """``from_hf_error(folder, config=, tensors=) -> str``: the ``ValueError`` message of
+    ``from_hf`` after editing ``config.json`` (``{field: value}``, ``None`` deletes it) and/or
+    the tensors (``tensors(dict) -> dict``); the files are restored afterwards."""
+
+    def __call__(self, folder, *, config=None, tensors=None) -> str:
+        import json
+
+        from safetensors.torch import load_file, save_file
+
+        import titan_models
+
+        config_path, weights = folder / "config.json", folder / "model.safetensors"
+        config_text, state = config_path.read_text(), load_file(weights)
+        try:
+            if config:
+                edited = json.loads(config_text)
+                for key, value in config.items():
+                    if value is None:
+                        edited.pop(key, None)
+                    else:
+                        edited[key] = value
+                config_path.write_text(json.dumps(edited))
+            if tensors:
+                save_file(tensors(dict(state)), weights, metadata={"format": "pt"})
+            with pytest.raises(ValueError) as error:
+                titan_models.from_hf(folder)
+            return str(error.value)
+        finally:
+            config_path.write_text(config_text)
+            save_file(state, weights, metadata={"format": "pt"})
+
+    @staticmethod
+    def keys(folder) -> list[str]:
+        """The tensor names of ``folder/model.safetensors``, sorted."""
+        from safetensors import safe_open
+
+        with safe_open(folder / "model.safetensors", "pt") as f:
+            return sorted(f.keys())
+
+
+@pytest.fixture
+def from_hf_error() -> _FromHfError:
+    """See ``_FromHfError``."""
+    return _FromHfError()

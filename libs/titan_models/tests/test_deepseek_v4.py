@@ -4,7 +4,7 @@ with its compressed cache like the full forward."""
 
 from __future__ import annotations
 
-import json
+import re
 
 import pytest
 import torch
@@ -184,10 +184,42 @@ def test_cached_decoding_matches_full_forward_for_each_attention_kind(layer_type
             assert diff <= 1e-5, f"row {row}: cached decoding differs by {diff}"
 
 
-def test_unsupported_checkpoint_fields_are_refused(v4_checkpoint):
+BAD_V4_FIELDS = [
+    ({"num_key_value_heads": 2}, r"num_key_value_heads=2 is not supported"),
+    ({"n_shared_experts": 2}, r"n_shared_experts=2 is not supported"),
+    ({"norm_topk_prob": False}, r"norm_topk_prob=False is not supported"),
+    ({"router_jitter_noise": 0.1}, r"router_jitter_noise=0.1 is not supported"),
+    ({"scoring_func": "tanh"}, r"scoring_func='tanh' is not supported"),
+    ({"attention_bias": True}, r"attention_bias=True is not supported"),
+    ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported"),
+    ({"layer_types": [SLIDING, CSA, "chunked_attention", CSA]}, r"layer_types=.*chunked"),
+    ({"mlp_layer_types": ["hash_moe", "dense", "moe", "moe"]}, r"mlp_layer_types=.*dense"),
+    ({"layer_types": None, "compress_ratios": [0, 4, 64, 4]}, r"compress_ratios has \[64\]"),
+    ({"quantization_config": {"quant_method": "fp8"}}, r"quantization_config"),
+    ({"hidden_size": None}, r"hidden_size is missing"),
+]
+
+
+def test_unsupported_config_fields_and_tensor_dtypes_are_named(v4_checkpoint, from_hf_error):
     _, folder = v4_checkpoint()
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8"}
-    (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quantization_config"):
-        titan_models.from_hf(folder)
+    for edit, match in BAD_V4_FIELDS:
+        message = from_hf_error(folder, config=edit)
+        assert re.search(match, message), (edit, message)
+    # An FP8 expert weight (the released checkpoints' storage) and a float hash table.
+    keys = from_hf_error.keys(folder)
+    expert = next(k for k in keys if ".experts." in k)
+    table = next(k for k in keys if k.endswith("tid2eid"))
+
+    def fp8(t):
+        t[expert] = t[expert].to(torch.float8_e4m3fn)
+        return t
+
+    def float_table(t):
+        t[table] = t[table].float()
+        return t
+
+    message = from_hf_error(folder, tensors=fp8)
+    assert f"{expert}: dtype F8_E4M3 is not a floating dtype" in message, message
+    message = from_hf_error(folder, tensors=float_table)
+    assert f"{table}: dtype F32 is not an integer dtype" in message, message
+    titan_models.from_hf(folder)  # restored: loads

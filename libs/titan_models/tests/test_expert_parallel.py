@@ -1,6 +1,7 @@
 """Expert parallelism (EP=2 over gloo, dist_moe's AllToAllDispatcher) applied from the plan
 gives the logits and gradients of the single-process model, for every MoE family (Qwen3-MoE,
-DeepSeek-V3, and the linear-attention hybrids Qwen3.5-MoE and Kimi Linear).
+DeepSeek-V3, the linear-attention hybrids Qwen3.5-MoE and Kimi Linear, gpt-oss with its biased
+clamped-SwiGLU experts, DeepSeek-V4 with its hash-routed and learned layers).
 
 One ``run_distributed`` call runs every check (spawning ranks costs seconds). Each rank runs
 the single-process reference on the whole batch itself, then the EP model on its own row:
@@ -21,7 +22,7 @@ from titan_models import fqn_matches
 from titan_testing import run_distributed
 
 TOLERANCE = 1e-5
-FAMILIES = ("qwen3_moe", "deepseek_v3", "qwen3_5_moe", "kimi_linear")
+FAMILIES = ("qwen3_moe", "deepseek_v3", "qwen3_5_moe", "kimi_linear", "gpt_oss", "deepseek_v4")
 
 
 def _build(family: str, **overrides) -> titan_models.Transformer:
@@ -75,9 +76,12 @@ def _ep_checks() -> dict:
         worst_expert, worst_other = 0.0, 0.0
         for name, p in model.named_parameters():
             owner = name.rsplit(".experts.", 1)[0]
-            if ".experts.w_" in name and owner in placed:
+            if ".experts." in name and owner in placed:  # w_* and (gpt-oss) b_* rows
                 expected = placed[owner].shard(ref_params[name].grad)
                 worst_expert = max(worst_expert, (p.grad - expected).abs().max().item())
+            elif p.grad is None:  # DeepSeek-V4's indexers: trained by no loss here
+                assert ref_params[name].grad is None, name
+                diffs.setdefault("no_grad", []).append(name)
             else:
                 grad = p.grad.clone()
                 dist.all_reduce(grad)
@@ -121,6 +125,10 @@ def test_ep2_matches_ep1_for_every_moe_family():
             diffs = out[family]
             for key in ("logits", "expert_grads", "other_grads", "bias"):
                 assert diffs[key] <= TOLERANCE, (rank, family, key, diffs[key])
+            # Only DeepSeek-V4's lightning indexers have no gradient (no indexer loss).
+            no_grad = diffs.get("no_grad", [])
+            assert all(".attention.indexer." in n for n in no_grad), (family, no_grad)
+            assert bool(no_grad) == (family == "deepseek_v4"), (family, no_grad)
         # DeepSeek-V3 balances without an aux loss: its bias update did something.
         assert out["deepseek_v3"]["moved"] > 0
         assert out["deepseek_v3"]["mtp0"] <= TOLERANCE
@@ -133,4 +141,8 @@ def test_ep2_matches_ep1_for_every_moe_family():
         assert out["qwen3_5_moe"]["placed"] == [f"layers.{i}.feed_forward" for i in range(4)]
         assert out["kimi_linear"]["placed"] == [f"layers.{i}.feed_forward" for i in (1, 2, 3)]
         assert out["kimi_linear"]["moved"] > 0  # sigmoid routing with the aux-loss-free bias
+        every_block = [f"layers.{i}.feed_forward" for i in range(4)]
+        assert out["gpt_oss"]["placed"] == every_block
+        assert out["deepseek_v4"]["placed"] == every_block  # layer 0 routes by token id
+        assert out["deepseek_v4"]["moved"] > 0  # its learned layers balance without aux loss
         assert "num_experts=3 must be divisible" in out["indivisible"], out["indivisible"]

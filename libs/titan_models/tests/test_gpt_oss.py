@@ -5,6 +5,7 @@ model (MXFP4 checkpoints, unknown layer types)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -260,3 +261,40 @@ def test_sinks_survive_selective_activation_checkpointing_that_saves_matmuls():
     contexts = lambda: create_selective_checkpoint_contexts(save_matmuls)  # noqa: E731
     checkpoint(loss, x, use_reentrant=False, context_fn=contexts).backward()
     assert torch.equal(sinks.weight.grad, plain)
+
+
+BAD_GPT_OSS_FIELDS = [
+    ({"attention_bias": False}, r"attention_bias=False is not supported"),
+    ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported"),
+    ({"layer_types": ["sliding_attention"]}, r"layer_types=\['sliding_attention'\]"),
+    (
+        {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+        r"rope_type='dynamic' is not supported",
+    ),
+    ({"num_local_experts": None, "num_experts": None}, r"num_experts is missing"),
+]
+
+
+def test_unsupported_config_fields_and_tensor_dtypes_are_named(gpt_oss_checkpoint, from_hf_error):
+    _, folder = gpt_oss_checkpoint()
+    for edit, match in BAD_GPT_OSS_FIELDS:
+        message = from_hf_error(folder, config=edit)
+        assert re.search(match, message), (edit, message)
+    # MXFP4 storage without its quantization_config: the blocks' dtype and the missing weight
+    # are both named.
+    expert = next(k for k in from_hf_error.keys(folder) if k.endswith("experts.gate_up_proj"))
+
+    def mxfp4_blocks(t):
+        t[expert + "_blocks"] = t.pop(expert).to(torch.uint8)
+        return t
+
+    def uint8_weight(t):
+        t[expert] = t[expert].to(torch.uint8)
+        return t
+
+    message = from_hf_error(folder, tensors=uint8_weight)
+    assert f"{expert}: dtype U8 is not a floating dtype" in message, message
+    message = from_hf_error(folder, tensors=mxfp4_blocks)
+    assert "missing keys" in message and expert in message, message
+    assert f"{expert}_blocks" in message, message
+    titan_models.from_hf(folder)  # restored: loads

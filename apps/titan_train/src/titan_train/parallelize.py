@@ -108,7 +108,11 @@ class ParallelModel:
     sharded: bool = False
     """Whether ``parts`` are flexshard-sharded (gradients reduced by hooks)."""
     stage_outputs: list[tuple[int, torch.dtype]] = field(default_factory=list)
-    """Per pipeline stage: the width and dtype of its output (hidden size; vocabulary last)."""
+    """Per pipeline stage: the width and dtype of its output (the plan's ``stage_width``, by
+    default the hidden size; vocabulary last)."""
+    stage_inputs: tuple[str, ...] = ()
+    """The plan's ``stage_inputs``: batch fields every pipeline stage gets as keywords
+    (``token_ids``: the input ids, for hash-routed MoE layers)."""
     experts: list[tuple[str, nn.Module, Any]] = field(default_factory=list)
     """Under expert parallelism: (FQN, experts module, ``dist_moe.ExpertPlacement``) of every
     MoE layer this rank holds."""
@@ -240,6 +244,9 @@ def _check_context_parallel(cfg: JobConfig, dims: ParallelDims, model_config: An
     not_yet = {
         "parallel.pp": dims.pp > 1,
         "parallel.ep": dims.ep > 1,
+        # selective remat would cache every score tile's matmul of the attention's forward
+        # (measured: 2,333 GiB of activations per rank, Llama 3 8B at 128K over CP 8)
+        "remat.policy='selective'": cfg.remat.policy == "selective",
         f"model.family={cfg.model.family!r} (compressed attention)": cfg.model.family
         == "deepseek_v4",
         "linear-attention layers (Gated DeltaNet / KDA)": "linear_attention"
@@ -512,6 +519,7 @@ def _split_pipeline(pm: ParallelModel, model: nn.Module, plan: Any, cfg: JobConf
     bounds = [[units[i] for i in r] for r in ranges]
     pp_rank = pm.meshes["pp"].get_local_rank()
     pm.schedule = schedule
+    pm.stage_inputs = plan.stage_inputs
     pm.parts = []
     for s in schedule.stages_of_rank(pp_rank):
         keep = {m for u in bounds[s] for m in u.modules}
@@ -546,5 +554,6 @@ def build_stages(pm: ParallelModel, cfg: JobConfig) -> None:
     ]
     config = pm.parts[0].config
     dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
-    widths = [config.dim] * (num_stages - 1) + [config.vocab_size]
+    width = titan_models.get_plan(config).stage_width or config.dim
+    widths = [width] * (num_stages - 1) + [config.vocab_size]
     pm.stage_outputs = [(width, dtype) for width in widths]

@@ -61,7 +61,7 @@ def _run_pipeline(
         inputs,
         titan_pipeline.split_microbatches(batch.labels, m),
         loss_fn,
-        stage_kwargs=_side_inputs(batch, m),
+        stage_kwargs=_side_inputs(batch, m, pm.stage_inputs),
         stage_outputs=[((*size, width), dtype) for width, dtype in pm.stage_outputs],
         **options,
     )
@@ -71,12 +71,18 @@ def _run_pipeline(
     return total
 
 
-def _side_inputs(batch: Batch, m: int) -> list[dict[str, torch.Tensor]]:
-    """What every pipeline stage needs besides its input, per microbatch."""
-    return [
-        {"positions": pos, "document_ids": doc}
-        for pos, doc in zip(batch.positions.chunk(m), batch.document_ids.chunk(m), strict=True)
-    ]
+def _side_inputs(
+    batch: Batch, m: int, extra: tuple[str, ...] = ()
+) -> list[dict[str, torch.Tensor]]:
+    """What every pipeline stage needs besides its input, per microbatch: positions, document
+    ids and the plan's ``stage_inputs`` (``token_ids``: the input ids)."""
+    fields = {"positions": batch.positions, "document_ids": batch.document_ids}
+    for name in extra:
+        if name != "token_ids":
+            raise ValueError(f"pipeline stage input {name!r} is unknown (known: token_ids)")
+        fields[name] = batch.input_ids
+    chunks = {k: v.chunk(m) for k, v in fields.items()}
+    return [{k: v[i] for k, v in chunks.items()} for i in range(m)]
 
 
 @torch.no_grad()

@@ -205,6 +205,24 @@ def deepseek_v4_debug() -> JobConfig:
 
 
 @recipe
+def deepseek_v4_flash() -> JobConfig:
+    """DeepSeek-V4-Flash (284B, 13B active; HF config defaults) on 128 GPUs: PP 2, FSDP 64,
+    its 256 routed experts over EP 64 (four per GPU); full remat, 4096-token sequences.
+
+    Stages send the 4 hyper-connection streams and the token ids (hash-routed layers)."""
+    cfg = _full_size(
+        "deepseek_v4_flash",
+        "deepseek_v4",
+        "flash",
+        ParallelConfig(dp_shard=64, pp=2, ep=64, pp_microbatches=2),
+    )
+    cfg.training.seq_len = 4096
+    cfg.training.batch_size = 2
+    cfg.remat = RematConfig(policy="full")
+    return cfg
+
+
+@recipe
 def qwen3_5_debug() -> JobConfig:
     """Tiny Qwen3.5 (Gated DeltaNet + gated attention, alternating) on arithmetic."""
     cfg = llama3_debug()
