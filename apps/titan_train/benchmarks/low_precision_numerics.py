@@ -2,7 +2,7 @@
 three loss curves in one PNG and the final-loss gaps to fp32.
 
     uv run python apps/titan_train/benchmarks/low_precision_numerics.py \\
-        [--recipe llama3_debug] [--steps 200] [--seeds 3] [--out numerics.png] [--kernels auto]
+        [--recipe llama3_debug] [--steps 200] [--seeds 0 1 2] [--out numerics.png] [--kernels auto]
         [-- extra titan-train args, e.g. --training.device cuda]
 
 Each run is a fresh ``titan-train`` process with the recipe's settings and ``--quantize.linear``
@@ -52,7 +52,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="llama3_debug")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--seeds", type=int, default=3, help="runs per mode (seeds 0..N-1)")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[0, 1, 2],
+        help="one run per mode and seed (weights and data order; runs are bitwise repeatable)",
+    )  # fmt: skip
     parser.add_argument("--out", default="low_precision_numerics.png")
     parser.add_argument(
         "--modes", nargs="+", default=list(MODES[1:]), choices=MODES[1:],
@@ -64,12 +67,12 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("extra", nargs="*", help="more titan-train arguments (after --)")
     args = parser.parse_args()
-    if args.seeds < 1:
-        parser.error(f"--seeds must be >= 1, got {args.seeds}")
-    modes, seeds = ("none", *args.modes), range(args.seeds)
+    if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
+        parser.error(f"--seeds must be distinct non-negative integers, got {args.seeds}")
+    modes, seeds = ("none", *args.modes), args.seeds
     curves: dict[str, list[list[float]]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as out:
-        for seed in seeds:  # seed-major: an interrupted run still has every mode of seed 0
+        for seed in seeds:  # seed-major: an interrupted run has every mode of a seed
             for mode in modes:
                 curves[mode].append(
                     _run(args.recipe, mode, seed, args.steps, out, args.kernels, args.extra)
@@ -77,13 +80,13 @@ def main() -> None:
     tail = max(1, args.steps // 10)
     finals = {m: [statistics.fmean(c[-tail:]) for c in cs] for m, cs in curves.items()}
     mean = {m: statistics.fmean(f) for m, f in finals.items()}
-    print(f"{args.recipe}, {args.steps} steps, seeds 0..{args.seeds - 1}, kernels {args.kernels}")
+    print(f"{args.recipe}, {args.steps} steps, seeds {args.seeds}, kernels {args.kernels}")
     print(f"final loss = mean of the last {tail} steps; per seed, then the mean over seeds:")
     for m in modes:
         per_seed = " ".join(f"{f:.4f}" for f in finals[m])
         gap = (mean[m] - mean["none"]) / mean["none"]
         print(f"{LABELS[m]:12s} {per_seed}   mean {mean[m]:.4f}   gap to unquantised {gap:+.2%}")
-    if args.seeds > 1:
+    if len(seeds) > 1:
         spread = statistics.stdev(finals["none"]) / mean["none"]
         print(f"seed-to-seed spread of the unquantised final loss (stdev / mean): {spread:.2%}")
 
@@ -99,7 +102,7 @@ def main() -> None:
     ax.set(
         xlabel="step",
         ylabel="train loss",
-        title=f"{args.recipe}: FP8 and MXFP8 ({args.kernels}, mean of {args.seeds} seeds)",
+        title=f"{args.recipe}: FP8 and MXFP8 ({args.kernels}, mean of {len(seeds)} seeds)",
     )
     ax.legend()
     fig.tight_layout()

@@ -33,11 +33,11 @@ def test_cli_overrides_nested_fields_with_both_spellings():
     [
         (["--recipe", "nope"], "unknown; recipes"),
         (["--training.batch_size", "3", "--training.grad_accum", "2"], "divisible"),
-        (["--parallel.cp", "2"], "not supported yet"),
+        (["--parallel.cp", "3"], "must be divisible by 2 * parallel.cp = 6"),
         (["--optimizer.lr", "-1"], "optimizer.lr"),
         (
             ["--model.attention_backend", "dense"],
-            "model.attention_backend='dense' is not one of ['auto', 'flex', 'sdpa', 'varlen']",
+            "model.attention_backend='dense' is not one of ['auto', 'context_parallel', 'flex', 'sdpa', 'varlen']",
         ),
     ],
 )

@@ -170,7 +170,7 @@ def test_shapes_data_needs_a_vision_language_model_and_one_pipeline_stage(tmp_pa
     with pytest.raises(ConfigError, match="data.source='shapes' needs a vision-language model"):
         prepare(parse_config(["--output-dir", str(tmp_path), "--data.source", "shapes"]))
     argv = ["--output-dir", str(tmp_path), "--parallel.pp", "2"]
-    with pytest.raises(ConfigError, match=r"parallel.pp > 1 is not supported yet"):
+    with pytest.raises(ConfigError, match=r"parallel.pp > 1 or parallel.cp > 1 is not supported"):
         prepare(parse_config(argv, recipe="qwen3_vl_debug"), world_size=2)
 
 

@@ -117,7 +117,7 @@ def _dry_run_config(cfg: JobConfig) -> JobConfig:
                 "--dry-run needs the world size: pass --comm.fake-world-size N or set "
                 "parallel.dp_shard (not -1)"
             )
-        world = p.dp_replicate * p.dp_shard * p.tp * p.pp
+        world = p.dp_replicate * p.dp_shard * p.cp * p.tp * p.pp
     cfg.comm.fake_world_size = world
     cfg.training.steps = 0
     return cfg

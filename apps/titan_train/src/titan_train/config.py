@@ -24,8 +24,9 @@ class ModelConfig:
     """Component overrides, ``"module-glob=replacement"`` (see titan_train.components), e.g.
     ``output=chunked_cross_entropy``."""
     attention_backend: str = "auto"
-    """titan_models attention backend: auto (flex on CUDA, varlen elsewhere), flex, varlen, or
-    sdpa (dense mask: reference and short sequences)."""
+    """titan_models attention backend: auto (flex on CUDA, varlen elsewhere; context_parallel
+    under parallel.cp > 1), flex, varlen, sdpa (dense mask: reference and short sequences), or
+    context_parallel (needs parallel.cp > 1)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,7 +44,15 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel degree (MoE models), carved out of the data-parallel ranks."""
     cp: int = 1
-    """Context-parallel degree (not supported yet: must be 1)."""
+    """Context-parallel degree: each sequence split over this many ranks (head-tail chunks);
+    training.seq_len must be divisible by 2 * cp."""
+    cp_algorithm: Literal["ring", "allgather"] = "ring"
+    """Context-parallel attention: ring (K/V passed round the ranks, memory O(S / cp)) or
+    allgather (K/V gathered whole: fewer, larger messages)."""
+    cp_tile_scores: int = 1 << 22
+    """Context-parallel attention computes scores in tiles of at most this many elements
+    (batch x heads x queries x keys; fp32): larger tiles mean fewer kernels and more
+    temporary memory."""
     pp_schedule: str = "1f1b"
     """titan_pipeline schedule name (gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv, dualpipev)."""
     pp_microbatches: int = 4
@@ -340,8 +349,25 @@ def validate(cfg: JobConfig) -> None:
         _positive(f"parallel.{name}", getattr(p, name))
     if p.dp_shard != -1:
         _positive("parallel.dp_shard", p.dp_shard)
-    if p.cp != 1:
-        raise ValueError(f"parallel.cp={p.cp}: context parallelism is not supported yet (use 1)")
+    if p.cp > 1 and t.seq_len % (2 * p.cp):
+        raise ValueError(
+            f"training.seq_len={t.seq_len} must be divisible by 2 * parallel.cp = {2 * p.cp} "
+            "(each rank holds two equal chunks of every sequence)"
+        )
+    if p.cp > 1 and cfg.model.attention_backend not in ("auto", "context_parallel"):
+        raise ValueError(
+            f"model.attention_backend={cfg.model.attention_backend!r} cannot attend across the "
+            f"shards of parallel.cp={p.cp}; use 'auto' or 'context_parallel'"
+        )
+    if p.cp == 1 and cfg.model.attention_backend == "context_parallel":
+        raise ValueError(
+            "model.attention_backend='context_parallel' needs parallel.cp > 1 (use 'auto')"
+        )
+    _positive("parallel.cp_tile_scores", p.cp_tile_scores)
+    if p.cp_algorithm not in ("ring", "allgather"):
+        raise ValueError(
+            f"parallel.cp_algorithm={p.cp_algorithm!r} must be one of ['ring', 'allgather']"
+        )
     _positive("parallel.pp_microbatches", p.pp_microbatches)
     if cfg.checkpoint.interval < 0:
         raise ValueError(f"checkpoint.interval={cfg.checkpoint.interval} must be >= 0")
@@ -375,7 +401,7 @@ def validate(cfg: JobConfig) -> None:
         raise ValueError(f"name={cfg.name!r} must be a non-empty folder name without '/'")
 
 
-_BUILTIN_ATTENTION_BACKENDS = ("auto", "flex", "sdpa", "varlen")
+_BUILTIN_ATTENTION_BACKENDS = ("auto", "context_parallel", "flex", "sdpa", "varlen")
 """titan_models' own attention backends (checked without importing torch)."""
 
 

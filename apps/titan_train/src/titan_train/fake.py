@@ -170,7 +170,9 @@ def run_fake(
         "model": f"{cfg.model.family} {cfg.model.flavor}",
         "parameters": total,
         "world_size": dims.world_size,
-        "layout": {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep")},
+        "layout": {
+            k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+        },
         "device_type": "cuda" if cfg.training.device == "auto" else cfg.training.device,
         "steps": cfg.training.steps,
         "seq_len": cfg.training.seq_len,
@@ -201,7 +203,9 @@ def _run_rank(
     device_type = "cuda" if cfg.training.device == "auto" else cfg.training.device
     if hasattr(config, "attention_backend"):
         backend = titan_models.resolve_attention_backend(config.attention_backend, device_type)
-        if backend in ("flex", "varlen") and device_type == "cuda":  # fused kernels there
+        if dims.cp > 1:  # the context-parallel backend runs on fake tensors as it is
+            backend = "context_parallel"
+        elif backend in ("flex", "varlen") and device_type == "cuda":  # fused kernels there
             titan_models.register_attention_backend(FAKE_ATTENTION, _fused_attention_memory)
             backend = FAKE_ATTENTION
         config = dataclasses.replace(config, attention_backend=backend)

@@ -11,15 +11,18 @@ then gives each rank the pieces it holds. The pipeline split happens first, so e
 parallelised on its own, as in torchtitan. No sharding, schedule or MoE logic lives here: only
 the wiring.
 
-Mesh axes, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``; ``dp`` is
-``dp_replicate x dp_shard`` flattened, and under expert parallelism ``dp_shard`` unflattens
-into ``dp_shard_mod_ep x ep``.
+Mesh axes, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``; ``dp``
+is ``dp_replicate x dp_shard`` flattened, ``dp_cp`` the same with ``cp``, and under expert
+parallelism ``dp_shard`` unflattens into ``dp_shard_mod_ep x ep``.
 Data-parallel ranks read different data; ``tp`` and ``pp`` ranks of one data-parallel rank
-read the same. Experts are split over ``ep`` and sharded by flexshard over what remains of the
-data-parallel ranks (``dp_replicate x dp_shard_mod_ep``); everything else over
-``dp_replicate x dp_shard`` (HSDP when ``dp_replicate > 1``). flexshard averages gradients
-over the data-parallel ranks; an expert's gradient already sums the tokens of its ``ep`` group
-(the all-to-all's backward), so its own sharding divides by the whole data-parallel size.
+read the same, and its ``cp`` ranks each take their shard of every sequence
+(``ParallelModel.shard_batch``). Parameters are replicated over ``cp`` like over the
+data-parallel ranks, so flexshard shards them over ``dp_shard x cp`` (as torchtitan does).
+Experts are split over ``ep`` and sharded by flexshard over what remains
+(``dp_replicate x dp_shard_mod_ep x cp``); everything else over ``dp_replicate x dp_shard x
+cp`` (HSDP when ``dp_replicate > 1``). flexshard averages gradients over those ranks; an
+expert's gradient already sums the tokens of its ``ep`` group (the all-to-all's backward), so
+its own sharding divides by the whole ``dp x cp`` size.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from torch import nn
 
 import titan_models
 from titan_train.config import JobConfig
+from titan_train.data.packing import Batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,23 +50,30 @@ class ParallelDims:
     tp: int
     pp: int
     ep: int
+    cp: int = 1
 
     @property
     def dp(self) -> int:
         """Data-parallel ranks: those that read different data."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that hold different tokens of a step (data-parallel x context-parallel):
+        the loss and the replicated parameters' gradients are reduced over them."""
+        return self.dp * self.cp
+
     @classmethod
     def resolve(cls, cfg: JobConfig, world_size: int) -> ParallelDims:
         """Check the degrees against the world size; raise ``ValueError`` naming the fields."""
         p = cfg.parallel
-        others = p.dp_replicate * p.tp * p.pp
+        others = p.dp_replicate * p.tp * p.pp * p.cp
         if p.dp_shard == -1:
             if world_size % others:
                 raise ValueError(
-                    f"parallel degrees dp_replicate*dp_shard*tp*pp must equal the world size "
-                    f"{world_size}, but dp_replicate*tp*pp = {p.dp_replicate}*{p.tp}*{p.pp} = "
-                    f"{others} does not divide it (parallel.dp_shard=-1 takes the rest)"
+                    f"parallel degrees dp_replicate*dp_shard*cp*tp*pp must equal the world size "
+                    f"{world_size}, but dp_replicate*cp*tp*pp = {p.dp_replicate}*{p.cp}*{p.tp}*"
+                    f"{p.pp} = {others} does not divide it (parallel.dp_shard=-1 takes the rest)"
                 )
             dp_shard = world_size // others
         else:
@@ -70,15 +81,15 @@ class ParallelDims:
         product = others * dp_shard
         if product != world_size:
             raise ValueError(
-                f"parallel degrees dp_replicate*dp_shard*tp*pp = {p.dp_replicate}*{dp_shard}*"
-                f"{p.tp}*{p.pp} = {product} must equal the world size {world_size}"
+                f"parallel degrees dp_replicate*dp_shard*cp*tp*pp = {p.dp_replicate}*{dp_shard}*"
+                f"{p.cp}*{p.tp}*{p.pp} = {product} must equal the world size {world_size}"
             )
         if dp_shard % p.ep:
             raise ValueError(
                 f"parallel.ep={p.ep} must divide parallel.dp_shard={dp_shard}: expert "
                 "parallelism is carved out of the data-parallel shards"
             )
-        return cls(world_size, p.dp_replicate, dp_shard, p.tp, p.pp, p.ep)
+        return cls(world_size, p.dp_replicate, dp_shard, p.tp, p.pp, p.ep, p.cp)
 
 
 @dataclass(slots=True)
@@ -105,6 +116,8 @@ class ParallelModel:
     experts: list[tuple[str, nn.Module, Any]] = field(default_factory=list)
     """Under expert parallelism: (FQN, experts module, ``dist_moe.ExpertPlacement``) of every
     MoE layer this rank holds."""
+    context_parallel: titan_models.ContextParallel | None = None
+    """Under context parallelism: the group's collectives and algorithm every part runs with."""
 
     @property
     def has_head(self) -> bool:
@@ -140,6 +153,16 @@ class ParallelModel:
     def group(self, axis: str) -> dist.ProcessGroup | None:
         """The process group of one mesh axis (None: one process)."""
         return self.meshes[axis].get_group() if self.meshes else None
+
+    def shard_batch(self, batch: Batch) -> Batch:
+        """This rank's tokens of every row of ``batch`` (the zig-zag chunks of the ``cp``
+        group; all of them without context parallelism): inputs, labels, document ids and
+        positions alike, so each token keeps its target and its place in its document."""
+        cp = self.context_parallel
+        if cp is None:
+            return batch
+        fields = (batch.input_ids, batch.labels, batch.document_ids, batch.positions)
+        return Batch(*(cp.shard(t, dim=1) for t in fields))
 
 
 def check_plan(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:
@@ -196,6 +219,14 @@ def check_plan(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:
             f"{model_config.num_mtp_modules}) needs the embedding and the head on one stage; "
             "not supported under pipelining yet"
         )
+    if dims.cp > 1:
+        _check_context_parallel(cfg, dims, model_config)
+    if dims.cp > 1 and getattr(model_config, "num_mtp_modules", 0):
+        raise ValueError(
+            f"parallel.cp={dims.cp}: multi-token prediction (num_mtp_modules="
+            f"{model_config.num_mtp_modules}) shifts tokens along the whole sequence; not "
+            "supported under context parallelism yet (use --model.num-mtp-modules 0)"
+        )
     if dims.ep > 1:
         experts = getattr(model_config, "num_experts", 0)
         if not plan.experts:
@@ -208,26 +239,75 @@ def check_plan(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:
             raise ValueError("parallel.ep > 1 together with parallel.tp > 1 is not supported yet")
 
 
+def _check_context_parallel(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:
+    """What context parallelism does not compose with yet: one error naming it."""
+    not_yet = {
+        "parallel.pp": dims.pp > 1,
+        "parallel.ep": dims.ep > 1,
+        # selective remat likely caches every score tile's matmul of the attention's forward
+        # (measured: 2,333 GiB of activations per rank, Llama 3 8B at 128K over CP 8)
+        "remat.policy='selective'": cfg.remat.policy == "selective",
+        f"model.family={cfg.model.family!r} (compressed attention)": cfg.model.family
+        == "deepseek_v4",
+        "linear-attention layers (Gated DeltaNet / KDA)": "linear_attention"
+        in _layer_types(model_config),
+    }
+    for feature, used in not_yet.items():
+        if used:
+            raise ValueError(
+                f"parallel.cp={dims.cp} does not compose with {feature} yet; context "
+                "parallelism composes with parallel.dp_shard, dp_replicate and tp (set "
+                "parallel.cp=1 to use it)"
+            )
+
+
+def _layer_types(model_config: Any) -> tuple[str, ...]:
+    if not getattr(model_config, "layer_types", None) and not hasattr(
+        model_config, "full_attention_interval"
+    ):
+        return ()
+    from titan_models.components.linear_attention.layer_types import resolved_layer_types
+
+    return resolved_layer_types(model_config)
+
+
 def build_mesh(dims: ParallelDims, device_type: str) -> dict[str, Any]:
-    """The device meshes of the job, by axis (empty on one process): ``pp``, ``tp``,
-    ``dp_replicate``, ``dp_shard``, ``dp`` (the two flattened), ``dp_2d`` (replicate x shard,
-    flexshard's HSDP mesh) and, under expert parallelism, ``ep`` and ``experts_dp`` (replicate
-    x ``dp_shard / ep``: where an expert's copies live)."""
+    """The device meshes of the job, by axis (empty on one process): ``pp``, ``tp``, ``cp``,
+    ``dp_replicate``, ``dp_shard``, ``dp`` (the two flattened: which data a rank reads),
+    ``dp_cp`` (with ``cp``: over which the loss is summed), ``dp_2d`` (replicate x
+    ``dp_shard·cp``, flexshard's HSDP mesh) and, under expert parallelism, ``ep`` and
+    ``experts_dp`` (replicate x ``dp_shard / ep · cp``: where an expert's copies live)."""
     if dims.world_size == 1:
         return {}
     from torch.distributed.device_mesh import init_device_mesh
 
+    axes = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     root = init_device_mesh(
         device_type,
-        (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
-        mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
+        (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp),
+        mesh_dim_names=axes,
     )
-    dp_2d = root[("dp_replicate", "dp_shard")]
-    meshes = {axis: root[axis] for axis in ("pp", "dp_replicate", "dp_shard", "tp")}
-    meshes |= {"dp_2d": dp_2d, "dp": dp_2d._flatten("dp")}
+    meshes = {axis: root[axis] for axis in axes}
+    meshes["dp"] = root[("dp_replicate", "dp_shard")]._flatten("dp")
+    dp_cp = root[("dp_replicate", "dp_shard", "cp")]._flatten("dp_cp")
+    meshes["dp_cp"] = dp_cp
+    meshes["dp_2d"] = dp_cp._unflatten(
+        0, (dims.dp_replicate, dims.dp_shard * dims.cp), ("dp_replicate", "dp_shard_cp")
+    )
     if dims.ep > 1:
-        split = dp_2d._unflatten(1, (dims.dp_shard // dims.ep, dims.ep), ("dp_shard_mod_ep", "ep"))
-        meshes |= {"ep": split["ep"], "experts_dp": split[("dp_replicate", "dp_shard_mod_ep")]}
+        mod_ep = dims.dp_shard // dims.ep
+        split = dp_cp._unflatten(
+            0,
+            (dims.dp_replicate, mod_ep, dims.ep, dims.cp),
+            ("dp_replicate", "dp_shard_mod_ep", "ep", "cp"),
+        )
+        experts = split[("dp_replicate", "dp_shard_mod_ep", "cp")]._flatten("experts_dp_cp")
+        meshes |= {
+            "ep": split["ep"],
+            "experts_dp": experts._unflatten(
+                0, (dims.dp_replicate, mod_ep * dims.cp), ("dp_replicate", "experts_shard")
+            ),
+        }
     return meshes
 
 
@@ -244,7 +324,14 @@ def parallelize(
     pm = ParallelModel(parts=[model], dims=dims, meshes=meshes)
     if dims.pp > 1:
         _split_pipeline(pm, model, plan, cfg)
+    if dims.cp > 1:
+        pm.context_parallel = titan_models.ContextParallel(
+            group=pm.group("cp"),
+            algorithm=cfg.parallel.cp_algorithm,
+            tile_scores=cfg.parallel.cp_tile_scores,
+        )
     for part in pm.parts:
+        part.context_parallel = pm.context_parallel
         if dims.tp > 1:
             _apply_tensor_parallel(part, plan.tensor_parallel, meshes["tp"])
         if dims.ep > 1:
@@ -252,7 +339,7 @@ def parallelize(
         _apply_remat(part, plan, cfg)
         if cfg.compile.enabled:
             _apply_compile(part, plan)
-        if dims.dp > 1:
+        if dims.dp_cp > 1:
             _apply_data_parallel(part, cfg, pm)
             pm.sharded = True
     return pm
@@ -349,10 +436,10 @@ def _units(module: nn.Module, patterns: tuple[str, ...]) -> list[tuple[str, nn.M
 
 
 def _apply_data_parallel(module: nn.Module, cfg: JobConfig, pm: ParallelModel) -> None:
-    """flexshard over ``dp_replicate x dp_shard``: one bucket per block plus the root; with
-    Muon the blocks' matrices are ``Owned`` (whole on one rank, orthogonalised there with no
-    gather). Experts split by expert parallelism are sharded first, over the data-parallel
-    ranks of their own ``ep`` position (``dp_replicate x dp_shard_mod_ep``)."""
+    """flexshard over ``dp_replicate x dp_shard x cp``: one bucket per block plus the root;
+    with Muon the blocks' matrices are ``Owned`` (whole on one rank, orthogonalised there with
+    no gather). Experts split by expert parallelism are sharded first, over the ranks of
+    their own ``ep`` position (``dp_replicate x dp_shard_mod_ep x cp``)."""
     import flexshard as fs
 
     mp = None
@@ -365,7 +452,7 @@ def _apply_data_parallel(module: nn.Module, cfg: JobConfig, pm: ParallelModel) -
                 experts,
                 pm.meshes["experts_dp"],
                 mp=mp,
-                gradient_divide_factor=float(pm.dims.dp),
+                gradient_divide_factor=float(pm.dims.dp_cp),
             )
     local_experts = [p for _, e, _ in pm.experts if id(e) in mine for p in e.parameters()]
     buckets = []

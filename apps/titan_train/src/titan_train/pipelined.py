@@ -97,7 +97,7 @@ def evaluate_pipeline(
     tokens = 0
     m = cfg.parallel.pp_microbatches
     for _ in range(cfg.metrics.validation_batches):
-        batch = next(loader)
+        batch = pm.shard_batch(next(loader))
         tokens += batch.num_target_tokens
         total += _run_pipeline(pm, batch.to(device), m, cross_entropy_sum, forward_only=True)
     for part in pm.parts:

@@ -7,10 +7,10 @@ one process, ``torchrun`` jobs on any device, and the fake backend (``comm.fake_
 the step runs them directly (micro-batches) or through the pipeline schedule.
 
 Loss scaling: every rank divides its summed cross-entropy by the step's *global* count of
-target tokens (one all-reduce of a device scalar per step) and multiplies by the
-data-parallel size, because flexshard averages gradients over the data-parallel ranks. The
-result is the gradient of the mean loss over every target token of the global batch, however
-it is split. Nothing in a step reads a device value on the host: losses and norms stay on the
+target tokens (one all-reduce of a device scalar per step over the data- and
+context-parallel ranks) and multiplies by their number, because flexshard averages gradients
+over them. The result is the gradient of the mean loss over every target token of the
+global batch, however it is split (a context-parallel rank holds a shard of every row). Nothing in a step reads a device value on the host: losses and norms stay on the
 device and are read only when logged.
 """
 
@@ -92,10 +92,11 @@ def check_supported(cfg: JobConfig, dims: ParallelDims) -> None:
             "model.overrides output=chunked_cross_entropy needs parallel.pp=1 and parallel.tp=1 "
             "(the head must see whole rows of the vocabulary and the labels)"
         )
-    if dims.pp > 1 and cfg.data.source == "shapes":
+    if (dims.pp > 1 or dims.cp > 1) and cfg.data.source == "shapes":
         raise ValueError(
-            "data.source='shapes' with parallel.pp > 1 is not supported yet: the pipeline "
-            "stages take token ids only, not the images (use parallel.pp=1)"
+            "data.source='shapes' with parallel.pp > 1 or parallel.cp > 1 is not supported "
+            "yet: pipeline stages and sequence shards take token ids only, not the images "
+            "(use parallel.pp=1, parallel.cp=1)"
         )
     if cfg.comm.fake_world_size and "LOCAL_RANK" in os.environ:
         raise ValueError(
@@ -216,10 +217,11 @@ def train_step(
     import flexshard
 
     dims = pm.dims
+    batch = pm.shard_batch(batch)
     num_tokens = (batch.labels != IGNORE_INDEX).sum().to(torch.float32)
-    if dims.dp > 1:
-        dist.all_reduce(num_tokens, group=pm.group("dp"))
-    scale = dims.dp / num_tokens.clamp(min=1)
+    if dims.dp_cp > 1:
+        dist.all_reduce(num_tokens, group=pm.group("dp_cp"))
+    scale = dims.dp_cp / num_tokens.clamp(min=1)
     micro = batch.split(cfg.training.grad_accum)
     total = torch.zeros((), dtype=torch.float32, device=num_tokens.device)
     for i, mb in enumerate(micro):
@@ -252,11 +254,11 @@ def train_step(
     counts = _expert_counts(pm)
     if not skipped:
         _update_expert_biases(pm)
-    if dims.dp > 1:  # each data-parallel rank's share (of dp times the mean); tp ranks agree
-        dist.all_reduce(total, group=pm.group("dp"))
+    if dims.dp_cp > 1:  # each rank's share (of dp x cp times the mean); tp ranks agree
+        dist.all_reduce(total, group=pm.group("dp_cp"))
     if dims.pp > 1:  # only the last stage holds the loss
         dist.all_reduce(total, group=pm.group("pp"))
-    return StepResult(total / dims.dp, norm, counts, skipped)
+    return StepResult(total / dims.dp_cp, norm, counts, skipped)
 
 
 def _expert_counts(pm: ParallelModel) -> torch.Tensor | None:
@@ -289,22 +291,27 @@ def _update_expert_biases(pm: ParallelModel) -> None:
     """Aux-loss-free balancing: one bias update per step from the loads of every DP rank."""
     import dist_moe
 
-    group = pm.group("dp")  # same calls on each rank (None: one process)
+    group = pm.group("dp_cp")  # every rank's tokens (None: one process)
     for part in pm.parts:
         dist_moe.update_expert_biases(part, group)
 
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, loader: Any, num_batches: int, device: torch.device
+    model: nn.Module,
+    loader: Any,
+    num_batches: int,
+    device: torch.device,
+    shard: Any = None,
 ) -> tuple[float, int, int, int]:
     """Summed cross-entropy, target-token count, and (image-text batches) answers right and
-    answers seen over ``num_batches`` batches of ``loader``."""
+    answers seen over ``num_batches`` batches of ``loader`` (``shard``: this rank's part of a
+    batch, under context parallelism)."""
     model.eval()
     total, tokens = torch.zeros((), dtype=torch.float64, device=device), 0
     right, answers = torch.zeros((), dtype=torch.long, device=device), 0
     for _ in range(num_batches):
-        batch = next(loader)
+        batch = next(loader) if shard is None else shard(next(loader))
         tokens += batch.num_target_tokens
         if batch.answers is None:
             total += loss_sum(model, batch.to(device)).double()
@@ -632,15 +639,16 @@ def _validate(
         val_loader = PackedLoader(val_src, tokenizer, seq_len=t.seq_len, batch_size=t.batch_size)
     right = answers = 0
     if pm.schedule is None:
+        n = cfg.metrics.validation_batches
         total, tokens, right, answers = evaluate(
-            pm.parts[0], val_loader, cfg.metrics.validation_batches, device
+            pm.parts[0], val_loader, n, device, pm.shard_batch
         )
     else:
         total, tokens = evaluate_pipeline(pm, val_loader, cfg, device)
     if pm.dims.world_size > 1:
         sums = [total, float(tokens), float(right), float(answers)]
         both = torch.tensor(sums, dtype=torch.float64, device=device)
-        dist.all_reduce(both, group=pm.group("dp"))
+        dist.all_reduce(both, group=pm.group("dp_cp"))
         total, tokens, right, answers = float(both[0]), int(both[1]), int(both[2]), int(both[3])
     out = {"loss": total / max(1, tokens)}
     if answers:

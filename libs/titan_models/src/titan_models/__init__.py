@@ -4,6 +4,7 @@ Qwen3-VL-MoE), Hugging Face interop, KV-cache decoding, declarative plans."""
 from .components import (
     AttentionMetadata,
     Constant,
+    ContextParallel,
     Float8Recipe,
     Init,
     KVCache,
@@ -42,6 +43,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AttentionMetadata",
     "Constant",
+    "ContextParallel",
     "DeepSeekV3",
     "DeepSeekV3Config",
     "DeepSeekV4",

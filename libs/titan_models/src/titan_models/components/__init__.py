@@ -10,6 +10,7 @@ from .backends import (
     register_attention_backend,
     resolve_attention_backend,
 )
+from .context_parallel import ContextParallel, zigzag_shard, zigzag_unshard
 from .dense_attention import math_attention, sdpa
 from .feedforward import FeedForward
 from .init import Constant, HashRoutes, Init, Normal, init_state, local_chunks
@@ -42,6 +43,7 @@ __all__ = [
     "AttentionSinks",
     "CacheStep",
     "Constant",
+    "ContextParallel",
     "FeedForward",
     "Float8GroupedExperts",
     "Float8Linear",
@@ -82,4 +84,6 @@ __all__ = [
     "scaled_grouped_linear",
     "scaled_linear",
     "sdpa",
+    "zigzag_shard",
+    "zigzag_unshard",
 ]

@@ -12,6 +12,7 @@ from torch import nn
 
 from .attention_metadata import AttentionMetadata
 from .backends import attend, prepare_attention, resolve_attention_backend
+from .context_parallel import ContextParallel, shard_metadata
 from .init import Constant, Init, Normal, prefixed
 from .kv_cache import KVCache, LayerKVCache
 from .norm import RMSNorm
@@ -160,6 +161,7 @@ def build_attention_metadata(
     input_lengths: torch.Tensor | None = None,
     backend: str = "auto",
     windows: tuple[int | None, ...] = (None,),
+    context_parallel: ContextParallel | None = None,
 ) -> AttentionMetadata:
     """The ``AttentionMetadata`` of one forward, with the backend's structures for each of
     the model's ``windows`` built now (outside any compiled block).
@@ -169,7 +171,27 @@ def build_attention_metadata(
     - ``document_ids``: causal within a document, nothing across (packed sequences);
       positions restart at 0 in every document unless given.
     - neither: plain causal attention over ``0 .. S-1``.
+    - ``context_parallel``: the rows are this rank's shard of longer sequences (positions
+      and document ids are the shard's too); the ``context_parallel`` backend attends.
     """
+    if context_parallel is not None:
+        if backend not in ("auto", "context_parallel"):
+            raise ValueError(
+                f"attention_backend={backend!r} cannot attend across context-parallel shards; "
+                "use 'auto' or 'context_parallel'"
+            )
+        if kv_cache is not None:
+            raise ValueError("a KV cache under context parallelism is not supported")
+        meta = shard_metadata(
+            context_parallel,
+            batch_size,
+            seq_len,
+            device,
+            positions=positions,
+            document_ids=document_ids,
+        )
+        prepare_attention(meta, windows)
+        return meta
     name = resolve_attention_backend(backend, device)
     if kv_cache is not None:
         if kv_cache.batch_size != batch_size:

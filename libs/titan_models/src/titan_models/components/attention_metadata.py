@@ -19,9 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .context_parallel import ContextParallelShard
 
 
 @dataclass(kw_only=True, slots=True, eq=False)
@@ -73,6 +76,11 @@ class AttentionMetadata:
     bidirectional: bool = False
     """A query sees every token of its document, not only those before it (an encoder: no
     causal mask, no sliding window, no KV cache)."""
+    context_parallel: ContextParallelShard | None = None
+    """Set when the rows are one rank's shard of longer sequences (``shard_metadata``): the
+    group, and the documents in global indices. ``starts`` is then ``None`` and
+    ``cu_seqlens`` holds the row boundaries only: the ``context_parallel`` backend reads the
+    masks from here."""
     _memo: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     # --- constructors ---------------------------------------------------------------------

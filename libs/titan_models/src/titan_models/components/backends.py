@@ -17,14 +17,18 @@ drops the causal rule in every backend: a query sees its whole document.
 - ``varlen``: packed documents with no ``S × S`` tensor (``titan_models.components.varlen``):
   torch's varlen flash attention where the device has it, otherwise SDPA over document and
   window tiles. The default off CUDA.
+- ``context_parallel``: each rank holds a shard of every sequence and attends to all of it,
+  keys and values passed round a ring or all-gathered
+  (``titan_models.components.context_parallel``). The only backend for a shard, chosen by
+  ``"auto"`` when the model has a ``context_parallel``.
 
 A KV-cache step that reads cached keys (decoding, a chunk of a chunked prefill) runs the
 dense path over the ``S × L`` keys it reads in every backend; the first step into an empty
 cache (a prefill) attends to its own tokens through the run's backend, like training.
 
-A new backend (context parallelism, a vendor kernel) is one ``register_attention_backend``
-call; ``attention_backends()`` lists what is registered, ``"auto"`` picks flex on CUDA and
-varlen elsewhere.
+A new backend (a vendor kernel) is one ``register_attention_backend`` call;
+``attention_backends()`` lists what is registered, ``"auto"`` picks flex on CUDA and varlen
+elsewhere (``context_parallel`` on a shard).
 
 Shapes: B batch, S queries, L keys, H query heads, K kv heads, E q/k head dim, V value dim.
 """
@@ -37,7 +41,7 @@ from typing import Any, Protocol
 
 import torch
 
-from . import flex, varlen
+from . import context_parallel, flex, varlen
 from .attention_metadata import AttentionMetadata
 from .dense_attention import dense_attention
 
@@ -170,6 +174,11 @@ def attend(
     impl = _BACKENDS.get(name)
     if impl is None:
         check_attention_backend(name, "backend")
+    if meta.context_parallel is not None and name != "context_parallel":
+        raise ValueError(
+            f"attention backend {name!r} cannot attend across context-parallel shards (this "
+            "layer's backend); use 'context_parallel' (or leave the layer's backend unset)"
+        )
     prepared = meta.prepared((name, window), lambda: impl.prepare(meta, window))
     return impl.forward(
         q_BSHE,
@@ -218,6 +227,9 @@ def _register_builtin() -> None:
     register_attention_backend("sdpa", _sdpa_forward, prepare=_sdpa_prepare)
     register_attention_backend("flex", flex.forward, prepare=flex.prepare)
     register_attention_backend("varlen", varlen.forward, prepare=varlen.prepare)
+    register_attention_backend(
+        "context_parallel", context_parallel.forward, prepare=context_parallel.prepare
+    )
 
 
 _register_builtin()

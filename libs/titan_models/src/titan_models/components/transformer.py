@@ -19,6 +19,7 @@ from torch import nn
 from .attention import Attention, build_attention_metadata
 from .attention_metadata import AttentionMetadata
 from .backends import check_attention_backend
+from .context_parallel import ContextParallel
 from .feedforward import FeedForward
 from .init import Constant, Init, Normal, init_state, prefixed
 from .kv_cache import KVCache, LayerKVCache, LayerRecurrentState
@@ -221,6 +222,9 @@ class Transformer(nn.Module):
         for name, module in (extra_modules or {}).items():
             self.add_module(name, module)
         self.rope = RotaryEmbedding(config.rope, config.rotary_dim)
+        self.context_parallel: ContextParallel | None = None
+        """Set (by a parallelize step) when each call sees this rank's shard of longer
+        sequences: tokens, positions and document ids all ``context_parallel.shard(...)``."""
         self._tie()
         if not self.tok_embeddings.weight.is_meta:
             self.init_weights()
@@ -280,6 +284,7 @@ class Transformer(nn.Module):
             input_lengths=input_lengths,
             backend=self.config.attention_backend,
             windows=self.config.attention_windows(),
+            context_parallel=self.context_parallel,
         )
 
         h_BSD = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens

@@ -93,6 +93,12 @@ class DeepSeekV4Attention(nn.Module):
         cache: CompressedLayerCache | None = None,
     ) -> torch.Tensor:
         """``ropes``: the batch's ``main`` and ``compress`` tables at the query positions."""
+        if meta.context_parallel is not None:
+            raise ValueError(
+                "DeepSeek-V4's compressed attention does not run under context parallelism "
+                "yet (its compressed keys span the shards); set the model's context_parallel "
+                "to None"
+            )
         B, S, _ = x_BSD.shape
         rope = ropes["main" if self.kind == SLIDING else "compress"]
         q_latent_BSQ = self.q_norm(self.wq_a(x_BSD))

@@ -83,6 +83,12 @@ class DeltaRuleAttention(nn.Module):
     ) -> torch.Tensor:
         """``rope`` is unused (positions enter through the recurrence); the packed documents
         of ``meta`` (its ``starts``) restart the state at every document boundary."""
+        if meta is not None and meta.context_parallel is not None:
+            raise ValueError(
+                "linear-attention layers (Gated DeltaNet / KDA) do not run under context "
+                "parallelism yet (their state would have to pass between the shards); set "
+                "the model's context_parallel to None"
+            )
         B, S, _ = x_BSD.shape
         # A document's start index is constant over it and changes at every boundary: it
         # serves as the document id of the chunked form (no host sync).

@@ -1,0 +1,149 @@
+"""End to end on gloo: ``--parallel.cp 2`` trains like one process.
+
+A context-parallel rank holds the zig-zag chunks of every row of its data-parallel rank's
+batch, so CP 2 and CP 2 x TP 2 read the data of one process: their first-step loss equals the
+single-process run's. CP 2 x DP-shard 2 reads the data of DP 2: its first-step loss equals one
+process computing the loss of the two ranks' batches. Loss falls in every layout. One spawn
+per world size; bad input is rejected by ``prepare`` before any work.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from titan_testing import run_distributed
+from titan_train.cli import parse_config
+from titan_train.data.tokenizers import build_tokenizer
+from titan_train.losses import cross_entropy_sum
+from titan_train.trainer import _loaders, build_model, prepare, train
+
+STEPS = 6
+COMMON = [
+    "--training.steps", str(STEPS),
+    "--training.batch-size", "2",
+    "--training.seq-len", "64",
+    "--lr-schedule.warmup-steps", "2",
+    "--metrics.validate-every", "0",
+    "--metrics.no-tensorboard",
+    "--metrics.log-every", "3",
+    "--metrics.peak-flops", "1e11",
+]  # fmt: skip
+WORLD2 = {
+    "cp2": ["--parallel.cp", "2", "--parallel.dp-shard", "1", "--metrics.validate-every", "3"],
+    "cp2_allgather": [
+        "--parallel.cp", "2", "--parallel.dp-shard", "1", "--parallel.cp-algorithm", "allgather",
+    ],
+}  # fmt: skip
+WORLD4 = {
+    "cp2_dp2": ["--parallel.cp", "2", "--parallel.dp-shard", "2"],
+    "cp2_tp2": ["--parallel.cp", "2", "--parallel.tp", "2", "--parallel.dp-shard", "1"],
+}  # fmt: skip
+
+
+def _cfg(out: str, name: str, *argv: str):
+    return parse_config(["--output-dir", out, "--name", name, *COMMON, *argv])
+
+
+def _train_cases(out: str, cases: dict[str, list[str]]) -> dict[str, list[float]]:
+    return {name: train(_cfg(out, name, *argv))["losses"] for name, argv in cases.items()}
+
+
+def _validation_losses(out: str, name: str) -> list[float]:
+    import json
+    from pathlib import Path
+
+    rows = map(json.loads, Path(f"{out}/{name}/metrics.jsonl").read_text().splitlines())
+    return [row["loss"] for row in rows if row["split"] == "validation"]
+
+
+def _first_step_loss_of_global_batch(out: str, dp: int) -> float:
+    """One process, the dp ranks' first batches: the loss a DP run must log at step 1."""
+    cfg = _cfg(out, "reference")
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    model = build_model(cfg, tokenizer, torch.device("cpu"))
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for r in range(dp):
+            batch = next(_loaders(cfg, tokenizer, dp_rank=r, dp_size=dp)[0])
+            logits = model(
+                batch.input_ids, positions=batch.positions, document_ids=batch.document_ids
+            )
+            total += float(cross_entropy_sum(logits, batch.labels))
+            tokens += batch.num_target_tokens
+    return total / tokens
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("cp_runs"))
+    got = run_distributed(_train_cases, 2, out + "/w2", WORLD2, timeout=600)[0]
+    got |= run_distributed(_train_cases, 4, out + "/w4", WORLD4, timeout=600)[0]
+    got["single"] = train(_cfg(out, "single", "--metrics.validate-every", "3"))["losses"]
+    got["dp2_reference_step1"] = _first_step_loss_of_global_batch(out, 2)
+    got["validation"] = {n: _validation_losses(out, n) for n in ("single", "w2/cp2")}
+    return got
+
+
+def _falls(losses: list[float]) -> None:
+    assert len(losses) == STEPS
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+@pytest.mark.slow
+def test_context_parallel_layouts_train_like_one_process(runs):
+    single = runs["single"]
+    _falls(single)
+    for name in ("cp2", "cp2_allgather", "cp2_tp2"):
+        assert abs(runs[name][0] - single[0]) <= 1e-5, (name, runs[name][0], single[0])
+        _falls(runs[name])
+        # The same tokens and updates with attention split over ranks: close every step.
+        torch.testing.assert_close(runs[name], single, rtol=0, atol=5e-3)
+    assert abs(runs["cp2_dp2"][0] - runs["dp2_reference_step1"]) <= 1e-5
+    _falls(runs["cp2_dp2"])
+    # Validation sums every shard's tokens over the context-parallel group.
+    val = runs["validation"]
+    assert len(val["single"]) == 2
+    torch.testing.assert_close(val["w2/cp2"], val["single"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("argv", "world", "message"),
+    [
+        (
+            ["--parallel.cp", "3"],
+            3,
+            "training.seq_len=128 must be divisible by 2 * parallel.cp = 6",
+        ),
+        (
+            ["--parallel.cp", "2", "--model.attention-backend", "sdpa"],
+            2,
+            "model.attention_backend='sdpa' cannot attend across the shards of parallel.cp=2",
+        ),
+        (
+            ["--parallel.cp", "2", "--parallel.pp", "2", "--parallel.dp-shard", "1"],
+            4,
+            "parallel.cp=2 does not compose with parallel.pp yet",
+        ),
+        (
+            ["--model.family", "qwen3_moe", "--parallel.cp", "2", "--parallel.ep", "2"],
+            4,
+            "parallel.cp=2 does not compose with parallel.ep yet",
+        ),
+        (
+            ["--parallel.cp", "2", "--remat.policy", "selective"],
+            2,
+            "parallel.cp=2 does not compose with remat.policy='selective' yet",
+        ),
+        (
+            ["--model.family", "qwen3_5", "--parallel.cp", "2"],
+            2,
+            "parallel.cp=2 does not compose with linear-attention layers",
+        ),
+    ],
+)
+def test_bad_context_parallel_config_is_one_clear_error_before_work(argv, world, message, tmp_path):
+    with pytest.raises(ValueError) as info:  # the CLI's parse, then the job's checks
+        prepare(parse_config(["--output-dir", str(tmp_path), *argv]), world_size=world)
+    assert message in str(info.value)
+    assert not any(tmp_path.iterdir())
