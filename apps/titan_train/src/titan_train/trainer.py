@@ -640,9 +640,7 @@ def _validate(
     right = answers = 0
     if pm.schedule is None:
         n = cfg.metrics.validation_batches
-        total, tokens, right, answers = evaluate(
-            pm.parts[0], val_loader, n, device, pm.shard_batch
-        )
+        total, tokens, right, answers = evaluate(pm.parts[0], val_loader, n, device, pm.shard_batch)
     else:
         total, tokens = evaluate_pipeline(pm, val_loader, cfg, device)
     if pm.dims.world_size > 1:
