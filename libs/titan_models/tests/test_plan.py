@@ -78,8 +78,16 @@ def test_fqn_patterns_match_one_segment_per_star():
     assert not fqn_matches("layers.*.attention.wq", "layers.1.attention.wk")
 
 
+# The one exception: context-parallel attention needs the other ranks' keys and values inside
+# the forward, so its three collectives (ring shift, all-gather, reduce-scatter) live in one
+# module that only the ``context_parallel`` backend calls (as dist_moe holds EP's all-to-all).
+COLLECTIVES = "components/context_parallel_comm.py"
+
+
 def test_no_model_code_imports_torch_distributed():
     for path in SRC.rglob("*.py"):
+        if path.relative_to(SRC).as_posix() == COLLECTIVES:
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.Import):
