@@ -16,7 +16,8 @@ from titan_train.data.image_text import ImageProcessor, ImageTextLoader, ShapesS
 from titan_train.data.packing import IGNORE_INDEX
 from titan_train.data.shapes import ANSWERS, CHANCE_ACCURACY, COLOURS, shapes_sample
 from titan_train.data.tokenizers import ByteTokenizer
-from titan_train.trainer import ConfigError, answers_right, prepare, train
+from titan_train.evaluation import answers_right
+from titan_train.trainer import ConfigError, prepare, train
 
 pytest.importorskip("transformers")
 CONFIG = titan_models.get_model("qwen3_vl", "debug")[1]

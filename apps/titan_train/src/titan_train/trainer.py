@@ -47,11 +47,13 @@ from titan_train.device import (
     resolve_device,
 )
 from titan_train.errors import ConfigError, NonFiniteError
-from titan_train.losses import autocast, cross_entropy_sum, loss_sum
+from titan_train.evaluation import evaluate
+from titan_train.losses import autocast, loss_sum
 from titan_train.low_precision import apply_quantize, check_low_precision
 from titan_train.lr_schedule import build_lr_scheduler
 from titan_train.materialize import local_bytes, materialize
 from titan_train.metrics import MetricsLogger, measure_matmul_flops, memory_bytes
+from titan_train.moe_balance import expert_counts, moe_load, update_expert_biases
 from titan_train.numerics import NonFiniteGuard
 from titan_train.parallelize import (
     ParallelDims,
@@ -251,90 +253,14 @@ def train_step(
     if not skipped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    counts = _expert_counts(pm)
+    counts = expert_counts(pm)
     if not skipped:
-        _update_expert_biases(pm)
+        update_expert_biases(pm)
     if dims.dp_cp > 1:  # each rank's share (of dp x cp times the mean); tp ranks agree
         dist.all_reduce(total, group=pm.group("dp_cp"))
     if dims.pp > 1:  # only the last stage holds the loss
         dist.all_reduce(total, group=pm.group("pp"))
     return StepResult(total / dims.dp_cp, norm, counts, skipped)
-
-
-def _expert_counts(pm: ParallelModel) -> torch.Tensor | None:
-    """This step's tokens per expert of every MoE layer this rank routes, ``(layers, E)`` on
-    the device (taken before the bias update resets them); None without MoE layers."""
-    import dist_moe
-
-    counts = [
-        m.router.tokens_per_expert
-        for part in pm.parts
-        for m in part.modules()
-        if isinstance(m, dist_moe.MoE)
-    ]
-    return torch.stack(counts).float() if counts else None
-
-
-def _moe_load(counts: torch.Tensor | None) -> dict[str, float]:
-    """Routing balance: max and mean over MoE layers of max/mean load (reads ``counts`` on
-    the host: call it at log steps only)."""
-    if counts is None:
-        return {}
-    mean = counts.mean(1)
-    ratios = (counts.amax(1) / mean)[mean > 0].tolist()  # a layer that saw no token: left out
-    if not ratios:
-        return {}
-    return {"moe_load_max": max(ratios), "moe_load_mean": sum(ratios) / len(ratios)}
-
-
-def _update_expert_biases(pm: ParallelModel) -> None:
-    """Aux-loss-free balancing: one bias update per step from the loads of every DP rank."""
-    import dist_moe
-
-    group = pm.group("dp_cp")  # every rank's tokens (None: one process)
-    for part in pm.parts:
-        dist_moe.update_expert_biases(part, group)
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    loader: Any,
-    num_batches: int,
-    device: torch.device,
-    shard: Any = None,
-) -> tuple[float, int, int, int]:
-    """Summed cross-entropy, target-token count, and (image-text batches) answers right and
-    answers seen over ``num_batches`` batches of ``loader`` (``shard``: this rank's part of a
-    batch, under context parallelism)."""
-    model.eval()
-    total, tokens = torch.zeros((), dtype=torch.float64, device=device), 0
-    right, answers = torch.zeros((), dtype=torch.long, device=device), 0
-    for _ in range(num_batches):
-        batch = next(loader) if shard is None else shard(next(loader))
-        tokens += batch.num_target_tokens
-        if batch.answers is None:
-            total += loss_sum(model, batch.to(device)).double()
-            continue
-        answers += int(batch.answers.max()) + 1
-        batch = batch.to(device)
-        logits = model(batch.input_ids, **batch.model_inputs())
-        total += cross_entropy_sum(logits, batch.labels).double()
-        right += answers_right(logits, batch.labels, batch.answers)
-    model.train()
-    return float(total), tokens, int(right), answers
-
-
-def answers_right(
-    logits: torch.Tensor, labels: torch.Tensor, answers: torch.Tensor
-) -> torch.Tensor:
-    """How many samples have every answer token predicted (greedy) — on the device."""
-    mask = answers >= 0
-    wrong = (logits.argmax(-1) != labels)[mask].long()
-    per_sample = torch.zeros(int(answers.numel()), dtype=torch.long, device=logits.device)
-    per_sample.index_add_(0, answers[mask], wrong)
-    seen = torch.zeros_like(per_sample).index_add_(0, answers[mask], torch.ones_like(wrong))
-    return ((per_sample == 0) & (seen > 0)).sum()
 
 
 def _image_text_loader(cfg: JobConfig, tokenizer: Tokenizer, source: ShapesSource) -> Any:
@@ -589,7 +515,7 @@ def _train(
                         "lr": lr,
                         "tokens_per_s": tps,
                         "mfu": tps * flops_per_token / (peak * dims.world_size),
-                        **_moe_load(result.expert_counts),
+                        **moe_load(result.expert_counts),
                         **memory_bytes(device),
                     },
                 )
