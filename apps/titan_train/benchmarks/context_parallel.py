@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import tempfile
+import time
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
@@ -89,6 +91,101 @@ def _sweep(a: argparse.Namespace) -> None:
                 )
 
 
+def _gloo_rank(seq: int, algorithm: str, dim: int, layers: int, heads: int, steps: int) -> dict:
+    """One rank of a real gloo job: its shard of one ``seq``-token sequence through a tiny
+    Llama 3, a warm-up step, then ``steps`` timed forward + backward steps."""
+    import resource
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import titan_models
+
+    cls, config = titan_models.get_model(
+        "llama3",
+        "debug",
+        dim=dim,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=dim // heads,
+        ffn_hidden_dim=2 * dim,
+        vocab_size=1024,
+        max_seq_len=seq,
+        attention_backend="context_parallel",
+    )
+    model = cls(config)
+    model.context_parallel = cp = titan_models.ContextParallel(algorithm=algorithm)
+    tokens = cp.shard(torch.randint(0, 1024, (1, seq), generator=torch.Generator().manual_seed(0)))
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def step(count_saved: bool = False) -> None:
+        if count_saved:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                logits = model(tokens)
+        else:
+            logits = model(tokens)
+        F.cross_entropy(logits.flatten(0, 1), tokens.flatten(), reduction="sum").backward()
+        model.zero_grad(set_to_none=True)
+
+    rss_before = _rss_bytes()
+    step(count_saved=True)  # the first step: saved tensors and the growth of the peak RSS
+    rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    dist.barrier()
+    return {
+        "seconds": (time.perf_counter() - start) / steps,
+        "saved": sum(saved.values()),
+        "rss_growth": rss_peak - rss_before,
+    }
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _gloo(a: argparse.Namespace) -> None:
+    from titan_testing import run_distributed
+
+    print(
+        f"\nReal gloo ranks (one thread each; cp 4 oversubscribes the 2 cores of this machine, "
+        f"shared with other jobs: timings are noisy): Llama 3 dim {a.gloo_dim}, {a.gloo_layers} "
+        f"layer(s), {a.gloo_heads} heads, vocab 1024, fp32, batch 1, {a.algorithm}. Per rank: "
+        "step time (forward + backward, the slowest rank, mean of "
+        f"{a.steps}); bytes autograd saves for backward (exact, saved_tensors_hooks, weights "
+        "left out); peak RSS growth during the first step (real, includes transient tiles, "
+        "K/V blocks in flight and allocator slack), MiB"
+    )
+    print(f"{'S':>7} {'cp':>3} {'step s':>8} {'saved MiB':>10} {'vs cp 1':>8} {'RSS MiB':>9}")
+    for seq in a.seq:
+        base = None
+        for cp in a.cp:
+            ranks = run_distributed(
+                _gloo_rank, cp, seq, a.algorithm, a.gloo_dim, a.gloo_layers, a.gloo_heads,
+                a.steps, num_threads=1, timeout=1800,
+            )  # fmt: skip
+            seconds = max(r["seconds"] for r in ranks)
+            saved = max(r["saved"] for r in ranks)
+            rss = max(r["rss_growth"] for r in ranks)
+            base = base or saved
+            print(
+                f"{seq:>7} {cp:>3} {seconds:>8.2f} {saved / 2**20:>10.1f} {saved / base:>8.3f} "
+                f"{rss / 2**20:>9.1f}",
+                flush=True,
+            )
+
+
 def _recipe(a: argparse.Namespace) -> None:
     from titan_train.cli import parse_config
     from titan_train.trainer import train
@@ -97,7 +194,7 @@ def _recipe(a: argparse.Namespace) -> None:
         argv = [
             "--output-dir", out, "--comm.fake-world-size", "8", "--parallel.cp", "8",
             "--parallel.dp-shard", "1", "--training.seq-len", "131072", "--training.steps", "1",
-            "--checkpoint.interval", "0", "--parallel.cp-tile-scores", str(1 << 26),
+            "--checkpoint.interval", "0", "--parallel.cp-tile-scores", str(a.recipe_tile_scores),
             "--remat.policy", "full",
         ]  # fmt: skip
         train(parse_config(argv, "llama3_8b"))  # prints the memory table
@@ -109,10 +206,27 @@ def main() -> None:
     p.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--skip-recipe", action="store_true", help="part 1 only")
+    p.add_argument("--gloo-dim", type=int, default=128)
+    p.add_argument("--gloo-layers", type=int, default=1)
+    p.add_argument("--gloo-heads", type=int, default=2)
+    p.add_argument("--algorithm", choices=["ring", "allgather"], default="ring")
+    p.add_argument("--steps", type=int, default=2, help="timed gloo steps (after one warm-up)")
+    p.add_argument(
+        "--recipe-tile-scores",
+        type=int,
+        default=1 << 28,
+        help="score elements per attention tile in the 128K recipe run (its time grows with "
+        "the number of tiles: every tile is a few dozen Python-level ops under fake mode)",
+    )
+    p.add_argument(
+        "--parts", nargs="+", choices=["fake", "gloo", "recipe"], default=["fake", "gloo", "recipe"]
+    )
     a = p.parse_args()
-    _sweep(a)
-    if not a.skip_recipe:
+    if "fake" in a.parts:
+        _sweep(a)
+    if "gloo" in a.parts:
+        _gloo(a)
+    if "recipe" in a.parts:
         _recipe(a)
 
 

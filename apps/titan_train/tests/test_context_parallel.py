@@ -3,8 +3,10 @@
 A context-parallel rank holds the zig-zag chunks of every row of its data-parallel rank's
 batch, so CP 2 and CP 2 x TP 2 read the data of one process: their first-step loss equals the
 single-process run's. CP 2 x DP-shard 2 reads the data of DP 2: its first-step loss equals one
-process computing the loss of the two ranks' batches. Loss falls in every layout. One spawn
-per world size; bad input is rejected by ``prepare`` before any work.
+process computing the loss of the two ranks' batches. CP 2 x PP 2 (a dense model) and Qwen3-MoE
+under CP 2 x PP 2 x EP 2 read one process's data, Qwen3-MoE under CP 2 x DP-shard 2 x EP 4 that
+of DP 2. Loss falls in every layout. One spawn per world size; bad input is rejected by
+``prepare`` before any work.
 """
 
 from __future__ import annotations
@@ -35,9 +37,19 @@ WORLD2 = {
         "--parallel.cp", "2", "--parallel.dp-shard", "1", "--parallel.cp-algorithm", "allgather",
     ],
 }  # fmt: skip
+PP2 = ["--parallel.pp", "2", "--parallel.pp-microbatches", "2"]
+MOE = ["--model.family", "qwen3_moe"]
 WORLD4 = {
     "cp2_dp2": ["--parallel.cp", "2", "--parallel.dp-shard", "2"],
     "cp2_tp2": ["--parallel.cp", "2", "--parallel.tp", "2", "--parallel.dp-shard", "1"],
+}  # fmt: skip
+COMPOSED = {  # world 4
+    "cp2_pp2": [
+        "--parallel.cp", "2", *PP2, "--parallel.dp-shard", "1", "--metrics.validate-every", "3",
+    ],
+    # EP carved out of dp_shard x cp: inside the cp group (ep 2), across dp_shard and cp (ep 4)
+    "moe_cp2_pp2_ep2": [*MOE, "--parallel.cp", "2", *PP2, "--parallel.dp-shard", "1", "--parallel.ep", "2"],
+    "moe_cp2_dp2_ep4": [*MOE, "--parallel.cp", "2", "--parallel.dp-shard", "2", "--parallel.ep", "4"],
 }  # fmt: skip
 
 
@@ -57,9 +69,9 @@ def _validation_losses(out: str, name: str) -> list[float]:
     return [row["loss"] for row in rows if row["split"] == "validation"]
 
 
-def _first_step_loss_of_global_batch(out: str, dp: int) -> float:
+def _first_step_loss_of_global_batch(out: str, dp: int, *argv: str) -> float:
     """One process, the dp ranks' first batches: the loss a DP run must log at step 1."""
-    cfg = _cfg(out, "reference")
+    cfg = _cfg(out, "reference", *argv)
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     model = build_model(cfg, tokenizer, torch.device("cpu"))
     total, tokens = 0.0, 0
@@ -85,6 +97,17 @@ def runs(tmp_path_factory):
     return got
 
 
+@pytest.fixture(scope="module")
+def composed(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("cp_composed"))
+    got = run_distributed(_train_cases, 4, out + "/w4", COMPOSED, timeout=600)[0]
+    got["single"] = train(_cfg(out, "single", "--metrics.validate-every", "3"))["losses"]
+    got["moe_single"] = train(_cfg(out, "moe_single", *MOE))["losses"]
+    got["moe_dp2_reference_step1"] = _first_step_loss_of_global_batch(out, 2, *MOE)
+    got["validation"] = {n: _validation_losses(out, n) for n in ("single", "w4/cp2_pp2")}
+    return got
+
+
 def _falls(losses: list[float]) -> None:
     assert len(losses) == STEPS
     assert losses[-1] < losses[0] - 0.5, losses
@@ -107,6 +130,28 @@ def test_context_parallel_layouts_train_like_one_process(runs):
     torch.testing.assert_close(val["w2/cp2"], val["single"], rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_context_parallel_composes_with_pipeline_and_expert_parallelism(composed):
+    runs = composed
+    # CP 2 x PP 2: each stage runs on the local half of every sequence (both microbatches);
+    # the stage's cp group is the cp axis at its pipeline position.
+    single = runs["single"]
+    assert abs(runs["cp2_pp2"][0] - single[0]) <= 1e-5, (runs["cp2_pp2"][0], single[0])
+    _falls(runs["cp2_pp2"])
+    torch.testing.assert_close(runs["cp2_pp2"], single, rtol=0, atol=5e-3)
+    val = runs["validation"]  # the pipeline's forward-only schedule on shards
+    torch.testing.assert_close(val["w4/cp2_pp2"], val["single"], rtol=0, atol=1e-5)
+    # Qwen3-MoE with EP inside the cp group (and PP 2): one process's data.
+    moe = runs["moe_cp2_pp2_ep2"]
+    assert abs(moe[0] - runs["moe_single"][0]) <= 1e-5, (moe[0], runs["moe_single"][0])
+    _falls(moe)
+    torch.testing.assert_close(moe, runs["moe_single"], rtol=0, atol=5e-3)
+    # EP 4 across dp_shard 2 x cp 2: the data of DP 2.
+    moe = runs["moe_cp2_dp2_ep4"]
+    assert abs(moe[0] - runs["moe_dp2_reference_step1"]) <= 1e-5
+    _falls(moe)
+
+
 @pytest.mark.parametrize(
     ("argv", "world", "message"),
     [
@@ -121,14 +166,9 @@ def test_context_parallel_layouts_train_like_one_process(runs):
             "model.attention_backend='sdpa' cannot attend across the shards of parallel.cp=2",
         ),
         (
-            ["--parallel.cp", "2", "--parallel.pp", "2", "--parallel.dp-shard", "1"],
-            4,
-            "parallel.cp=2 does not compose with parallel.pp yet",
-        ),
-        (
-            ["--model.family", "qwen3_moe", "--parallel.cp", "2", "--parallel.ep", "2"],
-            4,
-            "parallel.cp=2 does not compose with parallel.ep yet",
+            ["--model.family", "qwen3_moe", "--parallel.cp", "2", "--parallel.ep", "4"],
+            2,
+            "parallel.ep=4 must divide parallel.dp_shard*cp = 1*2",
         ),
         (
             ["--parallel.cp", "2", "--remat.policy", "selective"],

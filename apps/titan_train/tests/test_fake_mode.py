@@ -73,6 +73,28 @@ def test_pipeline_stages_each_get_a_row_and_the_shards_add_up_to_the_model(tmp_p
     assert total == pytest.approx(report["parameters"] * 4, rel=0.01)
 
 
+@pytest.mark.slow  # ~50 s on 2 shared cores (two fake ranks, each in its own process)
+def test_context_parallel_composes_with_pipeline_experts_and_fsdp_at_16_ranks(tmp_path):
+    # PP 2 x DP-shard 2 x CP 4, EP 4 carved out of dp_shard x cp: every stage runs its step on
+    # a quarter of each sequence, and the pieces of all ranks still add up to the model.
+    report = _fake(
+        tmp_path,
+        "--comm.fake-world-size", "16",
+        "--parallel.pp", "2",
+        "--parallel.dp-shard", "2",
+        "--parallel.cp", "4",
+        "--parallel.ep", "4",
+        "--parallel.pp-microbatches", "2",
+        recipe="qwen3_moe_debug",
+    )  # fmt: skip
+    assert report["layout"]["cp"] == 4 and report["layout"]["ep"] == 4
+    assert [row["stages"] for row in report["stages"]] == [[0], [1]]
+    shards = report["layout"]["dp_shard"] * report["layout"]["cp"]
+    total = sum(row["params_bytes"] for row in report["stages"]) * shards
+    assert total == pytest.approx(report["parameters"] * 4, rel=0.01)
+    assert all(row["activations_peak_bytes"] > 0 for row in report["stages"])
+
+
 def test_dry_run_is_the_fake_backend_with_no_step(tmp_path, capsys):
     argv = ["--dry-run", "--recipe", "llama3_70b", "--output-dir", str(tmp_path)]
     assert main(argv) == 0
@@ -99,7 +121,7 @@ def test_dry_run_is_the_fake_backend_with_no_step(tmp_path, capsys):
         ),
         (
             ["--comm.fake-world-size", "4", "--parallel.dp-shard", "4", "--parallel.ep", "3"],
-            "parallel.ep=3 must divide parallel.dp_shard=4",
+            "parallel.ep=3 must divide parallel.dp_shard*cp = 4*1",
         ),
         (["--training.device", "cuda"], "has 0 CUDA device(s)"),
         (["--nproc", "2", "--comm.fake-world-size", "8"], "cannot be combined with --nproc 2"),

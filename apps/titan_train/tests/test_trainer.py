@@ -94,7 +94,7 @@ def test_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, argv, 
         ("8", ["--parallel.pp", "8"], "needs 8 stages but the model has only 6 pipeline units"),
         ("2", ["--parallel.pp", "2", "--parallel.pp-schedule", "nope"], "pp_schedule='nope'"),
         ("2", ["--parallel.ep", "2"], "has no MoE layers"),
-        ("4", ["--parallel.cp", "2", "--parallel.pp", "2"], "does not compose with parallel.pp"),
+        ("2", ["--parallel.cp", "2", "--remat.policy", "selective"], "does not compose with remat"),
     ],
 )
 def test_bad_parallel_layout_is_rejected_before_joining_a_process_group(

@@ -13,13 +13,17 @@ the wiring.
 
 Mesh axes, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``; ``dp``
 is ``dp_replicate x dp_shard`` flattened, ``dp_cp`` the same with ``cp``, and under expert
-parallelism ``dp_shard`` unflattens into ``dp_shard_mod_ep x ep``.
+parallelism ``dp_shard x cp`` unflattens into ``experts_shard x ep`` (as torchtitan carves EP out
+of ``dp_shard x cp``): the ``ep`` group is the innermost ``ep`` ranks of ``dp_shard x cp``, so
+with ``ep`` dividing ``cp`` it lies inside one sequence's context-parallel group (MoE is per
+token: any ranks can exchange tokens). Under pipelining every stage runs on the local ``S / cp``
+tokens of each microbatch; its context-parallel group is the ``cp`` axis at its ``pp`` position.
 Data-parallel ranks read different data; ``tp`` and ``pp`` ranks of one data-parallel rank
 read the same, and its ``cp`` ranks each take their shard of every sequence
 (``ParallelModel.shard_batch``). Parameters are replicated over ``cp`` like over the
 data-parallel ranks, so flexshard shards them over ``dp_shard x cp`` (as torchtitan does).
 Experts are split over ``ep`` and sharded by flexshard over what remains
-(``dp_replicate x dp_shard_mod_ep x cp``); everything else over ``dp_replicate x dp_shard x
+(``dp_replicate x experts_shard``); everything else over ``dp_replicate x dp_shard x
 cp`` (HSDP when ``dp_replicate > 1``). flexshard averages gradients over those ranks; an
 expert's gradient already sums the tokens of its ``ep`` group (the all-to-all's backward), so
 its own sharding divides by the whole ``dp x cp`` size.
@@ -84,10 +88,10 @@ class ParallelDims:
                 f"parallel degrees dp_replicate*dp_shard*cp*tp*pp = {p.dp_replicate}*{dp_shard}*"
                 f"{p.cp}*{p.tp}*{p.pp} = {product} must equal the world size {world_size}"
             )
-        if dp_shard % p.ep:
+        if (dp_shard * p.cp) % p.ep:
             raise ValueError(
-                f"parallel.ep={p.ep} must divide parallel.dp_shard={dp_shard}: expert "
-                "parallelism is carved out of the data-parallel shards"
+                f"parallel.ep={p.ep} must divide parallel.dp_shard*cp = {dp_shard}*{p.cp}: "
+                "expert parallelism is carved out of the data- and context-parallel shards"
             )
         return cls(world_size, p.dp_replicate, dp_shard, p.tp, p.pp, p.ep, p.cp)
 
@@ -242,8 +246,6 @@ def check_plan(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:
 def _check_context_parallel(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:
     """What context parallelism does not compose with yet: one error naming it."""
     not_yet = {
-        "parallel.pp": dims.pp > 1,
-        "parallel.ep": dims.ep > 1,
         # selective remat likely caches every score tile's matmul of the attention's forward
         # (measured: 2,333 GiB of activations per rank, Llama 3 8B at 128K over CP 8)
         "remat.policy='selective'": cfg.remat.policy == "selective",
@@ -276,7 +278,7 @@ def build_mesh(dims: ParallelDims, device_type: str) -> dict[str, Any]:
     ``dp_replicate``, ``dp_shard``, ``dp`` (the two flattened: which data a rank reads),
     ``dp_cp`` (with ``cp``: over which the loss is summed), ``dp_2d`` (replicate x
     ``dp_shard·cp``, flexshard's HSDP mesh) and, under expert parallelism, ``ep`` and
-    ``experts_dp`` (replicate x ``dp_shard / ep · cp``: where an expert's copies live)."""
+    ``experts_dp`` (replicate x ``dp_shard·cp / ep``: where an expert's copies live)."""
     if dims.world_size == 1:
         return {}
     from torch.distributed.device_mesh import init_device_mesh
@@ -294,20 +296,13 @@ def build_mesh(dims: ParallelDims, device_type: str) -> dict[str, Any]:
     meshes["dp_2d"] = dp_cp._unflatten(
         0, (dims.dp_replicate, dims.dp_shard * dims.cp), ("dp_replicate", "dp_shard_cp")
     )
-    if dims.ep > 1:
-        mod_ep = dims.dp_shard // dims.ep
+    if dims.ep > 1:  # the innermost ep ranks of dp_shard x cp (the ranks nearest each other)
         split = dp_cp._unflatten(
             0,
-            (dims.dp_replicate, mod_ep, dims.ep, dims.cp),
-            ("dp_replicate", "dp_shard_mod_ep", "ep", "cp"),
+            (dims.dp_replicate, dims.dp_shard * dims.cp // dims.ep, dims.ep),
+            ("dp_replicate", "experts_shard", "ep"),
         )
-        experts = split[("dp_replicate", "dp_shard_mod_ep", "cp")]._flatten("experts_dp_cp")
-        meshes |= {
-            "ep": split["ep"],
-            "experts_dp": experts._unflatten(
-                0, (dims.dp_replicate, mod_ep * dims.cp), ("dp_replicate", "experts_shard")
-            ),
-        }
+        meshes |= {"ep": split["ep"], "experts_dp": split[("dp_replicate", "experts_shard")]}
     return meshes
 
 
@@ -439,7 +434,7 @@ def _apply_data_parallel(module: nn.Module, cfg: JobConfig, pm: ParallelModel) -
     """flexshard over ``dp_replicate x dp_shard x cp``: one bucket per block plus the root;
     with Muon the blocks' matrices are ``Owned`` (whole on one rank, orthogonalised there with
     no gather). Experts split by expert parallelism are sharded first, over the ranks of
-    their own ``ep`` position (``dp_replicate x dp_shard_mod_ep x cp``)."""
+    their own ``ep`` position (``dp_replicate x experts_shard``)."""
     import flexshard as fs
 
     mp = None
