@@ -1,22 +1,35 @@
-"""Context parallelism: peak activation memory per rank against sequence length and CP degree,
-and the fake-backend memory table of a 128K-context Llama 3 8B recipe at CP 8.
+"""Context parallelism: peak activation memory per rank against sequence length and CP degree
+(fake backend, exact), real gloo step time and memory, and the fake-backend memory table of a
+128K-context Llama 3 8B recipe at CP 8.
 
-Run: ``uv run python apps/titan_train/benchmarks/context_parallel.py`` (CPU, no GPU needed).
+Run: ``uv run python apps/titan_train/benchmarks/context_parallel.py`` (CPU, no GPU needed;
+``--parts fake gloo recipe`` picks parts).
 
-Part 1 runs one forward + backward of a Llama 3 model (``--dim``, ``--layers``, fp32) on rank
-0's shard of one ``S``-token sequence, for S = 8k, 16k, 32k and CP 1, 2, 4, in the fake-backend
-mode (``FakeTensorMode`` tensors + a fake process group of ``cp`` ranks, so nothing is
-computed or sent): the peak of every storage allocated during the step that is not a
+Part ``fake`` runs one forward + backward of a Llama 3 model (``--dim``, ``--layers``, fp32) on
+rank 0's shard of one ``S``-token sequence, for S = 8k, 16k, 32k and CP 1, 2, 4, in the
+fake-backend mode (``FakeTensorMode`` tensors + a fake process group of ``cp`` ranks, so nothing
+is computed or sent): the peak of every storage allocated during the step that is not a
 parameter gradient, counted exactly by ``titan_train.fake.MemoryTracker`` (activations saved
 for backward, attention tiles, K/V blocks in flight, logits). CP 1 runs the same
 ``context_parallel`` backend over one rank, so the ratio isolates the split. The ring keeps
 two K/V blocks per layer call (the one in use, the next in flight); all-gather holds every
 rank's K/V while a layer attends.
 
-Part 2 is ``titan-train --recipe llama3_8b --comm.fake-world-size 8 --parallel.cp 8
+Part ``gloo`` runs ``cp`` real processes on gloo (one thread each, as torchrun sets it) with a
+tiny Llama 3 (``--gloo-dim``, ``--gloo-layers``, ``--gloo-heads``, vocab 1024) for the same S and
+CP: the slowest rank's step time, the bytes autograd saves for backward (exact, counted by
+``torch.autograd.graph.saved_tensors_hooks``, weights left out) and the growth of the peak RSS
+during the first step (a real whole-process measure: it includes transient score tiles, K/V
+blocks in flight and the allocator's slack). On a 2-core machine CP 4 oversubscribes the cores
+and the timings of a shared machine are noisy.
+
+Part ``recipe`` is ``titan-train --recipe llama3_8b --comm.fake-world-size 8 --parallel.cp 8
 --parallel.dp-shard 1 --training.seq-len 131072 --training.steps 1 --parallel.cp-tile-scores
-67108864 --remat.policy full`` (bf16, FSDP over the 8 context-parallel ranks; score tiles of
-1448 x 1448 for 32 heads, 256 MiB in fp32): the memory report of one real step of rank 0.
+268435456 --remat.policy full`` (bf16, FSDP over the 8 context-parallel ranks): the memory
+report of one real step of rank 0. Under fake mode every score tile is a few dozen Python-level
+ops, so the run's time grows with the number of tiles: tiles of 2^28 scores (2896 x 2896 for
+32 heads; 1 GiB in fp32) make 64x fewer than the default 2^22 (4x fewer than 2^26) and count a larger
+transient tile in the peak (an upper bound for smaller tiles).
 """
 
 from __future__ import annotations
@@ -210,7 +223,7 @@ def main() -> None:
     p.add_argument("--gloo-layers", type=int, default=1)
     p.add_argument("--gloo-heads", type=int, default=2)
     p.add_argument("--algorithm", choices=["ring", "allgather"], default="ring")
-    p.add_argument("--steps", type=int, default=2, help="timed gloo steps (after one warm-up)")
+    p.add_argument("--steps", type=int, default=1, help="timed gloo steps (after one warm-up)")
     p.add_argument(
         "--recipe-tile-scores",
         type=int,

@@ -258,7 +258,7 @@ def _check_context_parallel(cfg: JobConfig, dims: ParallelDims, model_config: An
         if used:
             raise ValueError(
                 f"parallel.cp={dims.cp} does not compose with {feature} yet; context "
-                "parallelism composes with parallel.dp_shard, dp_replicate and tp (set "
+                "parallelism composes with parallel.dp_shard, dp_replicate, tp, pp and ep (set "
                 "parallel.cp=1 to use it)"
             )
 
