@@ -9,6 +9,8 @@ Shapes: B sequences, P prompt tokens, T response tokens, V vocabulary.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -56,17 +58,23 @@ def sequence_logprobs(
     response_mask: torch.Tensor,
     *,
     temperature: float = 1.0,
+    images: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """The trainer's log-prob ``(B, T)`` of every masked-in response token (0 elsewhere).
 
     One forward of ``model`` (any ``titan_rl.CausalLM``: a titan_models model, a transformers
     model) over the right-padded ``prompt + response`` rows; response token ``t`` of row ``b``
-    is predicted by the logits at ``starts[b] + t - 1``. Differentiable.
+    is predicted by the logits at ``starts[b] + t - 1``. Differentiable. ``images``: the
+    vision-language model's image keyword arguments for the rows' prompts (as the generator
+    got them, ``RolloutBatch.model_images``).
     """
     seq_BS, starts = pack_sequences(prompts, responses, response_mask)
     weight = next(iter(model.parameters()), None) if isinstance(model, nn.Module) else None
     device = weight.device if weight is not None else responses.device
-    logits_BSV = causal_lm_logits(model, seq_BS.to(device))
+    extra = {}
+    if images is not None:
+        extra = {k: v.to(device) if torch.is_tensor(v) else v for k, v in images.items()}
+    logits_BSV = causal_lm_logits(model, seq_BS.to(device), **extra)
     B, T = responses.shape
     index_BT = (starts[:, None] - 1 + torch.arange(T)).clamp(max=seq_BS.shape[1] - 1)
     logits_BTV = logits_BSV[torch.arange(B, device=device)[:, None], index_BT.to(device)]

@@ -86,6 +86,20 @@ class ImageProcessor:
         return out["pixel_values"].float(), grid
 
 
+def image_question_ids(
+    tokenizer: Tokenizer,
+    question: str,
+    placeholders: int,
+    image_token_id: int,
+    vision_ids: tuple[int, int],
+) -> list[int]:
+    """``<bos> <vision_start> <image>×placeholders <vision_end> question " "``: the prompt of a
+    sample, which its answer follows (in training and in RL prompts alike)."""
+    start, end = vision_ids
+    body = [tokenizer.bos_id, start, *[image_token_id] * placeholders, end]
+    return body + tokenizer.encode(question + " ")
+
+
 @dataclass(frozen=True, slots=True)
 class _Encoded:
     tokens: list[int]
@@ -173,9 +187,7 @@ class ImageTextLoader:
         t, h, w = grid
         n = t * h * w // self.processor.merge**2
         tok = self.tokenizer
-        start, end = self.vision_ids
-        prompt = [tok.bos_id, start, *[self.image_token_id] * n, end]
-        prompt += tok.encode(sample.question + " ")
+        prompt = image_question_ids(tok, sample.question, n, self.image_token_id, self.vision_ids)
         answer = tok.encode(sample.answer)
         tokens = prompt + answer + [tok.eos_id]
         # the target at position p is token p + 1: answer tokens and <eos> carry the loss
