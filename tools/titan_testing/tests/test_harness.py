@@ -126,3 +126,61 @@ def test_script_calling_the_harness_from_main_does_not_respawn_itself(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[2.0, 2.0]"
+
+
+_KILLED_PARENT_SCRIPT = """
+import os, sys, time
+import torch.distributed as dist
+from titan_testing import run_distributed
+
+def hang(pid_file):
+    with open(f"{pid_file}.{dist.get_rank()}", "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+
+if __name__ == "__main__":
+    run_distributed(hang, 2, sys.argv[1], timeout=600)
+"""
+
+
+def test_ranks_exit_when_the_harness_process_is_killed_without_cleanup(tmp_path):
+    # `timeout pytest ...` (SIGTERM) or SIGKILL ends the harness without its `finally`; the
+    # ranks live in their own sessions, so they must notice on their own.
+    script, pid_file = tmp_path / "script.py", str(tmp_path / "pids")
+    script.write_text(_KILLED_PARENT_SCRIPT)
+    parent = subprocess.Popen([sys.executable, str(script), pid_file], cwd=tmp_path)
+    deadline = time.monotonic() + 90
+    while not all(Path(f"{pid_file}.{r}").exists() for r in range(2)):
+        assert time.monotonic() < deadline and parent.poll() is None
+        time.sleep(0.2)
+    ranks = [int(Path(f"{pid_file}.{r}").read_text()) for r in range(2)]
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while any(_pid_alive(p) for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_pid_alive(p) for p in ranks)
+
+
+_UNGUARDED_SCRIPT = """
+import torch.distributed as dist
+from titan_testing import run_distributed
+
+def rank():
+    return dist.get_rank()
+
+print(run_distributed(rank, 2, timeout=60))
+"""
+
+
+def test_a_script_calling_the_harness_at_import_fails_instead_of_spawning_recursively(tmp_path):
+    # Each rank imports the function's module again: without a main guard, every rank would
+    # call the harness and spawn ranks of its own, without end.
+    script = tmp_path / "script.py"
+    script.write_text(_UNGUARDED_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert out.returncode != 0
+    assert "run_distributed called inside rank" in out.stderr
+    assert '__name__ == "__main__"' in out.stderr

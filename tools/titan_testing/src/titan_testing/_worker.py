@@ -9,6 +9,8 @@ import os
 import pickle
 import signal
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 from types import ModuleType
@@ -57,7 +59,22 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _exit_with_parent(parent: int) -> None:
+    """Exit when the process that started this rank is gone: a rank lives in its own session
+    (so the harness can kill its group), and a harness killed without running its cleanup
+    (``timeout``'s SIGTERM, SIGKILL) would otherwise leave it running, e.g. blocked in a
+    collective, for ever."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="titan-testing-parent-watch", daemon=True).start()
+
+
 def main() -> None:
+    _exit_with_parent(os.getppid())
     payload_path, rank_s, result_path, error_path, stacks_path = sys.argv[1:6]
     rank = int(rank_s)
     stacks_file = open(stacks_path, "w")  # noqa: SIM115 - must outlive this frame

@@ -132,6 +132,13 @@ def run_distributed(
     With ``init_process_group=False`` no group is formed, and ``MASTER_ADDR``/``MASTER_PORT``
     point to a free port for code that initialises its own.
     """
+    if (outer := os.environ.get(_RANK_ENV)) is not None:
+        raise RuntimeError(
+            f"run_distributed called inside rank {outer} of another run_distributed: the module "
+            "that defines the function calls the harness when it is imported (each rank imports "
+            "it again, and would spawn ranks of its own); put the call under "
+            '`if __name__ == "__main__":` or in a test function'
+        )
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"run_distributed: world_size must be an int >= 1, got {world_size!r}")
     if backend not in _BACKENDS:
@@ -183,6 +190,10 @@ def run_distributed(
         return [pickle.loads(r.result_path.read_bytes()) for r in ranks]
 
 
+_RANK_ENV = "TITAN_TESTING_RANK"
+"""Set in every rank's environment: a rank that calls ``run_distributed`` again is refused."""
+
+
 def _free_port() -> int:
     import socket
 
@@ -209,6 +220,7 @@ def _start_rank(
         MASTER_PORT=str(port),
         PYTHONUNBUFFERED="1",
     )
+    child_env[_RANK_ENV] = str(rank)
     if env:
         child_env.update(env)
     result_path = tmpdir / f"result_{rank}.pkl"
