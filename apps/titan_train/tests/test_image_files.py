@@ -135,8 +135,7 @@ def test_bad_local_records_are_errors_naming_them_or_counted_skips(tmp_path):
         ImageFilesSource(paths=(str(root),), split="validation", rank=1, world_size=2)
 
 
-@pytest.mark.slow  # ~20-40 s on the shared 2-core machine
-def test_vision_language_recipe_trains_on_a_local_imagefolder(tmp_path):
+def test_vision_language_recipe_trains_on_a_local_imagefolder(tmp_path):  # ~3 s (2 steps)
     root = _write_dataset(tmp_path, n=12)
     argv = [
         "--output-dir", str(tmp_path), "--name", "vl", "--data.source", "image_files",
