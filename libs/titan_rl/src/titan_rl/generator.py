@@ -111,7 +111,9 @@ class Generator(Protocol):
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]
     ) -> Generation:
-        """Sample one response per prompt; row ``i`` uses ``seeds[i]``."""
+        """Sample one response per prompt; row ``i`` uses ``seeds[i]``. A generator for a
+        vision-language model also takes ``images=`` (its image keyword arguments, rows in
+        order); rollouts pass it only for prompts with images."""
         ...
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
