@@ -2,10 +2,11 @@
 
 A context-parallel rank holds the zig-zag chunks of every row of its data-parallel rank's
 batch, so CP 2 and CP 2 x TP 2 read the data of one process: their first-step loss equals the
-single-process run's. CP 2 x DP-shard 2 reads the data of DP 2: its first-step loss equals one
-process computing the loss of the two ranks' batches. CP 2 x PP 2 (a dense model) and Qwen3-MoE
-under CP 2 x PP 2 x EP 2 read one process's data, Qwen3-MoE under CP 2 x DP-shard 2 x EP 4 that
-of DP 2. Loss falls in every layout. One spawn per world size; bad input is rejected by
+single-process run's, and so does the hybrid Qwen3.5's (Gated DeltaNet layers) at CP 2. CP 2 x
+DP-shard 2 reads the data of DP 2: its first-step loss equals one process computing the loss of
+the two ranks' batches. CP 2 x PP 2 (a dense model) and Qwen3-MoE under CP 2 x PP 2 x EP 2 read
+one process's data, Qwen3-MoE under CP 2 x DP-shard 2 x EP 4 that of DP 2. Loss falls in every
+layout. One spawn per world size (the composed layouts: one more); bad input is rejected by
 ``prepare`` before any work.
 """
 
@@ -31,11 +32,14 @@ COMMON = [
     "--metrics.log-every", "3",
     "--metrics.peak-flops", "1e11",
 ]  # fmt: skip
+QWEN3_5 = ["--model.family", "qwen3_5", "--model.flavor", "debug"]
 WORLD2 = {
     "cp2": ["--parallel.cp", "2", "--parallel.dp-shard", "1", "--metrics.validate-every", "3"],
     "cp2_allgather": [
         "--parallel.cp", "2", "--parallel.dp-shard", "1", "--parallel.cp-algorithm", "allgather",
     ],
+    # Hybrid: Gated DeltaNet layers pass their state and conv inputs across the shards.
+    "cp2_qwen3_5": [*QWEN3_5, "--parallel.cp", "2", "--parallel.dp-shard", "1"],
 }  # fmt: skip
 PP2 = ["--parallel.pp", "2", "--parallel.pp-microbatches", "2"]
 MOE = ["--model.family", "qwen3_moe"]
@@ -92,6 +96,7 @@ def runs(tmp_path_factory):
     got = run_distributed(_train_cases, 2, out + "/w2", WORLD2, timeout=600)[0]
     got |= run_distributed(_train_cases, 4, out + "/w4", WORLD4, timeout=600)[0]
     got["single"] = train(_cfg(out, "single", "--metrics.validate-every", "3"))["losses"]
+    got["single_qwen3_5"] = train(_cfg(out, "single_qwen3_5", *QWEN3_5))["losses"]
     got["dp2_reference_step1"] = _first_step_loss_of_global_batch(out, 2)
     got["validation"] = {n: _validation_losses(out, n) for n in ("single", "w2/cp2")}
     return got
@@ -122,6 +127,10 @@ def test_context_parallel_layouts_train_like_one_process(runs):
         _falls(runs[name])
         # The same tokens and updates with attention split over ranks: close every step.
         torch.testing.assert_close(runs[name], single, rtol=0, atol=5e-3)
+    hybrid, single_hybrid = runs["cp2_qwen3_5"], runs["single_qwen3_5"]
+    assert abs(hybrid[0] - single_hybrid[0]) <= 1e-5, (hybrid[0], single_hybrid[0])
+    _falls(hybrid)
+    torch.testing.assert_close(hybrid, single_hybrid, rtol=0, atol=5e-3)
     assert abs(runs["cp2_dp2"][0] - runs["dp2_reference_step1"]) <= 1e-5
     _falls(runs["cp2_dp2"])
     # Validation sums every shard's tokens over the context-parallel group.
@@ -176,9 +185,10 @@ def test_context_parallel_composes_with_pipeline_and_expert_parallelism(composed
             "parallel.cp=2 does not compose with remat.policy='selective' yet",
         ),
         (
-            ["--model.family", "qwen3_5", "--parallel.cp", "2"],
-            2,
-            "parallel.cp=2 does not compose with linear-attention layers",
+            ["--model.family", "qwen3_5", "--parallel.cp", "4", "--training.seq-len", "16"],
+            4,
+            "parallel.cp=4 splits training.seq_len=16 into chunks of 2 tokens, shorter than "
+            "the linear-attention conv window's 3 earlier inputs",
         ),
     ],
 )

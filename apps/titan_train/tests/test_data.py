@@ -101,6 +101,25 @@ def test_local_jsonl_files_through_datasets(tmp_path):
     assert batch.input_ids.shape == (8, 16)
 
 
+def test_validation_documents_stay_out_of_every_shuffled_epoch(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(40)))
+
+    def split(name: str, epoch: int) -> list[str]:
+        src = DocumentSource(
+            kind="files", split=name, paths=(str(path),), validation_fraction=0.25, seed=3
+        )
+        return list(src.documents(epoch=epoch))
+
+    val = split("validation", 0)
+    assert val == [f"doc {i}" for i in range(0, 40, 4)]
+    assert sorted(split("validation", 2)) == sorted(val)
+    for epoch in (1, 2):
+        train = split("train", epoch)
+        assert train != split("train", 0)  # reshuffled
+        assert sorted(train) == sorted(split("train", 0)) and not set(train) & set(val)
+
+
 def test_bad_data_inputs_name_the_field(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         DocumentSource(kind="files", split="train", paths=(str(tmp_path / "nope.jsonl"),))

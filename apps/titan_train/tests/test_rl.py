@@ -4,6 +4,7 @@ pre-train + GRPO run goes end to end (the full accuracy runs: docs/benchmarks/ti
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -19,6 +20,7 @@ from titan_train.rl import (
     main,
     pretraining_job,
     run_rl,
+    shapes_grpo,
     validate_rl,
 )
 
@@ -75,6 +77,43 @@ def test_pretraining_run_is_named_for_its_corpus_options():
     assert pretraining_job(recipe).data.arithmetic_slip_rate == recipe.init_slip_rate
 
 
+def test_shapes_prompts_carry_their_images_laid_out_as_the_training_samples():
+    import titan_models
+    from titan_train.data.image_text import ImageProcessor, ImageTextLoader, ShapesSource
+    from titan_train.rl_tasks import ShapesTask
+
+    pytest.importorskip("transformers")
+    config = titan_models.get_model("qwen3_vl", "debug")[1]
+    tok = ByteTokenizer()
+    task = ShapesTask(tok, config, split="train", seed=3)
+    unit = config.vision.patch_size * config.vision.spatial_merge_size
+    samples = ShapesSource(split="train", unit=unit, seed=3).samples(5)
+    loader = ImageTextLoader(
+        ShapesSource(split="train", unit=unit, seed=3),
+        tok,
+        ImageProcessor(config.vision, min_pixels=1024, max_pixels=64 * 64),
+        seq_len=128,
+        batch_size=1,
+        image_token_id=config.image_token_id,
+        vision_start_id=config.vision_start_token_id,
+        vision_end_id=config.vision_end_token_id,
+    )
+    for prompt, (name, sample) in zip(task.prompts(5, 3), samples, strict=False):
+        encoded = loader.encode(name, sample)  # the pre-training sample: prompt + answer + eos
+        answer = [*tok.encode(sample.answer), tok.eos_id]
+        assert encoded.tokens == prompt.ids + answer and prompt.answer == sample.answer
+        assert torch.equal(prompt.images.pixel_values, encoded.pixels)
+        assert prompt.images.grids == (encoded.grid,)
+        assert task.score(prompt, answer).score == 1.0
+        assert task.score(prompt, [*tok.encode("x"), tok.eos_id]).score == 0.0
+    again = ShapesSource(split="train", unit=unit, seed=3).samples(5)
+    assert task.kinds(5, 3) == [s.kind for _, s in itertools.islice(again, 3)]
+    job = pretraining_job(shapes_grpo())
+    assert job.data.source == "shapes" and job.checkpoint.export_hf
+    with pytest.raises(ValueError, match="task='shapes': init_recipe 'llama3_debug' pre-trains"):
+        pretraining_job(RLConfig(task="shapes"))
+
+
 def test_cli_rejects_an_unknown_recipe_and_a_bad_value(capsys):
     assert main(["--recipe", "nope"]) == 2
     assert "arith_grpo" in capsys.readouterr().err
@@ -114,6 +153,34 @@ def test_short_pretrain_then_grpo_runs_end_to_end(tmp_path):
     assert again["accuracy_before"] == summary["accuracy_before"]
     with pytest.raises(ValueError, match="already holds a finished RL run"):
         run_rl(cfg)
+
+
+@pytest.mark.slow
+def test_short_pretrain_then_grpo_on_shapes_with_images_runs_end_to_end(tmp_path):
+    """A 2-step qwen3_vl_debug pre-training run, then 2 GRPO steps on shapes questions with the
+    pictures in the prompts: the generator's log-probs of the sampled tokens equal the
+    trainer's forward with the same images (sync mode: same weights) within 1e-4."""
+    torch.set_num_threads(1)
+    cfg = dataclasses.replace(
+        shapes_grpo(),
+        output_dir=str(tmp_path),
+        init_steps=2,
+        steps=2,
+        num_prompts=2,
+        group_size=2,
+        heldout_count=6,
+        eval_every=0,
+        time_budget_s=0.0,
+    )
+    summary = run_rl(cfg)
+    assert summary["steps"] == 2 and 0.0 <= summary["accuracy_after"] <= 1.0
+    assert set(summary["after"]) >= {"accuracy"}
+    lines = (tmp_path / "shapes_grpo" / "metrics.jsonl").read_text().splitlines()
+    train = [json.loads(x) for x in lines if json.loads(x)["split"] == "train"]
+    assert len(train) == 2
+    for m in train:
+        assert m["max_abs_logprob_diff"] <= 1e-4, m["max_abs_logprob_diff"]
+    assert (tmp_path / "shapes_grpo" / "hf" / "config.json").is_file()
 
 
 def test_titan_train_rl_subcommand_reaches_the_rl_cli(capsys):

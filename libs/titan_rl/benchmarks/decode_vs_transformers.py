@@ -11,9 +11,9 @@ Engines: TorchGenerator decodes through the model's own forward, ``model(tokens,
 kv_cache=cache)`` over a static KV cache: eager, with ``compile_decode=True`` (one compiled
 graph per step: the forward and the sampler), and in batch-invariant mode. transformers runs
 with its default dynamic cache (eager) and with ``cache_implementation="static"`` plus its own
-``torch.compile`` of the forward (``CompileConfig``, forced on CPU). ``--cpu-rowwise`` adds the
-compiled engine under ``RowwiseLinear`` (below): a CPU-only trick kept here, not in the
-library, to state its gain. Compiles happen in the untimed warm-up; the script prints the
+``torch.compile`` of the forward (``CompileConfig``, forced on CPU). The compiled engine also
+runs with ``cpu_rowwise_linear=True``, the library's CPU-only opt-in (the step's linears traced
+as products and sums, ``titan_rl.cpu_decode``), to state its gain. Compiles happen in the untimed warm-up; the script prints the
 dynamo graph count before and after the timed rounds (equal: no recompiles while timing).
 
     uv run python libs/titan_rl/benchmarks/decode_vs_transformers.py --rounds 7 --threads 2
@@ -22,7 +22,6 @@ dynamo graph count before and after the timed rounds (equal: no recompiles while
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import tempfile
@@ -32,43 +31,15 @@ from collections.abc import Callable
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-import torch.nn.functional as F
 from torch._dynamo.utils import counters
-from torch.overrides import TorchFunctionMode
 
 import titan_models
 from titan_rl import SamplingParams, TorchGenerator
 
 
-class RowwiseLinear(TorchFunctionMode):
-    """CPU-only: ``F.linear`` over 2..32 rows as ``(x[:, None, :] * W).sum(-1)``.
-
-    Traced into a compiled step, Inductor emits a vectorised dot-product kernel that splits
-    the weight rows over the threads and fuses with the norm, activation and residual around
-    it, where a GEMM library gains little from a second thread at M = 8. Meant for tracing only:
-    run eagerly it materialises the ``(M, N, K)`` product. Not in the library (it serves small
-    CPUs, not accelerators); this benchmark states its gain.
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear and torch.compiler.is_compiling():
-            x, weight = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            x_MK = x.reshape(-1, x.shape[-1])
-            if 2 <= x_MK.shape[0] <= 32:
-                out_MN = (x_MK[:, None, :] * weight).sum(-1)
-                out_MN = out_MN if bias is None else out_MN + bias
-                return out_MN.view(*x.shape[:-1], weight.shape[0])
-        return func(*args, **kwargs)
-
-
-def _ours(
-    gen: TorchGenerator, prompts: list[list[int]], new_tokens: int, *, rowwise: bool = False
-) -> torch.Tensor:
+def _ours(gen: TorchGenerator, prompts: list[list[int]], new_tokens: int) -> torch.Tensor:
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
-    with RowwiseLinear() if rowwise else contextlib.nullcontext():
-        return gen.generate(prompts, params, [0] * len(prompts)).tokens
+    return gen.generate(prompts, params, [0] * len(prompts)).tokens
 
 
 def _theirs(
@@ -105,7 +76,6 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--cpu-rowwise", action="store_true", help="add the RowwiseLinear engine")
     p.add_argument("--no-compile", action="store_true", help="eager engines only")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -125,8 +95,8 @@ def main() -> None:
     prompts = torch.randint(0, 2048, (args.batch, args.prompt_len), generator=g).tolist()
     n = args.new_tokens
 
-    def ours(gen: TorchGenerator, *, rowwise: bool = False) -> Callable[[], torch.Tensor]:
-        return lambda: _ours(gen, prompts, n, rowwise=rowwise)
+    def ours(gen: TorchGenerator) -> Callable[[], torch.Tensor]:
+        return lambda: _ours(gen, prompts, n)
 
     engines = {
         "TorchGenerator": ours(TorchGenerator(model)),
@@ -135,10 +105,9 @@ def main() -> None:
     }
     if not args.no_compile:
         engines["TorchGenerator, compile_decode"] = ours(TorchGenerator(model, compile_decode=True))
-        if args.cpu_rowwise:
-            engines["TorchGenerator, compile_decode + RowwiseLinear (CPU trick)"] = ours(
-                TorchGenerator(model, compile_decode=True), rowwise=True
-            )
+        engines["TorchGenerator, compile_decode + cpu_rowwise_linear (CPU opt-in)"] = ours(
+            TorchGenerator(model, compile_decode=True, cpu_rowwise_linear=True)
+        )
         engines["transformers generate, static cache + compile"] = lambda: _theirs(
             hf_model, prompts, n, compiled=True
         )

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import titan_models
 from titan_rl import (
@@ -15,6 +17,7 @@ from titan_rl import (
     batch_invariant,
     sequence_logprobs,
 )
+from titan_rl.cpu_decode import RowwiseLinear
 from titan_rl.generator import _noise, _sample
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -142,6 +145,12 @@ def test_bad_sampling_input_is_refused(tiny_model):
         TorchGenerator(gen.model, batch_invariant=True, compile_decode=True)
     with pytest.raises(ValueError, match="compile_decode=True needs a titan_models Transformer"):
         TorchGenerator(AsCausalLM(gen.model), compile_decode=True)
+    with pytest.raises(ValueError, match="cpu_rowwise_linear=True .* needs compile_decode=True"):
+        TorchGenerator(gen.model, cpu_rowwise_linear=True)
+    with pytest.raises(ValueError, match=r"parameters on \['meta'\]"):
+        TorchGenerator(
+            copy.deepcopy(gen.model).to("meta"), compile_decode=True, cpu_rowwise_linear=True
+        )
 
 
 class AsCausalLM(torch.nn.Module):
@@ -208,6 +217,27 @@ def test_compiled_decode_equals_eager_and_compiles_once(model_factory):
     check(compiled.generate(PROMPTS, params, seeds=[1, 2, 3]), changed)
     assert counters["stats"]["unique_graphs"] == 1
     assert sum(counters["graph_break"].values()) == 0
+
+
+@pytest.mark.slow  # one torch.compile of the decode step (30-70 s on a shared 2-core machine)
+def test_cpu_rowwise_linear_decodes_like_eager(model_factory):
+    """The CPU opt-in traces the step's linears as products and sums: same greedy tokens as
+    the eager model, log-probs within fp32 rounding, and the products really are in the
+    graph (no extern GEMM left but the head's, whose rows are the batch too)."""
+    torch._dynamo.reset()
+    model = model_factory(num_layers=2)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    want = TorchGenerator(model).generate(PROMPTS, params, seeds=[1, 2, 3])
+    gen = TorchGenerator(model, compile_decode=True, cpu_rowwise_linear=True)
+    got = gen.generate(PROMPTS, params, seeds=[1, 2, 3])
+    assert torch.equal(got.tokens, want.tokens)
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-5)
+    with RowwiseLinear():
+        linear = torch.compile(lambda x, w: F.linear(x, w), fullgraph=True)
+        x, w = torch.randn(3, 16), torch.randn(5, 16)
+        out, code = torch._inductor.utils.run_and_get_code(linear, x, w)
+    assert not any("extern_kernels.mm(" in c for c in code)  # products and sums, not a GEMM
+    torch.testing.assert_close(out, F.linear(x, w), rtol=0, atol=1e-5)
 
 
 def test_generation_validate_catches_mismatched_lengths():

@@ -138,12 +138,13 @@ class CommConfig:
 class DataConfig:
     """Where training text comes from and how it is tokenized."""
 
-    source: Literal["arithmetic", "files", "shapes"] = "arithmetic"
+    source: Literal["arithmetic", "files", "shapes", "image_files"] = "arithmetic"
     """arithmetic: the built-in generated corpus; files: local json/jsonl/parquet/text;
     shapes: the built-in image-text corpus (pictures of shapes, questions with checkable
-    answers) for vision-language models."""
+    answers) for vision-language models; image_files: a local image-text dataset (HF
+    ``datasets``: an imagefolder, or json/jsonl/parquet with image paths)."""
     paths: tuple[str, ...] = ()
-    """Local data files for source=files."""
+    """Local data files for source=files / image_files (or one imagefolder folder)."""
     text_field: str = "text"
     """Field holding the text in json/jsonl/parquet records."""
     tokenizer: str = "byte"
@@ -163,6 +164,15 @@ class DataConfig:
     skip_too_long: bool = False
     """Image-text data: count and skip a sample longer than training.seq_len instead of
     stopping with an error naming it."""
+    skip_bad_images: bool = False
+    """Image-text data: count and skip a sample whose image cannot be decoded or is over
+    image_max_pixels instead of stopping with an error naming it."""
+    image_field: str = "image"
+    """source=image_files: the column holding the image (path or bytes)."""
+    question_field: str = "question"
+    """source=image_files: the column holding the question text."""
+    answer_field: str = "answer"
+    """source=image_files: the column holding the answer text (the loss is on it)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -325,8 +335,10 @@ def validate(cfg: JobConfig) -> None:
     if not 0.0 < s.wsd_decay_fraction <= 1.0:
         raise ValueError(f"lr_schedule.wsd_decay_fraction={s.wsd_decay_fraction} must be in (0, 1]")
     d = cfg.data
-    if d.source == "files" and not d.paths:
-        raise ValueError("data.paths is empty: data.source='files' needs at least one file")
+    if d.source in ("files", "image_files") and not d.paths:
+        raise ValueError(
+            f"data.paths is empty: data.source={d.source!r} needs at least one file or folder"
+        )
     if not 0 < d.image_min_pixels <= d.image_max_pixels:
         raise ValueError(
             f"data.image_min_pixels={d.image_min_pixels} must be in (0, data.image_max_pixels="

@@ -251,8 +251,6 @@ def _check_context_parallel(cfg: JobConfig, dims: ParallelDims, model_config: An
         "remat.policy='selective'": cfg.remat.policy == "selective",
         f"model.family={cfg.model.family!r} (compressed attention)": cfg.model.family
         == "deepseek_v4",
-        "linear-attention layers (Gated DeltaNet / KDA)": "linear_attention"
-        in _layer_types(model_config),
     }
     for feature, used in not_yet.items():
         if used:
@@ -261,6 +259,23 @@ def _check_context_parallel(cfg: JobConfig, dims: ParallelDims, model_config: An
                 "parallelism composes with parallel.dp_shard, dp_replicate, tp, pp and ep (set "
                 "parallel.cp=1 to use it)"
             )
+    _check_linear_attention_chunks(cfg, dims, model_config)
+
+
+def _check_linear_attention_chunks(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:
+    """A linear-attention layer's short conv reads the ``kernel - 1`` inputs before each
+    context-parallel chunk from the chunk before it: a chunk must be at least that long."""
+    if "linear_attention" not in _layer_types(model_config):
+        return
+    chunk = cfg.training.seq_len // (2 * dims.cp)
+    halo = getattr(model_config, "linear_conv_kernel_dim", 1) - 1
+    if chunk < halo:
+        raise ValueError(
+            f"parallel.cp={dims.cp} splits training.seq_len={cfg.training.seq_len} into chunks "
+            f"of {chunk} tokens, shorter than the linear-attention conv window's {halo} "
+            f"earlier inputs (linear_conv_kernel_dim={halo + 1}); use training.seq_len >= "
+            f"{2 * dims.cp * halo}"
+        )
 
 
 def _layer_types(model_config: Any) -> tuple[str, ...]:

@@ -1,4 +1,5 @@
-"""``titan-train rl``: GRPO post-training (titan_rl) of the built-in arithmetic model.
+"""``titan-train rl``: GRPO post-training (titan_rl) of the built-in arithmetic model, or of a
+vision-language model on the shapes questions (``task='shapes'``, images in the prompts).
 
 The starting weights are those of a pre-training recipe's run (``<output_dir>/<run>/hf``, the
 HF export of e.g. ``titan-train --recipe llama3_debug --checkpoint.export-hf``, with the corpus
@@ -36,10 +37,13 @@ from titan_train.data.tokenizers import ByteTokenizer
 
 @dataclass(kw_only=True, slots=True)
 class RLConfig:
-    """A GRPO post-training job on the built-in arithmetic task."""
+    """A GRPO post-training job on a built-in task."""
 
     name: str = "arith_grpo"
     """Run name: outputs go to <output_dir>/<name>/."""
+    task: Literal["arithmetic", "shapes"] = "arithmetic"
+    """arithmetic: the built-in problems; shapes: questions about pictures of shapes (images
+    in the prompt; init_recipe a vision-language one on data.source=shapes)."""
     output_dir: str = "runs"
     """Folder that holds run folders (the pre-training run's too)."""
     init_recipe: str = "llama3_debug"
@@ -122,9 +126,27 @@ def arith_grpo() -> RLConfig:
     return cfg
 
 
+def shapes_grpo() -> RLConfig:
+    """GRPO of the qwen3_vl_debug model (its default pre-training run, made first if absent)
+    on the shapes questions, images in the prompts."""
+    return RLConfig(
+        name="shapes_grpo",
+        task="shapes",
+        init_recipe="qwen3_vl_debug",
+        steps=100,
+        num_prompts=8,
+        group_size=4,
+        lr=1e-5,
+        max_new_tokens=8,
+        heldout_count=128,
+        eval_every=25,
+    )
+
+
 RL_RECIPES: dict[str, Callable[[], RLConfig]] = {
     "arith_grpo": arith_grpo,
     "arith_grpo_clean": arith_grpo_clean,
+    "shapes_grpo": shapes_grpo,
 }
 
 
@@ -173,6 +195,12 @@ def pretraining_job(cfg: RLConfig) -> JobConfig:
     if cfg.reverse_answer:
         job.data.arithmetic_reverse_answer = True
         job.name = f"{job.name}_rev"
+    wanted = "shapes" if cfg.task == "shapes" else "arithmetic"
+    if job.data.source != wanted:
+        raise ValueError(
+            f"task={cfg.task!r}: init_recipe {cfg.init_recipe!r} pre-trains on "
+            f"data.source={job.data.source!r}, not {wanted!r}"
+        )
     job.output_dir = cfg.output_dir
     job.checkpoint.export_hf = True
     job.metrics.tensorboard = False
@@ -202,6 +230,56 @@ def arithmetic_problems(cfg: RLConfig, seed: int) -> Callable[[int], Problem]:
     return problem
 
 
+def _task_and_evaluation(
+    cfg: RLConfig, tokenizer: ByteTokenizer, model: torch.nn.Module
+) -> tuple[titan_rl.Task, Callable[[], dict[str, float]]]:
+    """The RL task of ``cfg.task`` and its held-out evaluation: greedy answers of the trainer's
+    own model (outside the rollout generator, which may lag), accuracy and its breakdown."""
+    params = titan_rl.SamplingParams(
+        max_new_tokens=cfg.max_new_tokens, temperature=0.0, stop_token_ids=(tokenizer.eos_id,)
+    )
+
+    def greedy(prompts: list[titan_rl.Prompt]) -> list[list[int]]:
+        gen = titan_rl.TorchGenerator(model, batch_invariant=cfg.batch_invariant)
+        images = titan_rl.batch_images([p.images for p in prompts])
+        kwargs = {} if images is None else {"images": images}
+        out = gen.generate([p.ids for p in prompts], params, list(range(len(prompts))), **kwargs)
+        out.validate(len(prompts))
+        return out.responses()
+
+    if cfg.task == "shapes":
+        from titan_train.rl_tasks import ShapesTask
+
+        task = ShapesTask(tokenizer, model.config, split="train", seed=cfg.train_seed)
+        heldout = ShapesTask(tokenizer, model.config, split="validation", seed=cfg.heldout_seed)
+        shapes_prompts = heldout.prompts(0, cfg.heldout_count)
+        kinds = heldout.kinds(0, cfg.heldout_count)
+
+        def evaluate_shapes() -> dict[str, float]:
+            responses = greedy(shapes_prompts)
+            scores = [
+                heldout.score(p, r).score for p, r in zip(shapes_prompts, responses, strict=True)
+            ]
+            return heldout.breakdown(kinds, scores)
+
+        return task, evaluate_shapes
+
+    task = titan_rl.ExactMatchTask(
+        tokenizer, arithmetic_problems(cfg, cfg.train_seed), digit_credit=cfg.digit_credit
+    )
+    heldout = titan_rl.ExactMatchTask(tokenizer, arithmetic_problems(cfg, cfg.heldout_seed))
+    problems = [heldout.problem(i) for i in range(cfg.heldout_count)]
+    prompts = heldout.prompts(0, cfg.heldout_count)
+
+    def evaluate() -> dict[str, float]:
+        # A response without EOS is no answer (the task's score says "truncated").
+        eos = tokenizer.eos_id
+        answers = [heldout.completion_text(r) if eos in r else "" for r in greedy(prompts)]
+        return answer_breakdown(problems, answers, reverse_answer=cfg.reverse_answer)
+
+    return task, evaluate
+
+
 def run_rl(cfg: RLConfig) -> dict[str, Any]:
     """Post-train with GRPO; returns the summary (accuracy before/after, steps, seconds)."""
     validate_rl(cfg)
@@ -217,10 +295,7 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
 
-    task = titan_rl.ExactMatchTask(
-        tokenizer, arithmetic_problems(cfg, cfg.train_seed), digit_credit=cfg.digit_credit
-    )
-    heldout = titan_rl.ExactMatchTask(tokenizer, arithmetic_problems(cfg, cfg.heldout_seed))
+    task, evaluate = _task_and_evaluation(cfg, tokenizer, model)
     stop = (tokenizer.eos_id,)
     grpo = titan_rl.GRPOConfig(
         num_prompts=cfg.num_prompts,
@@ -237,23 +312,6 @@ def run_rl(cfg: RLConfig) -> dict[str, Any]:
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     trainer = titan_rl.GRPOTrainer(model, optimizer, task, grpo)
-    eval_params = titan_rl.SamplingParams(
-        max_new_tokens=cfg.max_new_tokens, temperature=0.0, stop_token_ids=stop
-    )
-
-    problems = [heldout.problem(i) for i in range(cfg.heldout_count)]
-    prompts = heldout.prompts(0, cfg.heldout_count)
-
-    def evaluate() -> dict[str, float]:
-        # The trainer's own model, greedy, outside the rollout generator (which may lag).
-        gen = titan_rl.TorchGenerator(model, batch_invariant=cfg.batch_invariant)
-        out = gen.generate([p.ids for p in prompts], eval_params, list(range(len(prompts))))
-        out.validate(len(prompts))
-        # A response without EOS is no answer (the task's score says "truncated").
-        answers = [
-            heldout.completion_text(r) if tokenizer.eos_id in r else "" for r in out.responses()
-        ]
-        return answer_breakdown(problems, answers, reverse_answer=cfg.reverse_answer)
 
     metrics_file = (run_dir / "metrics.jsonl").open("w")
     first = evaluate()

@@ -36,6 +36,7 @@ from titan_train.checkpointing import (
 )
 from titan_train.components import apply_overrides, parse_overrides
 from titan_train.config import JobConfig, validate
+from titan_train.data.image_files import ImageFilesSource
 from titan_train.data.image_text import ImageProcessor, ImageTextLoader, ShapesSource
 from titan_train.data.packing import IGNORE_INDEX, Batch, PackedLoader
 from titan_train.data.sources import DocumentSource
@@ -94,9 +95,9 @@ def check_supported(cfg: JobConfig, dims: ParallelDims) -> None:
             "model.overrides output=chunked_cross_entropy needs parallel.pp=1 and parallel.tp=1 "
             "(the head must see whole rows of the vocabulary and the labels)"
         )
-    if (dims.pp > 1 or dims.cp > 1) and cfg.data.source == "shapes":
+    if (dims.pp > 1 or dims.cp > 1) and cfg.data.source in _IMAGE_TEXT:
         raise ValueError(
-            "data.source='shapes' with parallel.pp > 1 or parallel.cp > 1 is not supported "
+            f"data.source={cfg.data.source!r} with parallel.pp > 1 or parallel.cp > 1 is not supported "
             "yet: pipeline stages and sequence shards take token ids only, not the images "
             "(use parallel.pp=1, parallel.cp=1)"
         )
@@ -263,7 +264,10 @@ def train_step(
     return StepResult(total / dims.dp_cp, norm, counts, skipped)
 
 
-def _image_text_loader(cfg: JobConfig, tokenizer: Tokenizer, source: ShapesSource) -> Any:
+_IMAGE_TEXT = ("shapes", "image_files")
+
+
+def _image_text_loader(cfg: JobConfig, tokenizer: Tokenizer, source: Any) -> Any:
     """An ``ImageTextLoader`` over ``source`` for the job's model (its image processor and
     special tokens)."""
     _, config = model_config(cfg, tokenizer)
@@ -281,28 +285,34 @@ def _image_text_loader(cfg: JobConfig, tokenizer: Tokenizer, source: ShapesSourc
         vision_start_id=config.vision_start_token_id,
         vision_end_id=config.vision_end_token_id,
         skip_too_long=d.skip_too_long,
+        skip_bad_images=d.skip_bad_images,
     )
 
 
-def _shapes_sources(
+def _image_text_sources(
     cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_size: int
-) -> tuple[Any, ShapesSource]:
+) -> tuple[Any, ShapesSource | ImageFilesSource]:
     _, config = model_config(cfg, tokenizer)
     vision = getattr(config, "vision", None)
+    d = cfg.data
     if vision is None:
         raise ValueError(
-            f"data.source='shapes' needs a vision-language model; {cfg.model.family} has no "
+            f"data.source={d.source!r} needs a vision-language model; {cfg.model.family} has no "
             "vision tower (e.g. --model.family qwen3_vl)"
         )
-    common = dict(
-        unit=vision.patch_size * vision.spatial_merge_size,
-        seed=cfg.training.seed,
-        validation_fraction=cfg.data.validation_fraction,
-        rank=dp_rank,
-        world_size=dp_size,
-    )
-    train = ShapesSource(split="train", **common)
-    val = ShapesSource(split="validation", **common)
+    common = dict(validation_fraction=d.validation_fraction, rank=dp_rank, world_size=dp_size)
+    if d.source == "shapes":
+        unit = vision.patch_size * vision.spatial_merge_size
+        common |= dict(unit=unit, seed=cfg.training.seed)
+        train, val = (ShapesSource(split=s, **common) for s in ("train", "validation"))
+    else:
+        common |= dict(
+            paths=d.paths,
+            image_field=d.image_field,
+            question_field=d.question_field,
+            answer_field=d.answer_field,
+        )
+        train, val = (ImageFilesSource(split=s, **common) for s in ("train", "validation"))
     return _image_text_loader(cfg, tokenizer, train), val
 
 
@@ -312,8 +322,8 @@ def _loaders(
     """This data-parallel rank's training stream (every ``dp_size``-th document) and its
     validation source."""
     d, t = cfg.data, cfg.training
-    if d.source == "shapes":
-        return _shapes_sources(cfg, tokenizer, dp_rank, dp_size)
+    if d.source in _IMAGE_TEXT:
+        return _image_text_sources(cfg, tokenizer, dp_rank, dp_size)
     common = dict(
         kind=d.source,
         seed=t.seed,
@@ -559,7 +569,7 @@ def _validate(
     """Mean validation loss over every data-parallel rank's batches (under pipelining: the
     schedule's forward actions only), and the answer accuracy of image-text data."""
     t = cfg.training
-    if isinstance(val_src, ShapesSource):
+    if isinstance(val_src, (ShapesSource, ImageFilesSource)):
         val_loader = _image_text_loader(cfg, tokenizer, val_src)
     else:
         val_loader = PackedLoader(val_src, tokenizer, seq_len=t.seq_len, batch_size=t.batch_size)

@@ -31,8 +31,10 @@ from .rewards import (
 )
 from .rollout import (
     Prompt,
+    PromptImages,
     RolloutBatch,
     Task,
+    batch_images,
     collect_rollouts,
     evaluate_accuracy,
     rollout_seed,
@@ -56,6 +58,7 @@ __all__ = [
     "LossConfig",
     "LossOutput",
     "Prompt",
+    "PromptImages",
     "RewardResult",
     "RolloutBatch",
     "SamplingParams",
@@ -68,6 +71,7 @@ __all__ = [
     "TorchGenerator",
     "__version__",
     "aggregate",
+    "batch_images",
     "batch_invariant",
     "boxed_math_reward",
     "causal_lm_logits",

@@ -29,9 +29,10 @@ class CausalLM(Protocol):
         ...
 
 
-def causal_lm_logits(model: CausalLM, input_ids: torch.Tensor) -> torch.Tensor:
-    """``model(input_ids)``'s logits ``(B, S, V)``, from a tensor or an output's ``.logits``."""
-    out = model(input_ids)
+def causal_lm_logits(model: CausalLM, input_ids: torch.Tensor, **inputs: Any) -> torch.Tensor:
+    """``model(input_ids, **inputs)``'s logits ``(B, S, V)``, from a tensor or an output's
+    ``.logits`` (``inputs``: e.g. a vision-language model's images)."""
+    out = model(input_ids, **inputs)
     logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
     if not isinstance(logits, torch.Tensor):
         raise TypeError(

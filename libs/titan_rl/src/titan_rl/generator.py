@@ -27,6 +27,7 @@ from titan_models import KVCache, Transformer
 
 from .batch_invariant import batch_invariant
 from .causal_lm import causal_lm_logits
+from .cpu_decode import RowwiseLinear
 from .logprobs import token_logprobs
 
 
@@ -110,7 +111,9 @@ class Generator(Protocol):
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]
     ) -> Generation:
-        """Sample one response per prompt; row ``i`` uses ``seeds[i]``."""
+        """Sample one response per prompt; row ``i`` uses ``seeds[i]``. A generator for a
+        vision-language model also takes ``images=`` (its image keyword arguments, rows in
+        order); rollouts pass it only for prompts with images."""
         ...
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
@@ -127,6 +130,7 @@ class TorchGenerator:
         *,
         batch_invariant: bool = False,
         compile_decode: bool = False,
+        cpu_rowwise_linear: bool = False,
         weight_version: int = 0,
     ) -> None:
         """``model``: a titan_models ``Transformer`` (the fast path: its own forward over a
@@ -138,6 +142,10 @@ class TorchGenerator:
         size, capacity bucket (``_CAPACITY_BUCKET`` tokens) and sampling setting; the prefill
         stays eager. Transformer only; not with ``batch_invariant`` (fused kernels round
         differently from the trainer's forward).
+
+        ``cpu_rowwise_linear``: CPU-only opt-in for ``compile_decode``: the decode step's
+        linears traced as products and sums (``titan_rl.cpu_decode.RowwiseLinear``), which
+        Inductor turns into threaded dot-product loops; the model's forward is unchanged.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -155,9 +163,18 @@ class TorchGenerator:
                 "TorchGenerator: compile_decode=True cannot be combined with batch_invariant=True "
                 "(compiled kernels do not keep the invariant reduction order)"
             )
+        if cpu_rowwise_linear:
+            where = {p.device.type for p in model.parameters()}
+            if not compile_decode or where != {"cpu"}:
+                raise ValueError(
+                    "TorchGenerator: cpu_rowwise_linear=True is a CPU kernel choice for the "
+                    "compiled decode step: it needs compile_decode=True and a model on the CPU "
+                    f"(got compile_decode={compile_decode}, parameters on {sorted(where)})"
+                )
         self.model = model
         self.batch_invariant = batch_invariant
         self.compile_decode = compile_decode
+        self._linear_mode = RowwiseLinear if cpu_rowwise_linear else nullcontext
         self.weight_version = weight_version
         self._lock = threading.Lock()
         step = functools.partial(_decode_step, model)
@@ -283,7 +300,8 @@ class TorchGenerator:
         logits_BV = model.head(h_BPD[torch.arange(B, device=h_BPD.device), lengths_B - 1])
 
         def step(tokens_B1: torch.Tensor, noise_BV: torch.Tensor | None) -> _Sampled:
-            return self._decode_step(tokens_B1, cache, params, noise_BV)
+            with self._linear_mode():
+                return self._decode_step(tokens_B1, cache, params, noise_BV)
 
         return logits_BV, step
 

@@ -161,15 +161,15 @@ class GRPOTrainer:
         self.model.train()
         old = ref = None
         if c.num_minibatches > 1:  # the proximal policy must be fixed before the first update
-            old = self._logprobs(self.model, batch.prompts, gen, slice(None), grad=False)
+            old = self._logprobs(self.model, batch, slice(None), grad=False)
         if self.ref_model is not None:
-            ref = self._logprobs(self.ref_model, batch.prompts, gen, slice(None), grad=False)
+            ref = self._logprobs(self.ref_model, batch, slice(None), grad=False)
 
         size = rows // c.num_minibatches
         losses, norms, clipped, kls, first_logprobs = [], [], [], [], None
         for start in range(0, rows, size):
             mb = slice(start, start + size)
-            logprobs = self._logprobs(self.model, batch.prompts, gen, mb, grad=True)
+            logprobs = self._logprobs(self.model, batch, mb, grad=True)
             if first_logprobs is None:
                 first_logprobs = logprobs.detach()
             out = grpo_loss(
@@ -204,15 +204,17 @@ class GRPOTrainer:
             "reward_statuses": batch.status_counts(),
         }
 
-    def _logprobs(self, model, prompts, gen, rows: slice, *, grad: bool) -> torch.Tensor:
+    def _logprobs(self, model, batch: RolloutBatch, rows: slice, *, grad: bool) -> torch.Tensor:
         mode = batch_invariant() if self.config.batch_invariant else nullcontext()
+        gen = batch.generation
         with mode, torch.set_grad_enabled(grad):
             return sequence_logprobs(
                 model,
-                prompts[rows],
+                batch.prompts[rows],
                 gen.tokens[rows],
                 gen.mask[rows],
                 temperature=self.config.sampling.temperature,
+                images=batch.model_images(rows),
             )
 
     def _optimizer_step(self) -> float:

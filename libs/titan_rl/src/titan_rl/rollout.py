@@ -4,14 +4,19 @@ A task hands out prompts by index and scores a response; ``collect_rollouts`` sa
 ``group_size`` responses per prompt with seeds fixed by ``(seed, step, row)`` (so a rollout
 batch is reproducible whichever thread or mode produced it) and scores them, turning a reward
 function that raises into a logged ``error`` reward of 0 instead of a crashed run.
+
+A prompt may carry images (``PromptImages``, for a vision-language model): the generator gets
+the batch's images in row order with the prompts (``generate(..., images=)``), and the batch
+keeps each row's images so the trainer recomputes its log-probs with the same pixels.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -22,11 +27,43 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
+class PromptImages:
+    """The images at a prompt's placeholder tokens, as the model's image processor gives them."""
+
+    pixel_values: torch.Tensor
+    """``(patches, patch_dim)``: the flattened patches of every image of the prompt, in order."""
+    grids: tuple[tuple[int, int, int], ...]
+    """The patch grid ``(t, h, w)`` of each image."""
+
+    def __post_init__(self) -> None:
+        patches = sum(t * h * w for t, h, w in self.grids)
+        if self.pixel_values.dim() != 2 or self.pixel_values.shape[0] != patches:
+            raise ValueError(
+                f"PromptImages: pixel_values of shape {tuple(self.pixel_values.shape)} must be "
+                f"(patches, patch_dim) with {patches} patches for grids {self.grids}"
+            )
+
+
+def batch_images(images: Sequence[PromptImages | None]) -> dict[str, Any] | None:
+    """A vision-language model's keyword arguments (``pixel_values``, ``image_grid_thw``) for
+    the images of rows in order; ``None`` when no row has any."""
+    mine = [x for x in images if x is not None and x.grids]
+    if not mine:
+        return None
+    return {
+        "pixel_values": torch.cat([x.pixel_values for x in mine]),
+        "image_grid_thw": [g for x in mine for g in x.grids],
+    }
+
+
+@dataclass(frozen=True, slots=True)
 class Prompt:
     """A prompt as token ids plus what its reward needs (for example the expected answer)."""
 
     ids: list[int]
     answer: str
+    images: PromptImages | None = None
+    """The images at the prompt's placeholder tokens (vision-language models), if any."""
 
 
 @runtime_checkable
@@ -56,6 +93,12 @@ class RolloutBatch:
     """``(rows,)`` scores."""
     statuses: list[str]
     """Each row's ``RewardResult.status``."""
+    images: tuple[PromptImages | None, ...] = ()
+    """Each row's prompt images (empty: no row has any)."""
+
+    def model_images(self, rows: slice = slice(None)) -> dict[str, Any] | None:
+        """The model's image keyword arguments for ``rows`` (``None`` without images)."""
+        return batch_images(self.images[rows])
 
     @property
     def weight_version(self) -> int:
@@ -89,7 +132,8 @@ def collect_rollouts(
     rows = [p for p in prompts for _ in range(group_size)]
     ids = [p.ids for p in rows]
     seeds = [rollout_seed(seed, step, i) for i in range(len(rows))]
-    generation = generator.generate(ids, sampling, seeds)
+    images = tuple(p.images for p in rows) if any(p.images for p in rows) else ()
+    generation = generator.generate(ids, sampling, seeds, **_image_kwargs(images))
     generation.validate(len(rows))  # a broken generator must not reach the loss
     results = [_safe_score(task, p, r) for p, r in zip(rows, generation.responses(), strict=True)]
     return RolloutBatch(
@@ -98,7 +142,14 @@ def collect_rollouts(
         generation=generation,
         rewards=torch.tensor([r.score for r in results], dtype=torch.float32),
         statuses=[r.status for r in results],
+        images=images,
     )
+
+
+def _image_kwargs(images: Sequence[PromptImages | None]) -> dict[str, Any]:
+    # Only a batch with images passes the keyword: text-only generators need not take it.
+    found = batch_images(images)
+    return {} if found is None else {"images": found}
 
 
 def _safe_score(task: Task, prompt: Prompt, response: list[int]) -> RewardResult:
@@ -121,7 +172,8 @@ def evaluate_accuracy(
     With ``params.temperature == 0`` (greedy) this is the task's accuracy on those prompts.
     """
     prompts = task.prompts(start, count)
-    out = generator.generate([p.ids for p in prompts], params, list(range(count)))
+    images = _image_kwargs([p.images for p in prompts])
+    out = generator.generate([p.ids for p in prompts], params, list(range(count)), **images)
     out.validate(count)
     scores = [task.score(p, r).score for p, r in zip(prompts, out.responses(), strict=True)]
     return sum(scores) / count

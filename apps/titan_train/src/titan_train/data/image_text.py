@@ -10,7 +10,13 @@ Packing: samples are placed whole, in order, into rows of ``S`` tokens (vision p
 counted); a sample that does not fit the rest of a row starts the next one and the rest is
 padding (its own document, no loss). Every sample is one document (``document_ids``), so
 attention never crosses samples; the multimodal positions restart in each. A sample longer
-than ``S`` is an error naming it (or, with ``skip_too_long``, counted and skipped).
+than ``S`` is an error naming it (or, with ``skip_too_long``, counted and skipped); so is an
+image that cannot be decoded or is over the pixel budget (``skip_bad_images``), and a question
+or answer whose tokens include the image placeholder.
+
+Sources: ``ShapesSource`` (the built-in corpus) and ``image_files.ImageFilesSource`` (local
+files through HF ``datasets``); each yields ``(name, sample)`` with ``image``, ``question`` and
+``answer``.
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ from titan_train.data.packing import IGNORE_INDEX, Batch, ImageInputs
 from titan_train.data.shapes import ShapesSample, shapes_sample
 from titan_train.data.sources import _is_validation
 from titan_train.data.tokenizers import Tokenizer
+
+
+class _BadImage(ValueError):
+    """An image that cannot be decoded or is over the pixel budget (skippable)."""
 
 
 class ImageProcessor:
@@ -62,18 +72,32 @@ class ImageProcessor:
         naming the sample for an unreadable image or one over the pixel budget."""
         size = getattr(image, "size", None)
         if size is None:
-            raise ValueError(f"{name}: not a readable image ({type(image).__name__})")
+            raise _BadImage(f"{name}: not a readable image ({type(image).__name__})")
         if size[0] * size[1] > self.max_pixels:
-            raise ValueError(
+            raise _BadImage(
                 f"{name}: image of {size[0]}x{size[1]} = {size[0] * size[1]} pixels exceeds "
                 f"data.image_max_pixels={self.max_pixels}"
             )
         try:
             out = self._processor(images=[image.convert("RGB")], return_tensors="pt")
         except Exception as e:  # PIL / processor errors on a corrupt image
-            raise ValueError(f"{name}: the image processor cannot read this image ({e})") from e
+            raise _BadImage(f"{name}: the image processor cannot read this image ({e})") from e
         grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
         return out["pixel_values"].float(), grid
+
+
+def image_question_ids(
+    tokenizer: Tokenizer,
+    question: str,
+    placeholders: int,
+    image_token_id: int,
+    vision_ids: tuple[int, int],
+) -> list[int]:
+    """``<bos> <vision_start> <image>×placeholders <vision_end> question " "``: the prompt of a
+    sample, which its answer follows (in training and in RL prompts alike)."""
+    start, end = vision_ids
+    body = [tokenizer.bos_id, start, *[image_token_id] * placeholders, end]
+    return body + tokenizer.encode(question + " ")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +145,7 @@ class ImageTextLoader:
 
     def __init__(
         self,
-        source: ShapesSource,
+        source: Any,
         tokenizer: Tokenizer,
         processor: ImageProcessor,
         *,
@@ -131,7 +155,9 @@ class ImageTextLoader:
         vision_start_id: int,
         vision_end_id: int,
         skip_too_long: bool = False,
+        skip_bad_images: bool = False,
     ) -> None:
+        """``source``: ``ShapesSource`` or ``ImageFilesSource`` (``samples(start)``)."""
         if seq_len < 2:
             raise ValueError(f"training.seq_len={seq_len} must be >= 2")
         self.source, self.tokenizer, self.processor = source, tokenizer, processor
@@ -141,27 +167,38 @@ class ImageTextLoader:
         self.skip_too_long = skip_too_long
         self.skipped = 0
         """Samples skipped because they are longer than a row (``skip_too_long``)."""
+        self.skip_bad_images = skip_bad_images
+        self.skipped_images = 0
+        """Samples skipped for an undecodable or over-budget image (``skip_bad_images``)."""
         self._consumed = 0  # samples of this rank placed in emitted batches (or skipped)
-        self._stream: Iterator[tuple[str, ShapesSample]] | None = None
+        self._stream: Iterator[tuple[str, Any]] | None = None
         self._carry: _Encoded | None = None
 
     def __iter__(self) -> ImageTextLoader:
         return self
 
-    def encode(self, name: str, sample: ShapesSample) -> _Encoded:
-        """Tokens, targets and pixels of one sample."""
-        pixels, grid = self.processor(sample.image, name=name)
+    def encode(self, name: str, sample: Any) -> _Encoded:
+        """Tokens, targets and pixels of one sample (``image``, ``question``, ``answer``)."""
+        try:
+            image = sample.image
+        except Exception as e:  # datasets / PIL decoding a corrupt or missing file
+            raise _BadImage(f"{name}: cannot decode the image ({e})") from e
+        pixels, grid = self.processor(image, name=name)
         t, h, w = grid
         n = t * h * w // self.processor.merge**2
         tok = self.tokenizer
-        start, end = self.vision_ids
-        prompt = [tok.bos_id, start, *[self.image_token_id] * n, end]
-        prompt += tok.encode(sample.question + " ")
+        prompt = image_question_ids(tok, sample.question, n, self.image_token_id, self.vision_ids)
         answer = tok.encode(sample.answer)
         tokens = prompt + answer + [tok.eos_id]
         # the target at position p is token p + 1: answer tokens and <eos> carry the loss
         labels = [IGNORE_INDEX] * (len(prompt) - 1) + answer + [tok.eos_id, IGNORE_INDEX]
         is_answer = [False] * (len(prompt) - 1) + [True] * len(answer) + [False, False]
+        if tokens.count(self.image_token_id) != n:
+            raise ValueError(
+                f"{name}: its question or answer holds image placeholder token "
+                f"{self.image_token_id}: {tokens.count(self.image_token_id)} placeholders for "
+                f"one image of {n} tokens"
+            )
         return _Encoded(tokens, labels, is_answer, pixels, grid)
 
     def _next_sample(self) -> _Encoded | None:
@@ -171,7 +208,14 @@ class ImageTextLoader:
         if self._stream is None:
             self._stream = self.source.samples(self._consumed)
         name, raw = next(self._stream)
-        encoded = self.encode(name, raw)
+        try:
+            encoded = self.encode(name, raw)
+        except _BadImage:
+            if not self.skip_bad_images:
+                raise
+            self.skipped_images += 1
+            self._consumed += 1
+            return None
         if len(encoded.tokens) > self.seq_len:
             if not self.skip_too_long:
                 vision = encoded.tokens.count(self.image_token_id)
@@ -193,7 +237,7 @@ class ImageTextLoader:
             row, length = [], 0
             while True:
                 sample = self._next_sample()
-                if sample is None:  # skipped (too long)
+                if sample is None:  # skipped (too long, or a bad image)
                     continue
                 if length + len(sample.tokens) > S:
                     self._carry = sample
@@ -245,9 +289,14 @@ class ImageTextLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain ints that restore the stream exactly (a carried sample is made again)."""
-        return {"consumed": self._consumed, "skipped": self.skipped}
+        return {
+            "consumed": self._consumed,
+            "skipped": self.skipped,
+            "skipped_images": self.skipped_images,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where the stream that produced ``state`` stopped."""
         self._consumed, self.skipped = int(state["consumed"]), int(state["skipped"])
+        self.skipped_images = int(state.get("skipped_images", 0))
         self._stream, self._carry = None, None

@@ -18,6 +18,10 @@ Split = Literal["train", "validation"]
 _FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 
 
+_INDEX = "__titan_record_index__"
+"""The field a record's position in the files carries through an epoch's shuffle."""
+
+
 def _is_validation(index: int, fraction: float) -> bool:
     # Every k-th document is held out, k = 1 / fraction: deterministic and cheap to test.
     return fraction > 0 and index % max(1, round(1 / fraction)) == 0
@@ -58,22 +62,27 @@ class DocumentSource:
         """This rank's documents of ``epoch`` from its ``start``-th one on, then end."""
         in_split = (
             text
-            for i, text in enumerate(self._all_documents(epoch))
+            for i, text in self._all_documents(epoch)
             if _is_validation(i, self.validation_fraction) == (self.split == "validation")
         )
         mine = itertools.islice(in_split, self.rank, None, self.world_size)
         return itertools.islice(mine, start, None)
 
-    def _all_documents(self, epoch: int) -> Iterator[str]:
+    def _all_documents(self, epoch: int) -> Iterator[tuple[int, str]]:
+        """``(index in the corpus, text)``: the index, not the position in an epoch's
+        shuffled order, decides the split, so validation documents stay out of every epoch."""
         if self.kind == "arithmetic":
             # Infinite: epochs never end, so the epoch only reseeds nothing.
             return (
-                arithmetic_problem(
-                    self.seed, i, slip_rate=self.slip_rate, reverse_answer=self.reverse_answer
-                ).text
+                (
+                    i,
+                    arithmetic_problem(
+                        self.seed, i, slip_rate=self.slip_rate, reverse_answer=self.reverse_answer
+                    ).text,
+                )
                 for i in itertools.count()
             )
-        return (self._text(rec) for rec in self._records(epoch))
+        return ((rec.pop(_INDEX), self._text(rec)) for rec in self._records(epoch))
 
     def _records(self, epoch: int) -> Iterator[dict]:
         import datasets
@@ -81,6 +90,7 @@ class DocumentSource:
         ds = datasets.load_dataset(
             self._format, data_files=list(self.paths), split="train", streaming=True
         )
+        ds = ds.map(lambda _, i: {_INDEX: i}, with_indices=True)  # before any shuffle
         if epoch:
             ds = ds.shuffle(seed=self.seed + epoch, buffer_size=10_000)
         return iter(ds)

@@ -6,7 +6,8 @@ tokens). Under a causal mask a rank's early chunk sees few keys and its late chu
 every rank computes the same number of scores (exactly, for plain causal attention).
 
 Everything except attention is per token, so a model runs on its shard unchanged; only
-attention reads other ranks' keys and values. Two algorithms:
+attention reads other ranks' keys and values (linear-attention layers pass their recurrent
+state and conv inputs along the chunks instead: ``linear_attention.context_parallel``). Two algorithms:
 
 - ``ring``: the ``K/V`` blocks travel round the ring (rank r sends to r + 1), the next block's
   transfer overlapping the current block's compute: memory O(S / cp). In backward the blocks

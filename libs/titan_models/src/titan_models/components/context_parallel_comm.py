@@ -1,7 +1,8 @@
-"""The three collectives of a context-parallel group, each started at once and waited on
-later, so a transfer overlaps the compute issued between (async ``isend``/``irecv`` through
-``batch_isend_irecv``, async all-gather and reduce-scatter). Any ``torch.distributed`` backend:
-NCCL, gloo, or the fake backend of scale tests."""
+"""The collectives of a context-parallel group, each started at once and waited on later, so a
+transfer overlaps the compute issued between (async ``isend``/``irecv`` through
+``batch_isend_irecv``, async all-gather and reduce-scatter; the point-to-point ``send`` and
+``recv`` that pass linear-attention states along the chain of chunks). Any
+``torch.distributed`` backend: NCCL, gloo, or the fake backend of scale tests."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ class GroupComm:
         self._batched = True
         if self.size > 1:
             pg = group if group is not None else dist.group.WORLD
+            self._global = [dist.get_global_rank(pg, r) for r in range(self.size)]
             self._next = dist.get_global_rank(pg, (self.rank + 1) % self.size)
             self._prev = dist.get_global_rank(pg, (self.rank - 1) % self.size)
 
@@ -89,3 +91,13 @@ class GroupComm:
                 self._batched = False
         works = [dist.isend(x, self._next, self.group), dist.irecv(out, self._prev, self.group)]
         return _Pending(works, out, x)
+
+    def send(self, x: torch.Tensor, to: int) -> _Pending:
+        """Send ``x`` to rank ``to`` of the group (matched by its ``recv``)."""
+        x = x.contiguous()
+        return _Pending([dist.isend(x, self._global[to], self.group)], x, x)
+
+    def recv(self, like: torch.Tensor, source: int) -> _Pending:
+        """A tensor of ``like``'s shape and dtype from rank ``source`` of the group."""
+        out = torch.empty_like(like, memory_format=torch.contiguous_format)
+        return _Pending([dist.irecv(out, self._global[source], self.group)], out, out)

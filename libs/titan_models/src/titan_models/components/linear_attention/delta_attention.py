@@ -26,6 +26,7 @@ from ..attention_metadata import AttentionMetadata
 from ..init import Constant, Init, InverseSoftplusLogUniform, LogUniform, Normal, prefixed
 from ..kv_cache import LayerRecurrentState, StateSpec
 from ..norm import GatedRMSNorm
+from .context_parallel import sharded_delta_rule, sharded_short_convs
 from .delta_rule import chunk_delta_rule, document_segments, recurrent_delta_rule
 from .short_conv import ShortConvolution
 
@@ -82,17 +83,15 @@ class DeltaRuleAttention(nn.Module):
         kv_cache: LayerRecurrentState | None = None,
     ) -> torch.Tensor:
         """``rope`` is unused (positions enter through the recurrence); the packed documents
-        of ``meta`` (its ``starts``) restart the state at every document boundary."""
-        if meta is not None and meta.context_parallel is not None:
-            raise ValueError(
-                "linear-attention layers (Gated DeltaNet / KDA) do not run under context "
-                "parallelism yet (their state would have to pass between the shards); set "
-                "the model's context_parallel to None"
-            )
+        of ``meta`` (its ``starts``) restart the state at every document boundary. On a
+        context-parallel shard (``meta.context_parallel``) the conv windows and the state
+        cross the shard edges (``linear_attention.context_parallel``)."""
         B, S, _ = x_BSD.shape
+        shard = meta.context_parallel if meta is not None else None
         # A document's start index is constant over it and changes at every boundary: it
-        # serves as the document id of the chunked form (no host sync).
-        document_ids = meta.starts if meta is not None else None
+        # serves as the document id of the chunked form (no host sync). On a
+        # context-parallel shard the starts are global (``context_parallel``).
+        document_ids = meta.starts if shard is None and meta is not None else None
         if kv_cache is not None and document_ids is not None:
             raise ValueError(
                 "document_ids cannot be combined with a KV cache in a model with "
@@ -107,9 +106,16 @@ class DeltaRuleAttention(nn.Module):
         def conv(module: ShortConvolution, x_BSC: torch.Tensor, state) -> torch.Tensor:
             return module(x_BSC, segments_BS=segments_BS, state_BCW=state, lengths_B=lengths_B)
 
-        q_BSHK = conv(self.conv_q, self.wq(x_BSD), conv_states[0]).view(B, S, -1, K)
-        k_BSHK = conv(self.conv_k, self.wk(x_BSD), conv_states[1]).view(B, S, -1, K)
-        v_BSHV = conv(self.conv_v, self.wv(x_BSD), conv_states[2]).view(B, S, -1, V)
+        convs = (self.conv_q, self.conv_k, self.conv_v)
+        inputs = (self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD))
+        if shard is not None:  # each chunk's window reaches into the chunk before it
+            q_BSC, k_BSC, v_BSC = sharded_short_convs(shard, convs, inputs)
+        else:
+            q_BSC, k_BSC, v_BSC = (
+                conv(m, x, state) for m, x, state in zip(convs, inputs, conv_states, strict=True)
+            )
+        q_BSHK, k_BSHK = q_BSC.view(B, S, -1, K), k_BSC.view(B, S, -1, K)
+        v_BSHV = v_BSC.view(B, S, -1, V)
         q_BSHK, k_BSHK = l2_normalize(q_BSHK), l2_normalize(k_BSHK)
         group = v_BSHV.shape[2] // q_BSHK.shape[2]  # value heads per key head
         if group > 1:
@@ -122,7 +128,11 @@ class DeltaRuleAttention(nn.Module):
             g = g * (real_BS[..., None, None] if g.dim() == 4 else real_BS[..., None])
 
         args = (q_BSHK, k_BSHK, v_BSHV, g, beta_BSH)
-        if kv_cache is None:
+        if shard is not None:  # the state passes along the chain of chunks
+            o_BSHV = sharded_delta_rule(
+                shard, *args, scale=K**-0.5, chunk_size=self.chunk_size, backend=self.backend
+            )
+        elif kv_cache is None:
             o_BSHV, _ = chunk_delta_rule(
                 *args,
                 scale=K**-0.5,
