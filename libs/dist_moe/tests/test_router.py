@@ -232,6 +232,49 @@ def test_sequence_aux_loss_matches_formula_and_reaches_the_gate_through_moe_back
     torch.testing.assert_close(grad_attached, moe.router.gate.weight.grad, rtol=1e-5, atol=1e-8)
 
 
+def _split_sequence_aux_loss(x: torch.Tensor) -> tuple[float, torch.Tensor, int]:
+    import torch.distributed as dist
+
+    from dist_moe import sequence_parallel_balance
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(4)
+    rc = RouterConfig(num_experts=8, top_k=2, score_func="sigmoid", seq_aux_loss_coef=0.01)
+    router = TopKRouter(16, rc)
+    router.reset_parameters(std=0.3)
+    router.train()
+    set_ = sequence_parallel_balance(router, dist.group.WORLD)
+    s = x.shape[1] // n
+    # Zig-zag-like: the rank holds two pieces of each row, not one run of it.
+    pieces = [x[:, i * s // 2 : (i + 1) * s // 2] for i in (rank, 2 * n - 1 - rank)]
+    local = torch.cat(pieces, dim=1).reshape(-1, 16)
+    aux = router(local, seq_len=s).aux_loss
+    aux.backward()
+    return aux.item(), router.gate.weight.grad, set_
+
+
+def test_sequence_aux_loss_over_a_sequence_split_across_ranks_equals_whole_sequences():
+    """Context parallelism: the ranks' losses average to the whole rows' loss, and their
+    gradients average (as data parallelism does) to its gradient."""
+    from titan_testing import run_distributed
+
+    x = torch.randn(3, 16, 16, generator=torch.Generator().manual_seed(0))
+    results = run_distributed(_split_sequence_aux_loss, 2, x, timeout=120)
+    torch.manual_seed(4)
+    rc = RouterConfig(num_experts=8, top_k=2, score_func="sigmoid", seq_aux_loss_coef=0.01)
+    router = TopKRouter(16, rc)
+    router.reset_parameters(std=0.3)
+    router.train()
+    ref = router(x.reshape(-1, 16), seq_len=16).aux_loss
+    ref.backward()
+    assert [r[2] for r in results] == [1, 1]
+    mean_aux = sum(r[0] for r in results) / 2
+    assert abs(mean_aux - ref.item()) <= 1e-7, (mean_aux, ref.item())
+    mean_grad = sum(r[1] for r in results) / 2
+    torch.testing.assert_close(mean_grad, router.gate.weight.grad, rtol=0, atol=1e-7)
+    assert not torch.allclose(results[0][1], results[1][1])  # each rank's own tokens
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [

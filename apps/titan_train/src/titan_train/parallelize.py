@@ -342,6 +342,10 @@ def parallelize(
         )
     for part in pm.parts:
         part.context_parallel = pm.context_parallel
+        if dims.cp > 1:  # the balance loss counts each row's experts over its CP shards
+            import dist_moe
+
+            dist_moe.sequence_parallel_balance(part, pm.group("cp"))
         if dims.tp > 1:
             _apply_tensor_parallel(part, plan.tensor_parallel, meshes["tp"])
         if dims.ep > 1:

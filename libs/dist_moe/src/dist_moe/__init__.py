@@ -22,6 +22,7 @@ from dist_moe.router import (
     TopKRouter,
     expert_load,
     hash_expert_table,
+    sequence_parallel_balance,
     update_expert_biases,
 )
 from dist_moe.symm_mem import SymmMemDispatcher
@@ -60,6 +61,7 @@ __all__ = [
     "permute",
     "permute_rows",
     "plan_permutation",
+    "sequence_parallel_balance",
     "swap_hf_moe_blocks",
     "unpermute",
     "unpermute_and_combine",

@@ -59,6 +59,7 @@ __all__ = [
     "TopKRouter",
     "expert_load",
     "hash_expert_table",
+    "sequence_parallel_balance",
     "update_expert_biases",
 ]
 
@@ -218,6 +219,9 @@ class TopKRouter(nn.Module):
             if not table.is_meta:
                 table = hash_expert_table(config.hash_vocab_size, config.num_experts, config.top_k)
             self.register_buffer("expert_table", table)
+        # The ranks each sequence's tokens are split over (context parallelism); see
+        # ``sequence_parallel_balance``. None: every rank holds whole sequences.
+        self.sequence_group: dist.ProcessGroup | None = None
 
     @property
     def is_hash(self) -> bool:
@@ -340,6 +344,14 @@ class TopKRouter(nn.Module):
         hits_BE.scatter_add_(
             1, indices_TK.reshape(b, s * k), torch.ones(b, s * k, device=scores_TE.device)
         )
+        group = self.sequence_group
+        if group is not None and dist.get_world_size(group) > 1:
+            # Each rank holds s of the row's s * n tokens: f_e counts the whole row, and
+            # P_e stays this rank's mean, so the ranks' losses average to the row's loss and
+            # each rank's gradient is the row loss's gradient for its tokens, times n (the
+            # data-parallel gradient average over the n ranks takes it back).
+            dist.all_reduce(hits_BE, group=group)
+            s = s * dist.get_world_size(group)
         f_BE = hits_BE * (e / (k * s))
         p_BE = norm_BSE.mean(1)
         return cfg.seq_aux_loss_coef * (f_BE * p_BE).sum(-1).mean()
@@ -412,3 +424,14 @@ def update_expert_biases(module: nn.Module, group: dist.ProcessGroup | None = No
             m.update_bias(group)
             n += 1
     return n
+
+
+def sequence_parallel_balance(module: nn.Module, group: dist.ProcessGroup | None) -> int:
+    """Tell every ``TopKRouter`` in ``module`` that each sequence's tokens are split over
+    ``group`` (context parallelism), so the sequence-wise balance loss counts expert hits over
+    whole sequences (one all-reduce of a ``(B, E)`` count per MoE layer and step). ``None``
+    undoes it. Returns the number of routers set."""
+    routers = [m for m in module.modules() if isinstance(m, TopKRouter)]
+    for router in routers:
+        router.sequence_group = group
+    return len(routers)
