@@ -217,6 +217,11 @@ def test_compiled_decode_equals_eager_and_compiles_once(model_factory):
     check(compiled.generate(PROMPTS, params, seeds=[1, 2, 3]), changed)
     assert counters["stats"]["unique_graphs"] == 1
     assert sum(counters["graph_break"].values()) == 0
+    # The step's guards skip the model's module attributes only: other sampling settings
+    # are a new graph, not the old one reused.
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
+    check(compiled.generate(PROMPTS, greedy, [1, 2, 3]), eager.generate(PROMPTS, greedy, [1, 2, 3]))
+    assert counters["stats"]["unique_graphs"] == 2
 
 
 @pytest.mark.slow  # one torch.compile of the decode step (30-70 s on a shared 2-core machine)
