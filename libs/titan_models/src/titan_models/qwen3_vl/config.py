@@ -158,10 +158,12 @@ def vision_flops(config: Any, grids: Sequence[Sequence[int]]) -> int:
     return 6 * (per_patch * patches + per_merged * merged) + 12 * v.num_layers * v.dim * attention
 
 
-@dataclass(kw_only=True, slots=True)
-class Qwen3VLConfig(Qwen3Config):
-    """Qwen3-VL dense: the Qwen3 decoder with interleaved M-RoPE, reading images through the
-    vision tower (placeholders replaced, DeepStack features added after the first layers)."""
+@dataclass(kw_only=True)
+class VisionLanguageFields:
+    """The fields and tower FLOPs a Qwen3-VL config adds to its text decoder's (dense or MoE):
+    a slot-free base, so both slotted config classes share it."""
+
+    __slots__ = ()
 
     vision: Qwen3VLVisionConfig
     """The vision tower."""
@@ -178,13 +180,19 @@ class Qwen3VLConfig(Qwen3Config):
     vision_end_token_id: int = 151_653
     """``<|vision_end|>``, after them."""
 
-    def __post_init__(self) -> None:
-        Qwen3Config.__post_init__(self)
-        check_vision_language_fields(self)
-
     def vision_flops(self, grids: Sequence[Sequence[int]]) -> int:
         """Forward + backward FLOPs of the vision tower (``titan_models.vision_flops``)."""
         return vision_flops(self, grids)
+
+
+@dataclass(kw_only=True, slots=True)
+class Qwen3VLConfig(Qwen3Config, VisionLanguageFields):
+    """Qwen3-VL dense: the Qwen3 decoder with interleaved M-RoPE, reading images through the
+    vision tower (placeholders replaced, DeepStack features added after the first layers)."""
+
+    def __post_init__(self) -> None:
+        Qwen3Config.__post_init__(self)
+        check_vision_language_fields(self)
 
 
 _VOCAB = 151_936

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..components import RopeConfig
@@ -11,38 +10,19 @@ from ..qwen3_vl.config import (
     DEBUG_TOKENS,
     DEBUG_VISION,
     Qwen3VLVisionConfig,
+    VisionLanguageFields,
     check_vision_language_fields,
-    vision_flops,
 )
 
 
 @dataclass(kw_only=True, slots=True)
-class Qwen3VLMoeConfig(Qwen3MoeConfig):
+class Qwen3VLMoeConfig(Qwen3MoeConfig, VisionLanguageFields):
     """Qwen3-VL-MoE: the Qwen3-MoE decoder (every block a routed MoE, top-k renormalised)
     with the Qwen3-VL vision tower, DeepStack and interleaved M-RoPE."""
-
-    vision: Qwen3VLVisionConfig
-    """The vision tower."""
-    mrope_section: tuple[int, int, int] = (24, 20, 20)
-    """Rotary frequencies per position axis (time, height, width); sum = head_dim / 2."""
-    mrope_interleaved: bool = True
-    """Deal the frequencies to the axes round-robin (Qwen3-VL) instead of in runs."""
-    image_token_id: int = 151_655
-    """Placeholder token of one merged image token (``<|image_pad|>``)."""
-    video_token_id: int = 151_656
-    """Placeholder of a video token (videos are not modelled yet)."""
-    vision_start_token_id: int = 151_652
-    """``<|vision_start|>``, before an image's placeholders."""
-    vision_end_token_id: int = 151_653
-    """``<|vision_end|>``, after them."""
 
     def __post_init__(self) -> None:
         Qwen3MoeConfig.__post_init__(self)
         check_vision_language_fields(self)
-
-    def vision_flops(self, grids: Sequence[Sequence[int]]) -> int:
-        """Forward + backward FLOPs of the vision tower (``titan_models.vision_flops``)."""
-        return vision_flops(self, grids)
 
 
 _VISION = dict(dim=1152, num_layers=27, num_heads=16, ffn_hidden_dim=4304)
