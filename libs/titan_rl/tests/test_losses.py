@@ -47,6 +47,11 @@ def test_rewards_not_a_multiple_of_group_size_is_refused():
         ({"correction_cap": 0.5}, "correction_cap"),
         ({"kl_coef": -1.0}, "kl_coef"),
         ({"norm_length": 0}, "norm_length"),
+        ({"clip_ratio_c": 1.0}, "clip_ratio_c"),
+        ({"clip_ratio_c": 0.5}, "clip_ratio_c"),
+        ({"clip_ratio_c": float("nan")}, "clip_ratio_c"),
+        ({"clip_ratio_c": True}, "clip_ratio_c"),
+        ({"clip_ratio_c": "3"}, "clip_ratio_c"),
     ],
 )
 def test_bad_loss_config_names_the_field(kwargs, field):
@@ -151,3 +156,55 @@ def test_missing_inputs_and_bad_shapes_are_refused():
         grpo_loss(lp, torch.zeros(2, 4), torch.zeros(2), MASK, LossConfig())
     with pytest.raises(ValueError, match="advantages must be"):
         grpo_loss(lp, lp, torch.zeros(3), MASK, LossConfig())
+
+
+@pytest.mark.parametrize("shape", [(3,), (2, 1), (2, 4), (3, 3), (2, 3, 1), ()])
+def test_advantages_of_another_shape_are_refused_naming_both_layouts(shape):
+    # Guards against broadcasting: (2, 1) or (2, 3, 1) would silently broadcast in the product.
+    lp = torch.zeros(2, 3)
+    with pytest.raises(
+        ValueError, match=r"advantages must be \(B,\) = \(2,\) .* \(B, T\) = \(2, 3\)"
+    ):
+        grpo_loss(lp, lp, torch.zeros(shape), MASK, LossConfig())
+
+
+def test_per_token_advantages_by_hand():
+    # Ratio 1.5 everywhere; A per token, signs mixed. eps 0.2 / 0.3: clip(1.5) = 1.3.
+    new = torch.full((2, 3), math.log(1.5)).requires_grad_()
+    adv = torch.tensor([[1.0, -1.0, 2.0], [-2.0, 0.5, 9.0]])  # 9.0 sits under the mask
+    out = grpo_loss(new, torch.zeros(2, 3), adv, MASK, LossConfig(eps_low=0.2, eps_high=0.3))
+    # A > 0: min(1.5 A, 1.3 A) = 1.3 A (clipped); A < 0: min(-1.5|A|, -1.3|A|) = 1.5 A
+    objective = torch.tensor([[1.3, -1.5, 2.6], [-3.0, 0.65, 0.0]])
+    assert out.loss.item() == pytest.approx(float(-objective[MASK].mean()), abs=1e-6)
+    assert out.clip_fraction == pytest.approx(3 / 5)
+    # (B,) advantages are the (B, T) case with each row's value repeated.
+    per_seq = grpo_loss(new, torch.zeros(2, 3), torch.tensor([1.0, -2.0]), MASK, LossConfig())
+    per_tok = grpo_loss(
+        new, torch.zeros(2, 3), torch.tensor([[1.0] * 3, [-2.0] * 3]), MASK, LossConfig()
+    )
+    assert torch.equal(per_seq.loss, per_tok.loss)
+
+
+def test_dual_clip_bounds_the_loss_of_a_negative_advantage_by_hand():
+    # Ratios 10 and 2 with A = -1 and ratio 10 with A = +1; c = 3. Without the dual clip
+    # min(r·A, clip(r)·A) = -10 and -2 (loss 10 and 2); with it max(-10, -3) = -3 and
+    # max(-2, -3) = -2. A > 0 is never dual-clipped (clip(10)·1 = 1.28).
+    new = torch.tensor([[math.log(10.0), math.log(2.0), math.log(10.0)]]).requires_grad_()
+    old, mask = torch.zeros(1, 3), torch.ones(1, 3, dtype=torch.bool)
+    adv = torch.tensor([[-1.0, -1.0, 1.0]])
+    plain = grpo_loss(new, old, adv, mask, LossConfig())
+    assert plain.loss.item() == pytest.approx((10 + 2 - 1.28) / 3, abs=1e-6)
+    assert plain.dual_clip_fraction == 0.0
+    out = grpo_loss(new, old, adv, mask, LossConfig(clip_ratio_c=3.0))
+    assert out.loss.item() == pytest.approx((3 + 2 - 1.28) / 3, abs=1e-6)
+    assert out.dual_clip_fraction == pytest.approx(1 / 3)
+    out.loss.backward()
+    # The bound is a constant: no gradient there; the ratio-2 token keeps -r·A / 3 = 2/3.
+    assert torch.allclose(new.grad, torch.tensor([[0.0, 2 / 3, 0.0]]), atol=1e-6)
+
+
+def test_nan_under_the_mask_stays_out_of_the_loss():
+    # A host's padded positions may hold anything; the aggregate must not see them.
+    lp = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, float("nan")]])
+    out = grpo_loss(lp, torch.zeros(2, 3), torch.tensor([1.0, 1.0]), MASK, LossConfig())
+    assert math.isfinite(out.loss.item())

@@ -1,7 +1,9 @@
 """GRPO-family losses as pure functions of log-probability tensors.
 
 Shapes: B sequences (``num_groups * group_size``), T response tokens (right-padded; ``mask``
-marks the real ones). Three log-probabilities per token, all of the sampled token:
+marks the real ones). Advantages are one per sequence ``(B,)`` (GRPO) or one per token
+``(B, T)`` (veRL's layout; GAE, per-token shaping). Three log-probabilities per token, all of
+the sampled token:
 
 - ``logprobs``: the trainer's current policy (carries the gradient);
 - ``old_logprobs``: the trainer's policy that the PPO ratio is taken against (the proximal
@@ -50,6 +52,9 @@ class LossConfig:
     """Ratio per token or per sequence (product over the sequence's tokens)."""
     correction_cap: float = 2.0
     """``C``: TIS truncates the weight at C, MIS drops tokens (sequences) whose weight exceeds C."""
+    clip_ratio_c: float | None = None
+    """Dual-clip PPO (veRL's ``clip_ratio_c``): where the advantage is negative the per-token
+    loss is at most ``clip_ratio_c · |A|`` however large the ratio; > 1; None disables it."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.eps_low < 1.0:
@@ -65,6 +70,11 @@ class LossConfig:
             raise ValueError(f"LossConfig.kl_coef={self.kl_coef!r} must be >= 0")
         if not self.correction_cap >= 1.0:
             raise ValueError(f"LossConfig.correction_cap={self.correction_cap!r} must be >= 1")
+        c = self.clip_ratio_c
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int | float) or not c > 1):
+            raise ValueError(
+                f"LossConfig.clip_ratio_c={c!r} must be a number > 1 (the dual-clip bound) or None"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +89,9 @@ class LossOutput:
     """Mean k3 KL(policy ‖ reference) over real tokens (0 without a reference)."""
     correction_weights: torch.Tensor
     """``(B, T)`` off-policy weights applied (ones without correction)."""
+    dual_clip_fraction: float = 0.0
+    """Fraction of real tokens where the dual-clip bound ``clip_ratio_c · A`` was the one taken
+    (veRL's ``pg_clipfrac_lower``; 0 without ``clip_ratio_c``)."""
 
 
 def group_advantages(
@@ -127,9 +140,15 @@ def correction_weights(
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, config: LossConfig) -> torch.Tensor:
-    """Reduce a ``(B, T)`` per-token loss to a scalar with ``config.aggregation``."""
+    """Reduce a ``(B, T)`` per-token loss to a scalar with ``config.aggregation``.
+
+    The sequence means divide by ``B``: a sequence with no real token counts as a zero (as in
+    TRL), where veRL leaves it out of the mean.
+    """
+    mask = mask.bool()
     maskf = mask.to(per_token.dtype)
-    summed_B = (per_token * maskf).sum(dim=1)
+    # masked_fill, not a product: a NaN or inf under the mask (a host's padding) stays out.
+    summed_B = per_token.masked_fill(~mask, 0.0).sum(dim=1)
     if config.aggregation == "token_mean":
         return summed_B.sum() / maskf.sum().clamp(min=1.0)
     if config.aggregation == "seq_mean_token_mean":
@@ -151,8 +170,10 @@ def grpo_loss(
     """Clipped policy-gradient loss with optional off-policy correction and KL penalty.
 
     Per token: ``-w · min(r·A, clip(r, 1 - eps_low, 1 + eps_high)·A) + kl_coef · k3``, with
-    ``r = exp(logprobs - old_logprobs)``, ``A`` the sequence's advantage (``(B,)``), ``w`` the
-    off-policy weight (needs ``rollout_logprobs`` unless ``correction="none"``), then aggregated.
+    ``r = exp(logprobs - old_logprobs)``, ``A`` the sequence's advantage (``(B,)``) or the
+    token's (``(B, T)``), ``w`` the off-policy weight (needs ``rollout_logprobs`` unless
+    ``correction="none"``), then aggregated. With ``clip_ratio_c`` the objective of a token
+    with ``A < 0`` is raised to at least ``clip_ratio_c · A`` (dual clip) before ``w``.
     """
     shape = tuple(logprobs.shape)
     if logprobs.ndim != 2:
@@ -167,8 +188,11 @@ def grpo_loss(
             raise ValueError(
                 f"{name} must have the shape of logprobs {shape}, got {tuple(t.shape)}"
             )
-    if tuple(advantages.shape) != shape[:1]:
-        raise ValueError(f"advantages must be ({shape[0]},), got {tuple(advantages.shape)}")
+    if tuple(advantages.shape) not in (shape[:1], shape):
+        raise ValueError(
+            f"advantages must be (B,) = ({shape[0]},) (one per sequence) or (B, T) = {shape} "
+            f"(one per token), got {tuple(advantages.shape)}"
+        )
     if config.correction != "none" and rollout_logprobs is None:
         raise ValueError(f"LossConfig.correction={config.correction!r} needs rollout_logprobs")
     if config.kl_coef > 0 and ref_logprobs is None:
@@ -176,10 +200,19 @@ def grpo_loss(
     mask = mask.bool()
 
     ratio = torch.exp(logprobs - old_logprobs)
-    adv = advantages[:, None].to(logprobs.dtype)
+    adv = (advantages[:, None] if advantages.ndim == 1 else advantages).to(logprobs.dtype)
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - config.eps_low, 1.0 + config.eps_high) * adv
     objective = torch.minimum(unclipped, clipped)
+    dual_clip_fraction = 0.0
+    if config.clip_ratio_c is not None:
+        # Dual clip (Ye et al., 2020): with A < 0, min(r·A, clip(r)·A) falls without bound as
+        # r grows; a token far off-policy would dominate the batch. Its bound is a constant, so
+        # such a token gets no gradient.
+        floor = config.clip_ratio_c * adv
+        dual = (adv < 0) & (objective < floor)
+        objective = torch.where(dual, floor, objective)
+        dual_clip_fraction = float(_masked_mean(dual.to(logprobs.dtype), mask))
     if rollout_logprobs is not None:
         weights = correction_weights(old_logprobs.detach(), rollout_logprobs, mask, config)
     else:
@@ -199,6 +232,7 @@ def grpo_loss(
         clip_fraction=clip_fraction,
         kl=kl_value,
         correction_weights=weights.detach(),
+        dual_clip_fraction=dual_clip_fraction,
     )
 
 
