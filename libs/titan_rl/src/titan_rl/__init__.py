@@ -2,14 +2,15 @@
 
 from .batch_invariant import batch_invariant, invariant_attention, invariant_linear
 from .causal_lm import CausalLM, causal_lm_logits
+from .compaction import CompactionPolicy, DropToolOutputs, Summarize
 from .diagnostics import logprob_diagnostics, reward_diagnostics
 from .environment import (
     CodeToolEnv,
     Environment,
     Episode,
     StepResult,
+    TokenSequence,
     episode_tensors,
-    run_episode,
 )
 from .generator import Generation, Generator, SamplingParams, TorchGenerator
 from .logprobs import pack_sequences, sequence_logprobs, token_logprobs
@@ -22,6 +23,8 @@ from .losses import (
     group_advantages,
     grpo_loss,
 )
+from .messages import Message, ToolCall, as_message
+from .renderer import ChatTemplateRenderer, RenderedTokens, Renderer, SimpleChatRenderer
 from .rewards import (
     RewardResult,
     boxed_math_reward,
@@ -39,6 +42,14 @@ from .rollout import (
     evaluate_accuracy,
     rollout_seed,
 )
+from .rollouter import RolloutConfig, Rollouter, run_episode, turn_seed
+from .rubric import (
+    RewardFunction,
+    Rubric,
+    RubricScore,
+    environment_reward,
+    shortest_correct_bonus,
+)
 from .sandbox import SandboxLimits, SandboxResult, SandboxUnavailableError, run_sandboxed
 from .tasks import ExactMatchTask
 from .tokenizer import Tokenizer
@@ -47,7 +58,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CausalLM",
+    "ChatTemplateRenderer",
     "CodeToolEnv",
+    "CompactionPolicy",
+    "DropToolOutputs",
     "Environment",
     "Episode",
     "ExactMatchTask",
@@ -57,20 +71,33 @@ __all__ = [
     "Generator",
     "LossConfig",
     "LossOutput",
+    "Message",
     "Prompt",
     "PromptImages",
+    "RenderedTokens",
+    "Renderer",
+    "RewardFunction",
     "RewardResult",
     "RolloutBatch",
+    "RolloutConfig",
+    "Rollouter",
+    "Rubric",
+    "RubricScore",
     "SamplingParams",
     "SandboxLimits",
     "SandboxResult",
     "SandboxUnavailableError",
+    "SimpleChatRenderer",
     "StepResult",
+    "Summarize",
     "Task",
+    "TokenSequence",
     "Tokenizer",
+    "ToolCall",
     "TorchGenerator",
     "__version__",
     "aggregate",
+    "as_message",
     "batch_images",
     "batch_invariant",
     "boxed_math_reward",
@@ -78,6 +105,7 @@ __all__ = [
     "code_reward",
     "collect_rollouts",
     "correction_weights",
+    "environment_reward",
     "episode_tensors",
     "evaluate_accuracy",
     "exact_match_reward",
@@ -93,5 +121,7 @@ __all__ = [
     "run_episode",
     "run_sandboxed",
     "sequence_logprobs",
+    "shortest_correct_bonus",
     "token_logprobs",
+    "turn_seed",
 ]

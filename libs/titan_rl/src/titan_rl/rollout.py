@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .environment import Episode, episode_tensors
 from .generator import Generation, Generator, SamplingParams
 from .rewards import RewardResult
 
@@ -96,6 +97,52 @@ class RolloutBatch:
     images: tuple[PromptImages | None, ...] = ()
     """Each row's prompt images (empty: no row has any)."""
 
+    @classmethod
+    def from_episodes(cls, groups: Sequence[Sequence[Episode]], *, step: int) -> RolloutBatch:
+        """A batch of multi-turn episodes, one row per episode, each group's rows adjacent
+        (``groups``: ``Rollouter.rollout_group`` results of one size).
+
+        A row's prompt is the episode's first prompt; its response is every id after it
+        (model turns and the environment's messages in between) with the model mask and the
+        generator's log-probs of the model ids, so ``GRPOTrainer.step`` trains it as it is
+        (the trainer's ``sequence_logprobs`` keeps masked-out ids as context). Rewards are the
+        episodes' rubric totals; statuses their ``reward_status``; the weight version is the
+        oldest of any turn (the staleness bound holds for every token). ``processed_logprobs``
+        are the raw ones (episodes keep only those). Compacted episodes (several token
+        sequences) are refused: train their sequences as rows of their own.
+        """
+        groups = [list(g) for g in groups]
+        sizes = {len(g) for g in groups}
+        if not groups or len(sizes) != 1 or 0 in sizes:
+            raise ValueError(
+                f"from_episodes needs non-empty groups of one size, got sizes {[len(g) for g in groups]}"
+            )
+        episodes = [e for g in groups for e in g]
+        compacted = [i for i, e in enumerate(episodes) if len(e.sequences) != 1]
+        if compacted:
+            raise ValueError(
+                f"episodes {compacted} were compacted into several token sequences; "
+                "from_episodes takes one sequence per episode"
+            )
+        if any(not e.weight_versions for e in episodes):
+            raise ValueError("every episode needs at least one model turn")
+        tokens, mask, logprobs = episode_tensors(episodes)
+        generation = _EpisodeGeneration(
+            tokens=tokens,
+            mask=mask,
+            logprobs=logprobs,
+            processed_logprobs=logprobs,
+            finish_reasons=[e.status for e in episodes],
+            weight_version=min(v for e in episodes for v in e.weight_versions),
+        )
+        return cls(
+            step=step,
+            prompts=[e.prompt for e in episodes],
+            generation=generation,
+            rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32),
+            statuses=[e.reward_status for e in episodes],
+        )
+
     def model_images(self, rows: slice = slice(None)) -> dict[str, Any] | None:
         """The model's image keyword arguments for ``rows`` (``None`` without images)."""
         return batch_images(self.images[rows])
@@ -108,6 +155,24 @@ class RolloutBatch:
     def status_counts(self) -> dict[str, int]:
         """How many rows got each reward status."""
         return dict(Counter(self.statuses))
+
+
+@dataclass(frozen=True, slots=True)
+class _EpisodeGeneration(Generation):
+    """A ``Generation`` whose mask has holes: multi-turn rows, where the environment's ids
+    sit between the model's turns (``validate`` checks the shapes only)."""
+
+    def validate(self, num_prompts: int) -> None:
+        """Raise ``ValueError`` if the fields disagree in shape."""
+        shape = tuple(self.tokens.shape)
+        if len(shape) != 2 or shape[0] != num_prompts:
+            raise ValueError(f"episode batch has tokens {shape} for {num_prompts} rows")
+        for name in ("mask", "logprobs", "processed_logprobs"):
+            got = tuple(getattr(self, name).shape)
+            if got != shape:
+                raise ValueError(f"episode batch {name} has shape {got}, tokens have {shape}")
+        if len(self.finish_reasons) != num_prompts:
+            raise ValueError(f"{len(self.finish_reasons)} finish reasons for {num_prompts} rows")
 
 
 def rollout_seed(seed: int, step: int, row: int) -> int:
