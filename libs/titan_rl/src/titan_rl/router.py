@@ -109,6 +109,8 @@ class Router:
         """Version of the newest weights sent to every live replica."""
         self.deaths: list[str] = []
         """Names of the replicas that died, in order."""
+        self.resent = 0
+        """Requests sent again because their replica died before answering."""
 
     @property
     def num_live(self) -> int:
@@ -131,6 +133,8 @@ class Router:
                 out, start, end = replica.submit_generate(prompts, params, seeds, kwargs).result()
             except ReplicaDiedError as e:
                 self._drop(index, replica, e)
+                with self._lock:
+                    self.resent += 1
                 continue
             finally:
                 with self._lock:
@@ -173,8 +177,9 @@ class Router:
         """Close every live replica."""
         with self._lock:
             replicas, self._replicas = list(self._replicas.values()), {}
-        for r in replicas:
-            r.close()
+        if replicas:  # at once: stopping a process takes a while
+            with ThreadPoolExecutor(len(replicas)) as pool:
+                list(pool.map(lambda r: r.close(), replicas))
 
     def _pick(self, cost: int) -> tuple[int, Replica]:
         with self._lock:
