@@ -17,18 +17,15 @@ import copy
 import queue
 import threading
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from .batch_invariant import batch_invariant
-from .diagnostics import logprob_diagnostics, reward_diagnostics
 from .generator import Generator, SamplingParams, TorchGenerator
-from .logprobs import sequence_logprobs
-from .losses import LossConfig, group_advantages, grpo_loss
+from .learner import GRPOLearner
+from .losses import LossConfig
 from .rollout import RolloutBatch, Task, collect_rollouts
 
 
@@ -94,16 +91,13 @@ class GRPOTrainer:
         """``generator``: by default a ``TorchGenerator`` over ``model`` itself (sync) or over
         a copy of it (async, since the trainer changes the weights while it generates).
         ``ref_model``: frozen reference policy, needed when ``config.loss.kl_coef > 0``."""
-        if config.loss.kl_coef > 0 and ref_model is None:
-            raise ValueError(f"LossConfig.kl_coef={config.loss.kl_coef} needs a ref_model")
+        self.learner = GRPOLearner(model, optimizer, config, ref_model=ref_model)
         self.model, self.optimizer, self.task, self.config = model, optimizer, task, config
         self.ref_model = ref_model
         if generator is None:
             gen_model = model if config.mode == "sync" else copy.deepcopy(model)
             generator = TorchGenerator(gen_model, batch_invariant=config.batch_invariant)
         self.generator = generator
-        self.version = 0
-        """Optimizer steps taken = version of the weights the trainer holds."""
         self.generator.update_weights(self._weights(), self.version)
 
     def train(
@@ -139,93 +133,23 @@ class GRPOTrainer:
     def step(self, batch: RolloutBatch) -> dict[str, Any]:
         """One GRPO step on ``batch`` (``num_minibatches`` optimizer steps, one weight version).
 
-        Refuses a batch too stale for the bound. The PPO ratio is taken against the trainer's
-        log-probs at the start of the step (the proximal policy); the generator's log-probs
-        enter through the off-policy correction (``LossConfig.correction``).
+        Refuses a batch too stale for the bound (async). The PPO ratio is taken against the
+        trainer's log-probs at the start of the step (the proximal policy); the generator's
+        log-probs enter through the off-policy correction (``LossConfig.correction``).
         """
         c = self.config
-        staleness = self.version - batch.weight_version
-        if staleness < 0 or (c.mode == "async" and staleness > c.max_offpolicy_steps):
-            raise RuntimeError(
-                f"batch of weight version {batch.weight_version} at trainer version "
-                f"{self.version}: lag {staleness} outside [0, {c.max_offpolicy_steps}]"
-            )
-        gen = batch.generation
-        rows = len(batch.prompts)
-        gen.validate(rows)
-        if rows % c.num_minibatches:
-            raise ValueError(
-                f"GRPOConfig.num_minibatches={c.num_minibatches} must divide the {rows} rows"
-            )
-        advantages = group_advantages(batch.rewards, c.group_size, normalize_std=c.normalize_std)
-        self.model.train()
-        old = ref = None
-        if c.num_minibatches > 1:  # the proximal policy must be fixed before the first update
-            old = self._logprobs(self.model, batch, slice(None), grad=False)
-        if self.ref_model is not None:
-            ref = self._logprobs(self.ref_model, batch, slice(None), grad=False)
+        return self.learner.step(
+            batch, max_lag=c.max_offpolicy_steps if c.mode == "async" else None
+        )
 
-        size = rows // c.num_minibatches
-        losses, norms, clipped, kls, first_logprobs = [], [], [], [], None
-        for start in range(0, rows, size):
-            mb = slice(start, start + size)
-            logprobs = self._logprobs(self.model, batch, mb, grad=True)
-            if first_logprobs is None:
-                first_logprobs = logprobs.detach()
-            out = grpo_loss(
-                logprobs,
-                logprobs.detach() if old is None else old[mb],
-                advantages[mb],
-                gen.mask[mb],
-                c.loss,
-                rollout_logprobs=gen.logprobs[mb],
-                ref_logprobs=None if ref is None else ref[mb],
-            )
-            out.loss.backward()
-            norms.append(self._optimizer_step())
-            losses.append(float(out.loss.detach()))
-            clipped.append(out.clip_fraction)
-            kls.append(out.kl)
-        self.version += 1
-        # Trainer vs generator on the sampled tokens, before this step's updates.
-        trainer_lp = old if old is not None else first_logprobs
-        diag_rows = slice(None) if old is not None else slice(0, size)
-        return {
-            "step": batch.step,
-            "batch_weight_version": batch.weight_version,
-            "trainer_version": self.version - 1,
-            "staleness": staleness,
-            "loss": sum(losses) / len(losses),
-            "grad_norm": max(norms),
-            "clip_fraction": sum(clipped) / len(clipped),
-            "kl_ref": sum(kls) / len(kls),
-            **logprob_diagnostics(trainer_lp, gen.logprobs[diag_rows], gen.mask[diag_rows]),
-            **reward_diagnostics(batch.rewards, gen.lengths),
-            "reward_statuses": batch.status_counts(),
-        }
+    @property
+    def version(self) -> int:
+        """Optimizer steps taken = version of the weights the trainer holds."""
+        return self.learner.version
 
-    def _logprobs(self, model, batch: RolloutBatch, rows: slice, *, grad: bool) -> torch.Tensor:
-        mode = batch_invariant() if self.config.batch_invariant else nullcontext()
-        gen = batch.generation
-        with mode, torch.set_grad_enabled(grad):
-            return sequence_logprobs(
-                model,
-                batch.prompts[rows],
-                gen.tokens[rows],
-                gen.mask[rows],
-                temperature=self.config.sampling.temperature,
-                images=batch.model_images(rows),
-            )
-
-    def _optimizer_step(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.config.max_grad_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+    @version.setter
+    def version(self, value: int) -> None:
+        self.learner.version = value
 
     def _collect(self, step: int) -> RolloutBatch:
         c = self.config
