@@ -73,10 +73,10 @@ def _dataset():
     return Dataset.from_dict({"input_ids": ids.tolist()})
 
 
-def _config(out_dir: str, world: int):
+def _config(out_dir: str, world: int, **overrides):
     from trl import SFTConfig
 
-    return SFTConfig(
+    args = dict(
         output_dir=out_dir,
         per_device_train_batch_size=GLOBAL_BATCH // world // ACCUM,
         gradient_accumulation_steps=ACCUM,
@@ -97,6 +97,7 @@ def _config(out_dir: str, world: int):
         disable_tqdm=True,
         dataset_num_proc=None,
     )
+    return SFTConfig(**{**args, **overrides})
 
 
 def _trainer(trainer_cls, model, out_dir: str, world: int):
@@ -162,6 +163,8 @@ def _ranks(out_dir: str) -> dict:
     class FlexShardSFTTrainer(FlexShardTrainerMixin, SFTTrainer):
         pass
 
+    out["bad_input"] = _bad_input(FlexShardSFTTrainer, out_dir, world)
+
     model = fs.shard(_model())
     trainer, rec = _trainer(FlexShardSFTTrainer, model, out_dir, world)
     trainer.train()
@@ -177,6 +180,14 @@ def _ranks(out_dir: str) -> dict:
     out["optimizer_numel_over_ranks"] = int(n)
     out["reduced_bytes"] = sum(v for k, v in fs.comm_stats(model).bytes.items() if "reduce" in k)
 
+    acc_sd = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # collective: gathers
+    try:
+        trainer.accelerator.save_state(os.path.join(out_dir, "state"))
+        out["save_state_error"] = None
+    except ValueError as e:
+        out["save_state_error"] = str(e)
+    out["no_state_written"] = not os.path.exists(os.path.join(out_dir, "state"))
+
     full = fs.full_state_dict(model, rank0_only=True)  # collective
     trainer.save_model(os.path.join(out_dir, "final"))  # collective: every rank gathers
     dist.barrier()
@@ -186,7 +197,40 @@ def _ranks(out_dir: str) -> dict:
             torch.equal(saved[k], full[k]) for k in full
         )
         out["weights"] = full
+        out["accelerator_sd_equals_gathered"] = all(torch.equal(acc_sd[k], full[k]) for k in full)
     return out
+
+
+def _bad_input(trainer_cls, out_dir: str, world: int) -> dict[str, str]:
+    """What the mixin refuses, each with a ValueError before any training or file."""
+    import flexshard as fs
+
+    errors: dict[str, str] = {}
+
+    def expect(case: str, fn) -> None:
+        try:
+            fn()
+            errors[case] = "no error"
+        except ValueError as e:
+            errors[case] = str(e)
+
+    cfg = _config(out_dir, world)
+    data, tok = _dataset(), _tokenizer()
+    expect("unsharded", lambda: trainer_cls(model=_model(), args=cfg, train_dataset=data))
+    inner_only = _model()
+    fs.shard(inner_only.model)  # the decoder sharded, the LM head left to a framework
+    expect("submodule_only", lambda: trainer_cls(model=inner_only, args=cfg, train_dataset=data))
+    ckpt = _config(out_dir, world, save_strategy="steps", save_steps=1)
+    expect(
+        "optimizer_checkpoints",
+        lambda: trainer_cls(
+            model=fs.shard(_model()), args=ckpt, train_dataset=data, processing_class=tok
+        ),
+    )
+    t = trainer_cls(model=fs.shard(_model()), args=cfg, train_dataset=data, processing_class=tok)
+    expect("resume", lambda: t.train(resume_from_checkpoint=out_dir))
+    errors["trained_nothing"] = str(t.state.global_step == 0)
+    return errors
 
 
 @pytest.fixture(scope="module")
@@ -205,6 +249,19 @@ def test_plain_trainer_on_a_sharded_model_raises_instead_of_corrupting(runs):
     for o in out:
         assert o["plain_error"] is not None, "Accelerate wrapped the sharded model in DDP"
         assert "FlexShardTrainerMixin" in o["plain_error"], o["plain_error"]
+
+
+def test_the_mixin_refuses_what_it_cannot_do_right(runs):
+    _, out = runs
+    for o in out:
+        e = o["bad_input"]
+        assert "must be a module sharded by flexshard.shard" in e["unsharded"], e
+        assert "not sharded itself" in e["submodule_only"], e
+        assert "save_only_model=True" in e["optimizer_checkpoints"], e
+        assert "resume_from_checkpoint" in e["resume"], e
+        assert e["trained_nothing"] == "True"
+        assert "save_state" in o["save_state_error"] and o["no_state_written"]
+    assert out[0]["accelerator_sd_equals_gathered"]
 
 
 def test_sft_losses_and_grad_norms_match_one_process(runs):
