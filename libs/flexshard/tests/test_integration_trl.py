@@ -15,6 +15,8 @@ x 2 micro-steps each), TRL's default HF gradient checkpointing on, clipping acti
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -24,8 +26,8 @@ from titan_testing import run_distributed
 
 pytest.importorskip("trl")
 
-# three processes importing transformers + TRL, three trainers: ~1-4 min on 2 loaded cores
-pytestmark = pytest.mark.slow
+# The tests on `runs`: three processes importing transformers + TRL and building several
+# trainers, 1-4 min on 2 loaded cores; hence slow.
 
 STEPS, ROWS, SEQ, VOCAB, GLOBAL_BATCH, ACCUM = 5, 20, 16, 64, 4, 2
 MAX_GRAD_NORM = 0.05  # below the measured norms (~0.3-1): every step clips
@@ -145,6 +147,7 @@ def _ranks(out_dir: str) -> dict:
     from trl import SFTTrainer
 
     import flexshard as fs
+    from flexshard.integrations.accelerate import FlexShardAccelerator
     from flexshard.integrations.hf import FlexShardTrainerMixin
 
     out: dict = {}
@@ -170,6 +173,7 @@ def _ranks(out_dir: str) -> dict:
     trainer.train()
     out["rows"] = rec.rows
     out["wrapped"] = type(trainer.model_wrapped).__name__
+    out["accelerator_is_flexshard"] = type(trainer.accelerator) is FlexShardAccelerator
     out["ddp_anywhere"] = isinstance(trainer.model_wrapped, DDP)
     opt_params = [p for g in trainer.optimizer.param_groups for p in g["params"]]
     out["optimizer_steps_shards"] = bool(opt_params) and all(
@@ -233,6 +237,15 @@ def _bad_input(trainer_cls, out_dir: str, world: int) -> dict[str, str]:
     return errors
 
 
+def test_importing_the_integrations_imports_no_hf_package():
+    code = (
+        "import sys, flexshard, flexshard.integrations.hf, flexshard.integrations.accelerate; "
+        "print(sorted({'accelerate', 'transformers', 'trl'} & set(sys.modules)))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
+
+
 @pytest.fixture(scope="module")
 def runs():
     with tempfile.TemporaryDirectory() as ref_dir, tempfile.TemporaryDirectory() as dist_dir:
@@ -244,6 +257,7 @@ def runs():
     return ref, out
 
 
+@pytest.mark.slow
 def test_plain_trainer_on_a_sharded_model_raises_instead_of_corrupting(runs):
     _, out = runs
     for o in out:
@@ -251,6 +265,7 @@ def test_plain_trainer_on_a_sharded_model_raises_instead_of_corrupting(runs):
         assert "FlexShardTrainerMixin" in o["plain_error"], o["plain_error"]
 
 
+@pytest.mark.slow
 def test_the_mixin_refuses_what_it_cannot_do_right(runs):
     _, out = runs
     for o in out:
@@ -264,6 +279,7 @@ def test_the_mixin_refuses_what_it_cannot_do_right(runs):
     assert out[0]["accelerator_sd_equals_gathered"]
 
 
+@pytest.mark.slow
 def test_sft_losses_and_grad_norms_match_one_process(runs):
     ref, out = runs
     assert len(ref["rows"]) == STEPS
@@ -282,16 +298,19 @@ def test_sft_losses_and_grad_norms_match_one_process(runs):
     print("max |loss difference|:", diff)
 
 
+@pytest.mark.slow
 def test_flexshard_reduces_and_the_optimizer_steps_the_shards(runs):
     ref, out = runs
     total = sum(v.numel() for v in ref["weights"].values())
     for o in out:
         assert not o["ddp_anywhere"], o["wrapped"]
+        assert o["accelerator_is_flexshard"]
         assert o["optimizer_steps_shards"]
         assert o["optimizer_numel_over_ranks"] == total  # each element on exactly one rank
         assert o["reduced_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_saved_model_is_the_gathered_full_model_and_matches_one_process(runs):
     ref, out = runs
     assert out[0]["saved_equals_gathered"]
