@@ -31,6 +31,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
+from flexshard._ddp_guard import check_not_reduced_by_ddp, ddp_ignore_list, set_ddp_ignore_list
 from flexshard._groups import GroupInfo
 from flexshard._layout import CommStats, Layout, Pending
 from flexshard.placements import MixedPrecision, Placement, Replicate
@@ -374,6 +375,7 @@ class FlexShardState:
         self.handles: list[Any] = []
         self.keep_gathered = False  # no-sync micro-step without resharding: reuse next forward
         self.nested: list[FlexShardState] = []  # states of submodules sharded before this one
+        self.ddp_allowed: weakref.WeakSet = weakref.WeakSet()  # DDPs seen not to reduce our params
 
     def all_states(self) -> list[FlexShardState]:
         """This state and those of nested sharded submodules, outermost first."""
@@ -406,6 +408,7 @@ class FlexShardState:
     def _root_pre_forward(self, module, args, kwargs):
         if self._in_backward():
             return None
+        check_not_reduced_by_ddp(self)
         self._drain_reduces()
         if not self.order_frozen:
             self.forward_order = []
@@ -434,6 +437,8 @@ class FlexShardState:
 
     def _pre_forward(self, bucket: BucketRuntime, module, args, kwargs):
         in_bwd = self._in_backward()
+        if not in_bwd:
+            check_not_reduced_by_ddp(self)
         if self.recording and bucket not in self.forward_order:
             self.forward_order.append(bucket)
         bucket.unshard()
@@ -531,6 +536,10 @@ class FlexShardModule:
     """Mixin added to the class of a module passed to :func:`flexshard.shard`."""
 
     flexshard_state: FlexShardState
+
+    # Read by DistributedDataParallel's constructor before it broadcasts anything: raises
+    # unless every flexshard parameter is ignored (see _ddp_guard).
+    _ddp_params_and_buffers_to_ignore = property(ddp_ignore_list, set_ddp_ignore_list)
 
     def _apply(self, fn, recurse=True):
         ret = super()._apply(fn, recurse)

@@ -6,9 +6,11 @@ hooks and parameter types (plain or DTensor) are untouched.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
+import torch
 from torch import nn
 
 from .checkpoint import _run
@@ -23,6 +25,58 @@ Units = str | Sequence[str | nn.Module] | None
 modules, or None: the blocks of every ModuleList."""
 
 _ATTR = "_torch_remat_policy"
+
+OnHFCheckpointing = Literal["warn", "raise"]
+_ON_HF = ("warn", "raise")
+
+
+def _hf_checkpointing_modules(unit: nn.Module) -> list[nn.Module]:
+    """Modules in ``unit`` (itself included) carrying transformers' ``gradient_checkpointing``
+    flag (``GradientCheckpointingLayer`` and models that support it); read by attribute so
+    that torch_remat never imports transformers."""
+    return [
+        m for m in unit.modules() if isinstance(getattr(m, "gradient_checkpointing", None), bool)
+    ]
+
+
+class _HFCheck:
+    """transformers' gradient checkpointing on inside the units of one ``apply``: the inner
+    (transformers') checkpoint recomputes the unit whatever the outer policy saved. Warns once
+    per ``apply``, or raises."""
+
+    def __init__(self, on_hf: str) -> None:
+        self.on_hf = on_hf
+        self.warned = False
+
+    def quiet(self) -> bool:
+        return self.warned and self.on_hf == "warn"
+
+    def __call__(
+        self, units: list[tuple[str, list[nn.Module]]], *, at_forward: bool, stacklevel: int
+    ) -> None:
+        on = [
+            (name, m)
+            for name, flagged in units
+            for m in flagged
+            if m.gradient_checkpointing and (m.training or not at_forward)
+        ]
+        if not on or self.quiet():
+            return
+        names = sorted({n for n, _ in on})
+        msg = (
+            f"transformers' gradient checkpointing is also on in remat unit(s) {names[:4]}"
+            f"{f' and {len(names) - 4} more' if len(names) > 4 else ''} "
+            f"({type(on[0][1]).__name__}.gradient_checkpointing=True): the checkpoints nest. "
+            f"transformers recomputes the whole unit in backward whatever the remat policy "
+            f"keeps, so what a Selective policy saves is memory spent for nothing, and with "
+            f"use_reentrant=True the unit's forward runs three times per step. Turn one off: "
+            f"model.activation_checkpointing_disable() or TrainingArguments("
+            f"gradient_checkpointing=False) (TRL's default is True), or torch_remat.remove(model)"
+        )
+        if self.on_hf == "raise":
+            raise ValueError(f"{msg}; apply(..., on_hf_checkpointing='warn') only warns")
+        self.warned = True
+        warnings.warn(msg, stacklevel=stacklevel + 1)
 
 
 def _resolve_units(model: nn.Module, units: Units) -> list[tuple[str, nn.Module]]:
@@ -96,10 +150,15 @@ def _resolve_policies(
     return chosen
 
 
-def _wrap(module: nn.Module, policy: Policy) -> None:
+def _wrap(module: nn.Module, name: str, policy: Policy, hf_check: _HFCheck) -> None:
     inner = module.forward
+    # transformers enables its checkpointing late (a Trainer does it inside train()), so the
+    # flag is read again at each forward that autograd records.
+    mine = [(name, _hf_checkpointing_modules(module))]
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if mine[0][1] and torch.is_grad_enabled() and not hf_check.quiet():
+            hf_check(mine, at_forward=True, stacklevel=2)
         resident = _model_keys(module) if isinstance(policy, Offload) else frozenset()
         return _run(inner, policy, resident, args, kwargs)
 
@@ -114,6 +173,7 @@ def apply(
     *,
     sample_inputs: Sequence[object] | None = None,
     sample_kwargs: Mapping[str, object] | None = None,
+    on_hf_checkpointing: OnHFCheckpointing = "warn",
 ) -> dict[str, Policy | None]:
     """Wrap each unit of ``model`` (in place) under its policy; returns FQN -> policy applied.
 
@@ -121,13 +181,26 @@ def apply(
     function of the FQN (None leaves a unit alone). ``Budget`` runs ``plan`` on
     ``model(*sample_inputs, **sample_kwargs)`` and applies the per-unit ``Selective``
     policies it chooses. A unit recomputed in backward runs without a key/value cache (see
-    ``checkpoint``).
+    ``checkpoint``). A unit in which transformers' gradient checkpointing is also on (a
+    ``gradient_checkpointing=True`` module, now or at a later training forward) gets a warning,
+    or a ValueError with ``on_hf_checkpointing="raise"``.
     """
+    if on_hf_checkpointing not in _ON_HF:
+        raise ValueError(
+            f"apply: on_hf_checkpointing must be one of {_ON_HF}, got {on_hf_checkpointing!r}"
+        )
     chosen_units = _resolve_units(model, units)
     for name, module in chosen_units:
         if hasattr(module, _ATTR):
             raise ValueError(f"apply: unit {name!r} already has a remat policy; remove() it first")
     resolved = _resolve_policies(chosen_units, policy)
+    modules = dict(chosen_units)
+    hf_check = _HFCheck(on_hf_checkpointing)
+    hf_check(
+        [(n, _hf_checkpointing_modules(modules[n])) for n, p in resolved.items() if p is not None],
+        at_forward=False,
+        stacklevel=2,
+    )
     budgets = {name: p for name, p in resolved.items() if isinstance(p, Budget)}
     if budgets:
         if len(set(budgets.values())) > 1 or len(budgets) != len(chosen_units):
@@ -141,10 +214,9 @@ def apply(
         budget = next(iter(budgets.values()))
         chosen = plan(model, sample_inputs or (), budget, units=units, sample_kwargs=sample_kwargs)
         resolved = dict(chosen.policies)
-    modules = dict(chosen_units)
     for name, p in resolved.items():
         if p is not None:
-            _wrap(modules[name], p)
+            _wrap(modules[name], name, p, hf_check)
     return resolved
 
 
