@@ -1,5 +1,6 @@
-"""``titan-train rl``: the task is the pre-training corpus, bad input is refused, and a short
-pre-train + GRPO run goes end to end (the full accuracy runs: docs/benchmarks/titan_rl.md)."""
+"""``titan-train rl``: the task is the pre-training corpus, bad input is refused, and short
+runs go end to end, in one process and on Monarch actors (the full runs: README and
+docs/benchmarks/titan_rl.md)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,10 @@ import torch
 import titan_rl
 from titan_train.data.arithmetic import arithmetic_problem as app_problem
 from titan_train.data.tokenizers import ByteTokenizer
-from titan_train.rl import (
-    RLConfig,
-    arith_grpo,
-    arithmetic_problems,
-    main,
-    pretraining_job,
-    run_rl,
-    shapes_grpo,
-    validate_rl,
-)
+from titan_train.rl import RLJob, get_rl_recipe, main, validate_rl
+from titan_train.rl.init import starting_job
+from titan_train.rl.run import run_rl
+from titan_train.rl.tasks import _CLEAN, _SLIP
 
 
 def test_the_pretraining_corpus_is_the_rl_task():
@@ -37,50 +32,64 @@ def test_the_pretraining_corpus_is_the_rl_task():
 def test_app_tokenizer_and_corpus_fit_the_titan_rl_task():
     tok = ByteTokenizer()
     assert isinstance(tok, titan_rl.Tokenizer)
-    task = titan_rl.ExactMatchTask(tok, arithmetic_problems(RLConfig(), seed=0))
+    task = titan_rl.ExactMatchTask(tok, _CLEAN.problems(0))
     (prompt,) = task.prompts(0, 1)
     assert prompt.ids == [tok.bos_id, *tok.encode(app_problem(0, 0).prompt)]
     answer = [*tok.encode(app_problem(0, 0).answer), tok.eos_id]
     assert task.score(prompt, answer).score == 1.0
     # the task never sees the slip rule, and reverses answers with the corpus
-    rev = arithmetic_problems(RLConfig(reverse_answer=True, init_slip_rate=1.0), seed=0)
+    rev = _SLIP.problems(0)
     assert rev(1) == app_problem(0, 1, reverse_answer=True)
 
 
 @pytest.mark.parametrize(
-    ("field", "value"),
+    ("group", "field", "value"),
     [
-        ("group_size", 1),
-        ("steps", 0),
-        ("lr", 0.0),
-        ("temperature", 0.0),
-        ("heldout_seed", 1),
-        ("time_budget_s", -1.0),
-        ("name", "a/b"),
-        ("init_slip_rate", 1.2),
-        ("init_slip_rate", -0.5),
+        ("rl", "group_size", 1),
+        ("rl", "steps", 0),
+        ("rl", "lr", 0.0),
+        ("rl", "temperature", 0.0),
+        ("rl", "generators", -1),
+        ("rl", "trainer_ranks", 0),
+        ("rl", "time_budget_s", -1.0),
+        ("eval", "seed", 1),
+        ("init", "steps", -1),
     ],
 )
-def test_bad_rl_config_names_the_field(field, value):
-    with pytest.raises(ValueError, match=field):
-        validate_rl(RLConfig(**{field: value}))
+def test_bad_rl_config_names_the_field(group, field, value):
+    job = RLJob()
+    setattr(getattr(job, group), field, value)
+    with pytest.raises(ValueError, match=f"{group}.{field}"):
+        validate_rl(job)
 
 
-def test_pretraining_run_is_named_for_its_corpus_options():
-    plain = pretraining_job(RLConfig(init_steps=600))
+def test_bad_task_name_and_run_name_are_refused():
+    with pytest.raises(ValueError, match="task='nope' is unknown; tasks: arithmetic"):
+        validate_rl(RLJob(task="nope"))
+    with pytest.raises(ValueError, match="name='a/b'"):
+        validate_rl(RLJob(name="a/b"))
+    job = RLJob()
+    job.rl.trainer_ranks, job.rl.num_prompts, job.rl.group_size = 3, 4, 2
+    with pytest.raises(ValueError, match="rl.trainer_ranks=3 must divide the 8 rollouts"):
+        validate_rl(job)
+
+
+def test_starting_run_is_named_for_its_corpus():
+    plain = starting_job(get_rl_recipe("arith_grpo_clean"))
     assert plain.name == "llama3_debug_600" and plain.data.arithmetic_slip_rate == 0.0
-    job = pretraining_job(RLConfig(init_steps=600, init_slip_rate=0.5, reverse_answer=True))
-    assert job.name == "llama3_debug_600_slip0.5_rev"
-    assert job.data.arithmetic_slip_rate == 0.5 and job.data.arithmetic_reverse_answer
-    assert job.checkpoint.export_hf
-    recipe = arith_grpo()
-    assert pretraining_job(recipe).data.arithmetic_slip_rate == recipe.init_slip_rate
+    assert plain.checkpoint.export_hf and plain.training.steps == 600
+    slip = starting_job(get_rl_recipe("arith_grpo"))
+    assert slip.name == "llama3_debug_slip0.6_rev_3000"
+    assert slip.data.arithmetic_slip_rate == 0.6 and slip.data.arithmetic_reverse_answer
+    tool = starting_job(get_rl_recipe("tool_grpo"))
+    assert tool.data.source == "chat" and tool.data.chat_environment == "tool_calc"
+    assert tool.name == "llama3_debug_tool_calc_1500"
 
 
 def test_shapes_prompts_carry_their_images_laid_out_as_the_training_samples():
     import titan_models
     from titan_train.data.image_text import ImageProcessor, ImageTextLoader, ShapesSource
-    from titan_train.rl_tasks import ShapesTask
+    from titan_train.rl.shapes import ShapesTask
 
     pytest.importorskip("transformers")
     config = titan_models.get_model("qwen3_vl", "debug")[1]
@@ -108,51 +117,64 @@ def test_shapes_prompts_carry_their_images_laid_out_as_the_training_samples():
         assert task.score(prompt, [*tok.encode("x"), tok.eos_id]).score == 0.0
     again = ShapesSource(split="train", unit=unit, seed=3).samples(5)
     assert task.kinds(5, 3) == [s.kind for _, s in itertools.islice(again, 3)]
-    job = pretraining_job(shapes_grpo())
+    job = starting_job(get_rl_recipe("shapes_grpo"))
     assert job.data.source == "shapes" and job.checkpoint.export_hf
-    with pytest.raises(ValueError, match="task='shapes': init_recipe 'llama3_debug' pre-trains"):
-        pretraining_job(RLConfig(task="shapes"))
+    with pytest.raises(ValueError, match="task='shapes': init.recipe pre-trains"):
+        starting_job(RLJob(task="shapes"))
 
 
 def test_cli_rejects_an_unknown_recipe_and_a_bad_value(capsys):
     assert main(["--recipe", "nope"]) == 2
     assert "arith_grpo" in capsys.readouterr().err
-    assert main(["--group-size", "1"]) == 2
-    assert "group_size=1" in capsys.readouterr().err
+    assert main(["--rl.group-size", "1"]) == 2
+    assert "rl.group_size=1" in capsys.readouterr().err
+    assert main(["--list-recipes"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in ("tool_grpo", "sort_grpo", "search_grpo", "code_grpo"))
+
+
+def _tiny(job: RLJob, tmp_path, *, steps: int = 3, init_steps: int = 40) -> RLJob:
+    job.output_dir = str(tmp_path)
+    job.init.steps = init_steps
+    job.rl.steps, job.rl.num_prompts, job.rl.group_size = steps, 4, 4
+    job.rl.time_budget_s = 0.0
+    job.eval.count, job.eval.every = 16, 2
+    return job
+
+
+def _lines(run_dir) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
 def test_short_pretrain_then_grpo_runs_end_to_end(tmp_path):
-    """A 40-step pre-training run made on the fly, then 6 async GRPO steps: the plumbing (init
-    run, rollouts, version tags, evaluation, outputs), not the accuracy gain."""
+    """A 40-step pre-training run made on the fly (announced), then 4 async GRPO steps in one
+    process: the plumbing (starting run, rollouts, lag, evaluation, outputs), not the gain."""
     torch.set_num_threads(1)
-    cfg = RLConfig(
-        output_dir=str(tmp_path),
-        init_steps=40,
-        steps=6,
-        num_prompts=4,
-        group_size=4,
-        heldout_count=32,
-        eval_every=3,
-        mode="async",
-        max_offpolicy_steps=1,
-        time_budget_s=0.0,
-    )
-    summary = run_rl(cfg)
+    job = _tiny(get_rl_recipe("arith_grpo_clean"), tmp_path, steps=4)
+    job.rl.max_offpolicy_steps = 1
+    said = []
+    summary = run_rl(job, announce=said.append)
     assert (tmp_path / "llama3_debug_40" / "hf" / "config.json").is_file()
-    assert summary["steps"] == 6
-    assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
-    run_dir = tmp_path / "arith_grpo"
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any("training it first" in x and "titan-train --recipe llama3_debug" in x for x in said)
+    assert summary["steps"] == 4 and 0.0 <= summary["eval_reward_after"] <= 1.0
+    run_dir = tmp_path / "arith_grpo_clean"
+    lines = _lines(run_dir)
     train = [x for x in lines if x["split"] == "train"]
-    assert len(train) == 6 and all(0 <= x["staleness"] <= 1 for x in train)
-    assert [x["step"] for x in lines if x["split"] == "eval"] == [0, 3, 6, 6]
+    assert len(train) == 4 and all(0 <= x["policy_lag_max"] <= 1 for x in train)
+    for key in ("reward_mean", "max_abs_logprob_diff", "generator_tokens_per_s",
+                "trainer_tokens_per_s", "trainer_idle_fraction"):  # fmt: skip
+        assert all(key in x for x in train), key
+    assert [x["step"] for x in lines if x["split"] == "eval"] == [0, 2, 4, 4]
     assert json.loads((run_dir / "summary.json").read_text()) == summary
-    # Starting again reuses the pre-training run instead of training another one.
-    again = run_rl(dataclasses.replace(cfg, name="again", steps=1, eval_every=0))
-    assert again["accuracy_before"] == summary["accuracy_before"]
+    assert (run_dir / "timeline.png").stat().st_size > 0 and (run_dir / "hf").is_dir()
+    # Starting again reuses the starting run instead of training another one.
+    said.clear()
+    again = run_rl(dataclasses.replace(job, name="again"), announce=said.append)
+    assert again["eval_reward_before"] == summary["eval_reward_before"]
+    assert not any("training it first" in x for x in said)
     with pytest.raises(ValueError, match="already holds a finished RL run"):
-        run_rl(cfg)
+        run_rl(job)
 
 
 @pytest.mark.slow
@@ -161,26 +183,42 @@ def test_short_pretrain_then_grpo_on_shapes_with_images_runs_end_to_end(tmp_path
     pictures in the prompts: the generator's log-probs of the sampled tokens equal the
     trainer's forward with the same images (sync mode: same weights) within 1e-4."""
     torch.set_num_threads(1)
-    cfg = dataclasses.replace(
-        shapes_grpo(),
-        output_dir=str(tmp_path),
-        init_steps=2,
-        steps=2,
-        num_prompts=2,
-        group_size=2,
-        heldout_count=6,
-        eval_every=0,
-        time_budget_s=0.0,
-    )
-    summary = run_rl(cfg)
-    assert summary["steps"] == 2 and 0.0 <= summary["accuracy_after"] <= 1.0
-    assert set(summary["after"]) >= {"accuracy"}
-    lines = (tmp_path / "shapes_grpo" / "metrics.jsonl").read_text().splitlines()
-    train = [json.loads(x) for x in lines if json.loads(x)["split"] == "train"]
+    job = _tiny(get_rl_recipe("shapes_grpo"), tmp_path, steps=2, init_steps=2)
+    job.rl.num_prompts = job.rl.group_size = 2
+    job.eval.count, job.eval.every = 6, 0
+    summary = run_rl(job)
+    assert summary["steps"] == 2 and 0.0 <= summary["eval_reward_after"] <= 1.0
+    assert set(summary["after"]) >= {"accuracy", "reward_mean"}
+    train = [x for x in _lines(tmp_path / "shapes_grpo") if x["split"] == "train"]
     assert len(train) == 2
     for m in train:
         assert m["max_abs_logprob_diff"] <= 1e-4, m["max_abs_logprob_diff"]
     assert (tmp_path / "shapes_grpo" / "hf" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_tool_task_on_monarch_actors_is_bitwise_on_every_model_token(tmp_path):
+    """tool_grpo end to end on actors: a 30-step chat SFT on the environment's
+    demonstrations, then 3 multi-turn GRPO steps with a data-parallel trainer of 2 ranks
+    (flexshard) and 2 generator replicas, batch-invariant: the generators' and the trainer's
+    log-probs are equal on every model token of every turn, and the outputs are written."""
+    job = _tiny(get_rl_recipe("tool_grpo"), tmp_path, steps=3, init_steps=30)
+    job.rl.generators, job.rl.trainer_ranks, job.rl.max_offpolicy_steps = 2, 2, 1
+    job.eval.count = 8
+    summary = run_rl(job)
+    run_dir = tmp_path / "tool_grpo"
+    train = [x for x in _lines(run_dir) if x["split"] == "train"]
+    assert len(train) == 3
+    assert all(x["max_abs_logprob_diff"] == 0.0 for x in train)
+    assert all(x["policy_lag_max"] <= 1 for x in train)
+    assert summary["max_abs_logprob_diff"] == 0.0
+    assert {"eval_reward_before", "eval_reward_after"} <= set(summary)
+    lanes = {i["lane"] for i in json.loads((run_dir / "timeline.json").read_text())}
+    assert "trainer" in lanes and any(lane.startswith("gen") for lane in lanes), lanes
+    import titan_models
+
+    model = titan_models.from_hf(run_dir / "hf")  # the trained weights, whole
+    assert sum(p.numel() for p in model.parameters()) > 0
 
 
 def test_titan_train_rl_subcommand_reaches_the_rl_cli(capsys):

@@ -138,15 +138,27 @@ class CommConfig:
 class DataConfig:
     """Where training text comes from and how it is tokenized."""
 
-    source: Literal["arithmetic", "files", "shapes", "image_files"] = "arithmetic"
+    source: Literal["arithmetic", "files", "chat", "shapes", "image_files"] = "arithmetic"
     """arithmetic: the built-in generated corpus; files: local json/jsonl/parquet/text;
-    shapes: the built-in image-text corpus (pictures of shapes, questions with checkable
-    answers) for vision-language models; image_files: a local image-text dataset (HF
-    ``datasets``: an imagefolder, or json/jsonl/parquet with image paths)."""
+    chat: conversations (chat SFT: the loss on the assistant turns), from data.paths or an RL
+    environment's demonstrations (data.chat_environment); shapes: the built-in image-text
+    corpus (pictures of shapes, questions with checkable answers) for vision-language models;
+    image_files: a local image-text dataset (HF ``datasets``: an imagefolder, or
+    json/jsonl/parquet with image paths)."""
     paths: tuple[str, ...] = ()
     """Local data files for source=files / image_files (or one imagefolder folder)."""
     text_field: str = "text"
     """Field holding the text in json/jsonl/parquet records."""
+    messages_field: str = "messages"
+    """source=chat: field holding a record's list of messages (role, content, tool_calls)."""
+    chat_environment: str = ""
+    """source=chat without paths: the built-in RL environment whose demonstrations (correct
+    transcripts of its scripted solver) are the corpus (see titan-train rl --list-recipes)."""
+    chat_train_on: Literal["assistant", "all"] = "assistant"
+    """source=chat: the tokens that carry a loss: the assistant turns, or every token."""
+    chat_overlong: Literal["truncate", "drop"] = "truncate"
+    """source=chat: a conversation longer than training.seq_len is truncated or dropped
+    (counted either way)."""
     tokenizer: str = "byte"
     """byte (built in), or a path to an HF tokenizer.json."""
     validation_fraction: float = 0.01
@@ -338,6 +350,12 @@ def validate(cfg: JobConfig) -> None:
     if d.source in ("files", "image_files") and not d.paths:
         raise ValueError(
             f"data.paths is empty: data.source={d.source!r} needs at least one file or folder"
+        )
+    if d.source == "chat" and bool(d.paths) == bool(d.chat_environment):
+        raise ValueError(
+            "data.source='chat' takes either data.paths (conversation files) or "
+            f"data.chat_environment (a built-in corpus), got paths={list(d.paths)} and "
+            f"chat_environment={d.chat_environment!r}"
         )
     if not 0 < d.image_min_pixels <= d.image_max_pixels:
         raise ValueError(

@@ -36,6 +36,7 @@ from titan_train.checkpointing import (
 )
 from titan_train.components import apply_overrides, parse_overrides
 from titan_train.config import JobConfig, validate
+from titan_train.data.chat import chat_sources
 from titan_train.data.image_files import ImageFilesSource
 from titan_train.data.image_text import ImageProcessor, ImageTextLoader, ShapesSource
 from titan_train.data.packing import IGNORE_INDEX, Batch, PackedLoader
@@ -324,6 +325,10 @@ def _loaders(
     d, t = cfg.data, cfg.training
     if d.source in _IMAGE_TEXT:
         return _image_text_sources(cfg, tokenizer, dp_rank, dp_size)
+    if d.source == "chat":
+        train_src, val_src = chat_sources(cfg, tokenizer, dp_rank=dp_rank, dp_size=dp_size)
+        loader = PackedLoader(train_src, tokenizer, seq_len=t.seq_len, batch_size=t.batch_size)
+        return loader, val_src
     common = dict(
         kind=d.source,
         seed=t.seed,

@@ -1,8 +1,10 @@
 """RL post-training with the same model code in trainer and generator."""
 
 from .batch_invariant import batch_invariant, invariant_attention, invariant_linear
+from .buffer import RolloutRequest, WorkBuffer
 from .causal_lm import CausalLM, causal_lm_logits
 from .compaction import CompactionPolicy, DropToolOutputs, Summarize
+from .controller import Controller, DataflowConfig, LocalPolicy, Policy, Timeline
 from .diagnostics import logprob_diagnostics, reward_diagnostics
 from .environment import (
     CodeToolEnv,
@@ -13,6 +15,7 @@ from .environment import (
     episode_tensors,
 )
 from .generator import Generation, Generator, SamplingParams, TorchGenerator
+from .learner import AllReduceGradients, DataParallel, GRPOLearner
 from .logprobs import pack_sequences, sequence_logprobs, token_logprobs
 from .loop import GRPOConfig, GRPOTrainer
 from .losses import (
@@ -43,6 +46,7 @@ from .rollout import (
     rollout_seed,
 )
 from .rollouter import RolloutConfig, Rollouter, run_episode, turn_seed
+from .router import LocalReplica, NoReplicasError, ReplicaDiedError, Router
 from .rubric import (
     RewardFunction,
     Rubric,
@@ -53,48 +57,67 @@ from .rubric import (
 from .sandbox import SandboxLimits, SandboxResult, SandboxUnavailableError, run_sandboxed
 from .tasks import ExactMatchTask
 from .tokenizer import Tokenizer
+from .weight_sync import SharedWeights
+from .workers import RolloutSource, TaskRollouts
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllReduceGradients",
     "CausalLM",
     "ChatTemplateRenderer",
     "CodeToolEnv",
     "CompactionPolicy",
+    "Controller",
+    "DataParallel",
+    "DataflowConfig",
     "DropToolOutputs",
     "Environment",
     "Episode",
     "ExactMatchTask",
     "GRPOConfig",
+    "GRPOLearner",
     "GRPOTrainer",
     "Generation",
     "Generator",
+    "LocalPolicy",
+    "LocalReplica",
     "LossConfig",
     "LossOutput",
     "Message",
+    "NoReplicasError",
+    "Policy",
     "Prompt",
     "PromptImages",
     "RenderedTokens",
     "Renderer",
+    "ReplicaDiedError",
     "RewardFunction",
     "RewardResult",
     "RolloutBatch",
     "RolloutConfig",
+    "RolloutRequest",
+    "RolloutSource",
     "Rollouter",
+    "Router",
     "Rubric",
     "RubricScore",
     "SamplingParams",
     "SandboxLimits",
     "SandboxResult",
     "SandboxUnavailableError",
+    "SharedWeights",
     "SimpleChatRenderer",
     "StepResult",
     "Summarize",
     "Task",
+    "TaskRollouts",
+    "Timeline",
     "TokenSequence",
     "Tokenizer",
     "ToolCall",
     "TorchGenerator",
+    "WorkBuffer",
     "__version__",
     "aggregate",
     "as_message",

@@ -127,7 +127,9 @@ class Batch:
 
 
 class PackedLoader:
-    """An endless stream of packed batches from a ``DocumentSource``; exactly resumable."""
+    """An endless stream of packed batches from a ``DocumentSource`` (text documents, each
+    ``BOS + text + EOS``) or a ``chat.ChatSource`` (rendered ``(ids, loss_mask)`` samples: a
+    target token off the mask carries no loss); exactly resumable."""
 
     def __init__(
         self, source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, batch_size: int
@@ -142,7 +144,8 @@ class PackedLoader:
         self._tokens: list[int] = []
         self._doc_ids: list[int] = []
         self._positions: list[int] = []
-        self._docs: Iterator[str] | None = None
+        self._loss_mask: list[bool] = []
+        self._docs: Iterator[Any] | None = None
 
     def __iter__(self) -> PackedLoader:
         return self
@@ -159,9 +162,11 @@ class PackedLoader:
             return torch.tensor(values[:need]).unfold(0, s + 1, s)
 
         ids, docs, pos = rows(self._tokens), rows(self._doc_ids), rows(self._positions)
+        trained = rows(self._loss_mask)
         del self._tokens[: b * s], self._doc_ids[: b * s], self._positions[: b * s]
+        del self._loss_mask[: b * s]
         labels = ids[:, 1:].clone()
-        labels[docs[:, 1:] != docs[:, :-1]] = IGNORE_INDEX
+        labels[(docs[:, 1:] != docs[:, :-1]) | ~trained[:, 1:]] = IGNORE_INDEX
         return Batch(
             ids[:, :-1].contiguous(), labels, docs[:, :-1].contiguous(), pos[:, :-1].contiguous()
         )
@@ -169,15 +174,22 @@ class PackedLoader:
     def _append_document(self) -> None:
         if self._docs is None:
             self._docs = self.source.documents(start=self._consumed, epoch=self._epoch)
-        text = next(self._docs, None)
-        if text is None:  # end of a finite source: next epoch
+        doc = next(self._docs, None)
+        if doc is None:  # end of a finite source: next epoch
             self._epoch, self._consumed, self._docs = self._epoch + 1, 0, None
-            if self.source.kind == "files" and self._next_doc_id == 0:
+            if self.source.kind in ("files", "chat") and self._next_doc_id == 0:
                 raise ValueError("data: this rank's split holds no documents")
             return
         self._consumed += 1
-        ids = [self.tokenizer.bos_id, *self.tokenizer.encode(text), self.tokenizer.eos_id]
+        if isinstance(doc, str):
+            ids = [self.tokenizer.bos_id, *self.tokenizer.encode(doc), self.tokenizer.eos_id]
+            mask = [True] * len(ids)
+        else:  # rendered (ids, loss mask); empty: a sample the source dropped
+            ids, mask = doc
+            if not ids:
+                return
         self._tokens += ids
+        self._loss_mask += mask
         self._doc_ids += [self._next_doc_id] * len(ids)
         self._positions += range(len(ids))
         self._next_doc_id += 1
@@ -191,6 +203,7 @@ class PackedLoader:
             "tokens": list(self._tokens),
             "doc_ids": list(self._doc_ids),
             "positions": list(self._positions),
+            "loss_mask": list(self._loss_mask),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -200,4 +213,6 @@ class PackedLoader:
         self._tokens = [int(x) for x in state["tokens"]]
         self._doc_ids = [int(x) for x in state["doc_ids"]]
         self._positions = [int(x) for x in state["positions"]]
+        # Checkpoints from before loss masks: every buffered token was a target.
+        self._loss_mask = [bool(x) for x in state.get("loss_mask", [True] * len(self._tokens))]
         self._docs = None

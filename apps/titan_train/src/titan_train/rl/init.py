@@ -1,0 +1,67 @@
+"""The starting weights of an RL job: the HF export of an app training run on the task's
+corpus. When that run has no export yet it is trained first, in this process, by the app's
+own ``train`` — announced with the equivalent ``titan-train`` command, since it takes minutes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import titan_models
+from titan_train.config import JobConfig
+from titan_train.rl.config import RLJob
+
+
+def starting_job(job: RLJob) -> JobConfig:
+    """The training run whose HF export starts ``job``: ``init.recipe`` on the task's corpus.
+
+    Its name carries the corpus and the steps, so a run made for other options is never
+    reused."""
+    from titan_train.recipes import get_recipe
+    from titan_train.rl.tasks import TASKS
+
+    spec = TASKS[job.task]
+    run = get_recipe(job.init.recipe)
+    suffix = spec.corpus(run)
+    steps = job.init.steps or spec.init_steps
+    if steps:
+        run.training.steps = steps
+    run.name = f"{run.name}{suffix}" + (f"_{steps}" if steps else "")
+    run.output_dir = job.output_dir
+    run.checkpoint.export_hf = True
+    run.metrics.tensorboard = False
+    return run
+
+
+def starting_command(run: JobConfig, recipe: str) -> str:
+    """The ``titan-train`` command that makes ``run`` from ``recipe`` (the announcement)."""
+    d = run.data
+    parts = [f"titan-train --recipe {recipe}", f"--name {run.name}"]
+    parts += [f"--output-dir {run.output_dir}", f"--training.steps {run.training.steps}"]
+    parts.append(f"--data.source {d.source}")
+    if d.source == "chat":
+        parts.append(f"--data.chat-environment {d.chat_environment}")
+    if d.arithmetic_slip_rate:
+        parts.append(f"--data.arithmetic-slip-rate {d.arithmetic_slip_rate:g}")
+    if d.arithmetic_reverse_answer:
+        parts.append("--data.arithmetic-reverse-answer")
+    return " ".join([*parts, "--checkpoint.export-hf"])
+
+
+def starting_model(job: RLJob, *, announce=print) -> tuple[torch.nn.Module, Path]:
+    """The starting model and its HF folder (trained and exported first when missing)."""
+    run = starting_job(job)
+    hf_dir = Path(run.output_dir) / run.name / "hf"
+    if not (hf_dir / "config.json").is_file():
+        announce(
+            f"titan-train rl: the starting run {hf_dir.parent} has no HF export yet; training "
+            f"it first ({run.training.steps} steps of {run.model.family} {run.model.flavor} on "
+            f"the task's corpus), as: {starting_command(run, job.init.recipe)}"
+        )
+        from titan_train.trainer import train
+
+        train(run)
+        announce(f"titan-train rl: starting run done; RL starts from {hf_dir}")
+    return titan_models.from_hf(hf_dir), hf_dir

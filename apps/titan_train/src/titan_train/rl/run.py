@@ -1,0 +1,253 @@
+"""One RL job: the starting model, the task, then titan_rl's controller — in this process, or
+with the trainer and the generators as Monarch actors — with held-out evaluation, metrics,
+a timeline of who was busy when, and the final model's HF export.
+
+Where the loops run (``rl.generators``, ``rl.trainer_ranks``):
+
+- ``0`` and ``1``: one process. ``titan_rl.Controller`` over a ``GRPOLearner`` and a
+  ``TorchGenerator`` of the trainer's model (a copy of it when rollouts may lag).
+- otherwise: ``titan_rl.DistributedGRPO``. ``trainer_ranks`` actor processes form their own
+  process group and shard the model with flexshard; ``generators`` replica processes sample
+  behind a router; weights move trainer → replicas through shared memory, versioned; this
+  process holds the loops and never the model.
+
+Outputs in ``<output_dir>/<name>/``: ``config.json``, ``metrics.jsonl`` (one ``split:
+train`` line per step, ``split: eval`` lines), ``summary.json`` (``eval_reward_before`` /
+``eval_reward_after``), ``timeline.json`` and ``timeline.png``, ``hf/`` (the final model).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import titan_rl
+from titan_train.checkpointing import write_hf
+from titan_train.data.tokenizers import ByteTokenizer
+from titan_train.rl.config import RLJob, validate_rl
+from titan_train.rl.init import starting_model
+from titan_train.rl.parallel import AdamW, FlexShardDataParallel, Generators, StartingModel
+from titan_train.rl.tasks import TASKS, BuiltTask
+
+
+def grpo_config(job: RLJob, task: BuiltTask) -> titan_rl.GRPOConfig:
+    """titan_rl's loop config of ``job``."""
+    r = job.rl
+    return titan_rl.GRPOConfig(
+        num_prompts=r.num_prompts,
+        group_size=r.group_size,
+        sampling=task.sampling,
+        loss=job.loss,
+        mode="async" if r.max_offpolicy_steps else "sync",
+        max_offpolicy_steps=r.max_offpolicy_steps,
+        batch_invariant=r.batch_invariant,
+        num_minibatches=r.num_minibatches,
+        seed=r.seed,
+    )
+
+
+def _distributed(job: RLJob) -> bool:
+    return job.rl.generators > 0 or job.rl.trainer_ranks > 1
+
+
+class _Log:
+    """``metrics.jsonl`` and the console."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.file = (run_dir / "metrics.jsonl").open("w")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def run_rl(job: RLJob, *, announce=print) -> dict[str, Any]:
+    """Post-train ``job``; returns the summary (held-out reward before / after, steps, s)."""
+    validate_rl(job)
+    r = job.rl
+    run_dir = Path(job.output_dir) / job.name
+    if (run_dir / "summary.json").exists():
+        raise ValueError(
+            f"name={job.name!r}: {run_dir} already holds a finished RL run; choose another name"
+        )
+    threads = r.threads or (1 if _distributed(job) else 0)
+    if threads:
+        torch.set_num_threads(threads)
+    tokenizer = ByteTokenizer()
+    model, init_dir = starting_model(job, announce=announce)
+    task = TASKS[job.task].build(job, tokenizer, model)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(job), indent=2))
+    log = _Log(run_dir)
+    announce(
+        f"titan-train rl: {job.name}: task {job.task}, from {init_dir}; "
+        f"{r.trainer_ranks} trainer rank(s), "
+        + (f"{r.generators} generator replica(s)" if r.generators else "generation in-process")
+        + f", lag <= {r.max_offpolicy_steps}; outputs in {run_dir}"
+    )
+    try:
+        if _distributed(job):
+            result = _run_distributed(job, task, init_dir, log, announce)
+        else:
+            result = _run_local(job, task, model, log, announce)
+    finally:
+        log.close()
+    history, timeline, before, after, weights, wall = result
+    write_hf(weights, model.config, run_dir / "hf")
+    (run_dir / "timeline.json").write_text(json.dumps(timeline))
+    draw_timeline(timeline, run_dir / "timeline.png")
+    summary = {
+        "eval_reward_before": before["reward_mean"],
+        "eval_reward_after": after["reward_mean"],
+        "gain_points": 100 * (after["reward_mean"] - before["reward_mean"]),
+        "steps": len(history),
+        "rl_seconds": wall,
+        "max_abs_logprob_diff": max((m["max_abs_logprob_diff"] for m in history), default=0.0),
+        "policy_lag_max": max((m["policy_lag_max"] for m in history), default=0),
+        "heldout": f"seed {job.eval.seed}, {job.eval.count} problems",
+        "before": before,
+        "after": after,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    announce(
+        f"titan-train rl: held-out reward {before['reward_mean']:.3f} -> "
+        f"{after['reward_mean']:.3f} ({summary['gain_points']:+.1f} points) in "
+        f"{len(history)} steps, {wall:.0f} s; results in {run_dir}"
+    )
+    return summary
+
+
+def _on_step(job, log, announce, evaluate, start):
+    """The controller's per-step callback: log, evaluate every ``eval.every`` steps, and stop
+    at the time budget."""
+    r = job.rl
+
+    def on_step(m: dict[str, Any]) -> bool:
+        elapsed = time.perf_counter() - start
+        record = {k: v for k, v in m.items() if not isinstance(v, torch.Tensor)}
+        log.write({**record, "split": "train", "elapsed_s": elapsed})
+        done = m["step"] + 1
+        line = (
+            f"step {done:4d}  reward {m['reward_mean']:.3f}  loss {m['loss']:+.4f}  "
+            f"max|dlogp| {m['max_abs_logprob_diff']:.1e}  lag {m['policy_lag_max']}  "
+            f"gen {m['generator_tokens_per_s']:.0f} tok/s  idle "
+            f"{m['trainer_idle_fraction']:.2f}  {elapsed:6.1f}s"
+        )
+        if job.eval.every and done % job.eval.every == 0:
+            ev = evaluate()
+            log.write({"step": done, "split": "eval", **ev})
+            line += f"  held-out reward {ev['reward_mean']:.3f}"
+        announce(line)
+        return bool(r.time_budget_s) and elapsed >= r.time_budget_s
+
+    return on_step
+
+
+def _run_local(job, task, model, log, announce):
+    """Everything in this process."""
+    r, config = job.rl, grpo_config(job, task)
+    optimizer = AdamW(r.lr)(model.parameters())
+    learner = titan_rl.GRPOLearner(model, optimizer, config)
+    # Rollouts that may lag need weights of their own; synchronous ones use the trainer's.
+    gen_model = copy.deepcopy(model) if r.max_offpolicy_steps else model
+    generator = titan_rl.TorchGenerator(gen_model, batch_invariant=r.batch_invariant)
+    workers = r.rollout_workers or 2
+    controller = titan_rl.Controller(
+        titan_rl.LocalPolicy(learner),
+        generator,
+        task.source,
+        config,
+        titan_rl.DataflowConfig(rollout_workers=workers),
+    )
+
+    def evaluate() -> dict[str, Any]:  # the trainer's current weights, greedy
+        ev = task.evaluate(titan_rl.TorchGenerator(model, batch_invariant=r.batch_invariant))
+        return ev
+
+    before = evaluate()
+    log.write({"step": 0, "split": "eval", **before})
+    announce(f"held-out before RL: reward {before['reward_mean']:.3f}")
+    start = time.perf_counter()
+    history = controller.run(r.steps, on_step=_on_step(job, log, announce, evaluate, start))
+    wall = time.perf_counter() - start
+    after = evaluate()
+    log.write({"step": len(history), "split": "eval", **after})
+    weights = {k: v.detach() for k, v in model.state_dict().items()}
+    return history, controller.timeline.intervals, before, after, weights, wall
+
+
+def _run_distributed(job, task, init_dir, log, announce):
+    """Trainer ranks and generator replicas as Monarch actors; the loops in this process."""
+    from titan_rl.actors import DistributedGRPO, MeshConfig
+
+    r, config = job.rl, grpo_config(job, task)
+    factory = StartingModel(init_dir)
+    mesh = MeshConfig(
+        num_generators=max(r.generators, 1),
+        trainer_ranks=r.trainer_ranks,
+        num_threads=r.threads or 1,
+    )
+    dataflow = titan_rl.DataflowConfig(rollout_workers=r.rollout_workers or 2 * mesh.num_generators)
+    with DistributedGRPO(
+        model_factory=factory,
+        optimizer_factory=AdamW(r.lr),
+        generator_factory=Generators(factory, batch_invariant=r.batch_invariant),
+        data_parallel=FlexShardDataParallel(),
+        source=task.source,
+        config=config,
+        mesh=mesh,
+        dataflow=dataflow,
+    ) as rl:
+        router = rl.router
+
+        def evaluate() -> dict[str, Any]:  # greedy, on the replicas' newest weights
+            return task.evaluate(router)
+
+        before = evaluate()
+        log.write({"step": 0, "split": "eval", **before})
+        announce(f"held-out before RL: reward {before['reward_mean']:.3f}")
+        start = time.perf_counter()
+        history = rl.train(r.steps, on_step=_on_step(job, log, announce, evaluate, start))
+        wall = time.perf_counter() - start
+        router.wait_loaded(rl.trainer.version)
+        after = evaluate()
+        log.write({"step": len(history), "split": "eval", **after})
+        from titan_train.rl.parallel import full_weights
+
+        weights = rl.trainer.run(full_weights)[0]
+        timeline = rl.controller.timeline.intervals
+    return history, timeline, before, after, weights, wall
+
+
+def draw_timeline(intervals: list[dict[str, Any]], path: Path) -> None:
+    """A PNG of when each loop and each replica was busy (one lane each; the trainer's
+    waits for rollouts in grey)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lanes = sorted({i["lane"] for i in intervals})
+    fig, ax = plt.subplots(figsize=(12, 0.4 * len(lanes) + 1.5))
+    for y, lane in enumerate(lanes):
+        mine = [i for i in intervals if i["lane"] == lane]
+        for idle, color in ((False, f"C{y % 10}"), (True, "0.85")):
+            spans = [
+                (i["start"], i["end"] - i["start"]) for i in mine if (i["what"] == "idle") == idle
+            ]
+            ax.broken_barh(spans, (y - 0.35, 0.7), color=color)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_xlabel("seconds since the loops started")
+    ax.set_title("busy intervals per loop and replica (grey: the trainer waiting for rollouts)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
