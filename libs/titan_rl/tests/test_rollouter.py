@@ -172,3 +172,32 @@ def test_bad_inputs_are_refused(tokenizer, tiny_model):
         RolloutBatch.from_episodes([episodes, episodes[:1]], step=0)
     with pytest.raises(ValueError, match="distinct"):
         Rubric([RewardFunction("a", len), RewardFunction("a", len)])
+
+
+def test_multi_turn_groups_stay_multi_turn_through_the_work_buffer(tokenizer, tiny_model):
+    # Guards the controller's packing: a step's batch of episode groups (masks with holes
+    # where the environment's ids sit) was rebuilt as a plain Generation and refused.
+    from titan_rl import RolloutRequest, WorkBuffer
+    from titan_rl.buffer import pack_groups
+
+    rollouter = make_rollouter(tokenizer)
+    gen = TorchGenerator(tiny_model)
+    groups = [
+        RolloutBatch.from_episodes([rollouter.rollout_group(gen, i, 2, seed=0)], step=0)
+        for i in range(2)
+    ]
+    mask = groups[0].generation.mask
+    assert bool((mask[:, 1:] & ~mask[:, :-1]).any())  # a model turn after environment ids
+    batch = pack_groups(0, groups)
+    batch.generation.validate(4)  # holes allowed
+    buffer = WorkBuffer(num_groups=2, max_offpolicy_steps=0, version=0)
+    buffer.open()
+    buffer.publish(0)
+    buffer.put(RolloutRequest(step=0, group=0, num_groups=2, index=0, seed=0), batch)
+    restored = WorkBuffer(num_groups=2, max_offpolicy_steps=0, version=0)
+    restored.load_state_dict(buffer.state_dict())
+    restored.open()
+    for b in (buffer, restored):
+        taken = pack_groups(0, b.take(0))
+        taken.generation.validate(4)
+        assert torch.equal(taken.generation.mask, batch.generation.mask)

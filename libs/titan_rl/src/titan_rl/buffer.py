@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .generator import Generation
-from .rollout import PromptImages, RolloutBatch
+from .rollout import PromptImages, RolloutBatch, _EpisodeGeneration
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +152,8 @@ def pack_groups(step: int, groups: list[RolloutBatch]) -> RolloutBatch:
     images = ()
     if any(g.images for g in groups):
         images = tuple(x for g in groups for x in (g.images or (None,) * len(g.prompts)))
-    generation = Generation(
+    # Multi-turn groups keep their generation type (a mask with holes: environment ids).
+    generation = type(groups[0].generation)(
         tokens=cat("tokens"),
         mask=cat("mask"),
         logprobs=cat("logprobs"),
@@ -175,7 +176,7 @@ def _rows(batch: RolloutBatch, rows: slice) -> RolloutBatch:
     return RolloutBatch(
         step=batch.step,
         prompts=batch.prompts[rows],
-        generation=Generation(
+        generation=type(gen)(
             tokens=gen.tokens[rows],
             mask=gen.mask[rows],
             logprobs=gen.logprobs[rows],
@@ -200,6 +201,7 @@ def _batch_state(b: RolloutBatch) -> dict[str, Any]:
         "processed_logprobs": gen.processed_logprobs,
         "finish_reasons": list(gen.finish_reasons),
         "weight_version": gen.weight_version,
+        "multi_turn": isinstance(gen, _EpisodeGeneration),
         "rewards": b.rewards,
         "statuses": list(b.statuses),
         "images": [
@@ -219,7 +221,7 @@ def _batch_from_state(s: dict[str, Any]) -> RolloutBatch:
     return RolloutBatch(
         step=int(s["batch_step"]),
         prompts=[list(p) for p in s["prompts"]],
-        generation=Generation(
+        generation=(_EpisodeGeneration if s.get("multi_turn") else Generation)(
             tokens=s["tokens"],
             mask=s["mask"],
             logprobs=s["logprobs"],
