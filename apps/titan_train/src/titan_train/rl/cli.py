@@ -42,4 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # config errors are raised before anything is trained or written
         print(f"titan-train rl: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a trainer rank died: one line, the run stops
+        if type(e).__name__ != "TrainerDiedError":
+            raise
+        print(f"titan-train rl: error: {e}", file=sys.stderr)
+        return 1
     return 0

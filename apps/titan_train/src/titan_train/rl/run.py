@@ -30,6 +30,13 @@ import torch
 import titan_rl
 from titan_train.checkpointing import write_hf
 from titan_train.data.tokenizers import ByteTokenizer
+from titan_train.rl.checkpoint import (
+    ControllerCheckpoints,
+    close_trainer,
+    load_trainer,
+    save_trainer,
+    trainer_steps,
+)
 from titan_train.rl.config import RLJob, validate_rl
 from titan_train.rl.init import starting_model
 from titan_train.rl.parallel import AdamW, FlexShardDataParallel, Generators, StartingModel
@@ -57,10 +64,20 @@ def _distributed(job: RLJob) -> bool:
 
 
 class _Log:
-    """``metrics.jsonl`` and the console."""
+    """``metrics.jsonl`` (appended to on a resume, cut back to the resumed step first)."""
 
-    def __init__(self, run_dir: Path) -> None:
-        self.file = (run_dir / "metrics.jsonl").open("w")
+    def __init__(self, run_dir: Path, resume_step: int | None) -> None:
+        path = run_dir / "metrics.jsonl"
+        kept = []
+        if resume_step is not None and path.is_file():
+            for line in path.read_text().splitlines():
+                record = json.loads(line)
+                if record["step"] < resume_step or (
+                    record["split"] == "eval" and record["step"] == resume_step
+                ):
+                    kept.append(line + "\n")
+        self.file = path.open("w")
+        self.file.writelines(kept)
 
     def write(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(record) + "\n")
@@ -86,8 +103,18 @@ def run_rl(job: RLJob, *, announce=print) -> dict[str, Any]:
     model, init_dir = starting_model(job, announce=announce)
     task = TASKS[job.task].build(job, tokenizer, model)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(job), indent=2))
-    log = _Log(run_dir)
+    resume_step = _resume_step(run_dir)
+    config_json = json.dumps(dataclasses.asdict(job), indent=2)
+    if resume_step is not None:
+        saved = (run_dir / "config.json").read_text()
+        if json.loads(saved) != json.loads(config_json):
+            raise ValueError(
+                f"name={job.name!r}: {run_dir} holds checkpoints of another config (see its "
+                "config.json); resume with the same options or choose another name"
+            )
+        announce(f"titan-train rl: resuming {run_dir} from step {resume_step}")
+    (run_dir / "config.json").write_text(config_json)
+    log = _Log(run_dir, resume_step)
     announce(
         f"titan-train rl: {job.name}: task {job.task}, from {init_dir}; "
         f"{r.trainer_ranks} trainer rank(s), "
@@ -96,9 +123,9 @@ def run_rl(job: RLJob, *, announce=print) -> dict[str, Any]:
     )
     try:
         if _distributed(job):
-            result = _run_distributed(job, task, init_dir, log, announce)
+            result = _run_distributed(job, task, init_dir, log, announce, resume_step)
         else:
-            result = _run_local(job, task, model, log, announce)
+            result = _run_local(job, task, model, log, announce, resume_step)
     finally:
         log.close()
     history, timeline, before, after, weights, wall = result
@@ -126,9 +153,40 @@ def run_rl(job: RLJob, *, announce=print) -> dict[str, Any]:
     return summary
 
 
-def _on_step(job, log, announce, evaluate, start):
-    """The controller's per-step callback: log, evaluate every ``eval.every`` steps, and stop
-    at the time budget."""
+def _resume_step(run_dir: Path) -> int | None:
+    """The newest step with both a trainer and a controller checkpoint (None: start afresh)."""
+    ckpt = run_dir / "checkpoints"
+    both = set(trainer_steps(ckpt / "trainer")) & set(
+        ControllerCheckpoints(ckpt / "controller").steps()
+    )
+    return max(both) if both else None
+
+
+class _Checkpoints:
+    """Saves and resumes the trainer (through ``run(fn, *args)`` on every trainer rank) and
+    the controller at the same steps."""
+
+    def __init__(self, run_dir: Path, run_on_trainer, controller) -> None:
+        self.root = run_dir / "checkpoints"
+        self.trainer_root = str(self.root / "trainer")
+        self.run, self.controller = run_on_trainer, controller
+        self.controller_ckpts = ControllerCheckpoints(self.root / "controller")
+
+    def save(self, step: int) -> None:
+        self.run(save_trainer, self.trainer_root, step)
+        self.controller_ckpts.save(step, self.controller.state_dict())
+
+    def resume(self, step: int) -> None:
+        self.run(load_trainer, self.trainer_root, step)
+        self.controller.load_state_dict(self.controller_ckpts.load(step))
+
+    def close(self) -> None:
+        self.run(close_trainer, self.trainer_root)
+
+
+def _on_step(job, log, announce, evaluate, start, checkpoints):
+    """The controller's per-step callback: log, evaluate every ``eval.every`` steps, save
+    every ``rl.checkpoint_interval`` steps, and stop at the time budget."""
     r = job.rl
 
     def on_step(m: dict[str, Any]) -> bool:
@@ -146,13 +204,16 @@ def _on_step(job, log, announce, evaluate, start):
             ev = evaluate()
             log.write({"step": done, "split": "eval", **ev})
             line += f"  held-out reward {ev['reward_mean']:.3f}"
+        if r.checkpoint_interval and done % r.checkpoint_interval == 0:
+            checkpoints.save(done)
+            line += "  (checkpoint)"
         announce(line)
         return bool(r.time_budget_s) and elapsed >= r.time_budget_s
 
     return on_step
 
 
-def _run_local(job, task, model, log, announce):
+def _run_local(job, task, model, log, announce, resume_step):
     """Everything in this process."""
     r, config = job.rl, grpo_config(job, task)
     optimizer = AdamW(r.lr)(model.parameters())
@@ -170,22 +231,26 @@ def _run_local(job, task, model, log, announce):
     )
 
     def evaluate() -> dict[str, Any]:  # the trainer's current weights, greedy
-        ev = task.evaluate(titan_rl.TorchGenerator(model, batch_invariant=r.batch_invariant))
-        return ev
+        return task.evaluate(titan_rl.TorchGenerator(model, batch_invariant=r.batch_invariant))
 
-    before = evaluate()
-    log.write({"step": 0, "split": "eval", **before})
-    announce(f"held-out before RL: reward {before['reward_mean']:.3f}")
+    checkpoints = _Checkpoints(
+        Path(job.output_dir) / job.name, lambda fn, *a: [fn(learner, *a)], controller
+    )
+    before, first = _start(job, log, announce, evaluate, checkpoints, resume_step)
+    if resume_step is not None and r.max_offpolicy_steps:  # the generator's own copy
+        generator.update_weights(model.state_dict(), learner.version)
     start = time.perf_counter()
-    history = controller.run(r.steps, on_step=_on_step(job, log, announce, evaluate, start))
+    on_step = _on_step(job, log, announce, evaluate, start, checkpoints)
+    history = controller.run(r.steps - first, on_step=on_step) if r.steps > first else []
     wall = time.perf_counter() - start
+    checkpoints.close()
     after = evaluate()
     log.write({"step": len(history), "split": "eval", **after})
     weights = {k: v.detach() for k, v in model.state_dict().items()}
     return history, controller.timeline.intervals, before, after, weights, wall
 
 
-def _run_distributed(job, task, init_dir, log, announce):
+def _run_distributed(job, task, init_dir, log, announce, resume_step):
     """Trainer ranks and generator replicas as Monarch actors; the loops in this process."""
     from titan_rl.actors import DistributedGRPO, MeshConfig
 
@@ -212,12 +277,13 @@ def _run_distributed(job, task, init_dir, log, announce):
         def evaluate() -> dict[str, Any]:  # greedy, on the replicas' newest weights
             return task.evaluate(router)
 
-        before = evaluate()
-        log.write({"step": 0, "split": "eval", **before})
-        announce(f"held-out before RL: reward {before['reward_mean']:.3f}")
+        checkpoints = _Checkpoints(Path(job.output_dir) / job.name, rl.trainer.run, rl)
+        before, first = _start(job, log, announce, evaluate, checkpoints, resume_step)
         start = time.perf_counter()
-        history = rl.train(r.steps, on_step=_on_step(job, log, announce, evaluate, start))
+        on_step = _on_step(job, log, announce, evaluate, start, checkpoints)
+        history = rl.train(r.steps - first, on_step=on_step) if r.steps > first else []
         wall = time.perf_counter() - start
+        checkpoints.close()
         router.wait_loaded(rl.trainer.version)
         after = evaluate()
         log.write({"step": len(history), "split": "eval", **after})
@@ -226,6 +292,20 @@ def _run_distributed(job, task, init_dir, log, announce):
         weights = rl.trainer.run(full_weights)[0]
         timeline = rl.controller.timeline.intervals
     return history, timeline, before, after, weights, wall
+
+
+def _start(job, log, announce, evaluate, checkpoints, resume_step):
+    """The held-out evaluation before RL (read back on a resume) and the first step."""
+    if resume_step is None:
+        before = evaluate()
+        log.write({"step": 0, "split": "eval", **before})
+        announce(f"held-out before RL: reward {before['reward_mean']:.3f}")
+        return before, 0
+    checkpoints.resume(resume_step)
+    lines = (Path(job.output_dir) / job.name / "metrics.jsonl").read_text().splitlines()
+    before = next(json.loads(x) for x in lines if '"split": "eval"' in x)
+    before = {k: v for k, v in before.items() if k not in ("step", "split")}
+    return before, resume_step
 
 
 def draw_timeline(intervals: list[dict[str, Any]], path: Path) -> None:
