@@ -241,9 +241,11 @@ def _run_local(job, task, model, log, announce, resume_step):
         generator.update_weights(model.state_dict(), learner.version)
     start = time.perf_counter()
     on_step = _on_step(job, log, announce, evaluate, start, checkpoints)
-    history = controller.run(r.steps - first, on_step=on_step) if r.steps > first else []
+    try:  # an interrupted run still finishes writing the checkpoint it started
+        history = controller.run(r.steps - first, on_step=on_step) if r.steps > first else []
+    finally:
+        checkpoints.close()
     wall = time.perf_counter() - start
-    checkpoints.close()
     after = evaluate()
     log.write({"step": len(history), "split": "eval", **after})
     weights = {k: v.detach() for k, v in model.state_dict().items()}
@@ -281,9 +283,11 @@ def _run_distributed(job, task, init_dir, log, announce, resume_step):
         before, first = _start(job, log, announce, evaluate, checkpoints, resume_step)
         start = time.perf_counter()
         on_step = _on_step(job, log, announce, evaluate, start, checkpoints)
-        history = rl.train(r.steps - first, on_step=on_step) if r.steps > first else []
+        try:  # an interrupted run still finishes writing the checkpoint it started
+            history = rl.train(r.steps - first, on_step=on_step) if r.steps > first else []
+        finally:
+            checkpoints.close()
         wall = time.perf_counter() - start
-        checkpoints.close()
         router.wait_loaded(rl.trainer.version)
         after = evaluate()
         log.write({"step": len(history), "split": "eval", **after})
