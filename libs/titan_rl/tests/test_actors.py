@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("monarch.actor")
 
-import flexshard
+import flexshard  # tests compose libraries; titan_rl itself never imports flexshard
 import titan_models
 from titan_rl import GRPOConfig, LossConfig, RewardResult, SamplingParams
 from titan_rl.actors import (
@@ -25,9 +25,10 @@ from titan_rl.actors import (
 )
 from titan_rl.buffer import RolloutRequest, pack_groups
 from titan_rl.controller import DataflowConfig
-from titan_rl.learner import GRPOLearner
+from titan_rl.learner import AllReduceGradients, GRPOLearner
 from titan_rl.tasks import ExactMatchTask
 from titan_rl.workers import TaskRollouts
+from titan_testing import requires_gpus
 
 
 def make_llama(device: torch.device, seed: int = 0) -> torch.nn.Module:
@@ -95,7 +96,11 @@ def _assemble(pieces_per_rank, like: dict[str, torch.Tensor]) -> dict[str, torch
 
 
 def _generator_state(generator) -> tuple[int, dict[str, torch.Tensor]]:
-    return generator.weight_version, {k: v.clone() for k, v in generator.model.state_dict().items()}
+    return generator.weight_version, {k: v.cpu() for k, v in generator.model.state_dict().items()}
+
+
+def _trainer_state(learner) -> dict[str, torch.Tensor]:
+    return {k: v.cpu() for k, v in learner.model.state_dict().items()}
 
 
 def _pid(_target) -> int:
@@ -195,3 +200,33 @@ def test_trainer_mesh_replicas_weight_sync_and_faults(caplog):
         os.kill(trainer_pid, signal.SIGKILL)
         with pytest.raises(TrainerDiedError, match="a trainer rank died, the run stops"):
             run.train(1)
+
+
+@requires_gpus(1)
+def test_distributed_grpo_on_cuda():
+    """The GPU path: a trainer rank over NCCL and a TorchGenerator replica on CUDA; after two
+    steps the replica holds the trainer's weights bitwise at version 2 (the slot copy from
+    and to device memory)."""
+    cfg = GRPOConfig(**{**{f: getattr(CFG, f) for f in CFG.__slots__}, "batch_invariant": False})
+    source = TaskRollouts(
+        LowIdTask(Bytes(), _sums), num_prompts=2, group_size=4, sampling=cfg.sampling
+    )
+    run = DistributedGRPO(
+        model_factory=make_llama,
+        optimizer_factory=functools.partial(torch.optim.AdamW, lr=1e-4),
+        generator_factory=TorchGeneratorFactory(make_llama),
+        data_parallel=AllReduceGradients(),
+        source=source,
+        config=cfg,
+        mesh=MeshConfig(num_generators=1, trainer_ranks=1, backend="nccl"),
+    )
+    with run:
+        hist = run.train(2)
+        assert [m["step"] for m in hist] == [0, 1] and all(m["grad_norm"] > 0 for m in hist)
+        run.router.wait_loaded(2)
+        (trainer,) = run.trainer.run(_trainer_state)
+        (replica,) = run.router._replicas.values()
+        version, weights = replica.run(_generator_state)
+        assert version == 2
+        for name, tensor in trainer.items():
+            assert torch.equal(weights[name], tensor), name

@@ -398,7 +398,6 @@ class DistributedGRPO:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the controller (after loading the trainer's weights of that version)."""
         self.trainer.set_version(int(state["version"]))
-        self.controller.buffer.published = int(state["version"])
         self.controller.load_state_dict(state)
 
     def close(self) -> None:
