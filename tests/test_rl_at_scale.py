@@ -1,6 +1,7 @@
-"""GRPO on Monarch actors (CPU, gloo): a trainer mesh of 2 flexshard ranks and generator
-replicas in their own processes; weight sync, data-parallel equivalence, batch invariance,
-and a replica killed with SIGKILL mid-run. Checks are grouped: each spawn costs seconds."""
+"""titan_rl on Monarch actors composed with flexshard, as the app runs it (CPU, gloo): a
+trainer mesh of 2 flexshard ranks and generator replicas in their own processes; weight
+sync, data-parallel equivalence, batch invariance, a replica and a trainer rank killed with
+SIGKILL. Checks are grouped: each spawn costs seconds."""
 
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ import torch
 
 pytest.importorskip("monarch.actor")
 
-import flexshard  # tests compose libraries; titan_rl itself never imports flexshard
-import titan_models
 from titan_rl import GRPOConfig, LossConfig, RewardResult, SamplingParams
 from titan_rl.actors import (
     DistributedGRPO,
@@ -25,33 +24,37 @@ from titan_rl.actors import (
 )
 from titan_rl.buffer import RolloutRequest, pack_groups
 from titan_rl.controller import DataflowConfig
-from titan_rl.learner import AllReduceGradients, GRPOLearner
+from titan_rl.factories import TitanModelFactory
+from titan_rl.learner import GRPOLearner
 from titan_rl.tasks import ExactMatchTask
 from titan_rl.workers import TaskRollouts
-from titan_testing import requires_gpus
 
-
-def make_llama(device: torch.device, seed: int = 0) -> torch.nn.Module:
-    """A tiny fp32 Llama 3 on the byte vocabulary (same weights on every process)."""
-    model_cls, config = titan_models.get_model("llama3", "debug", vocab_size=264, num_layers=2)
-    with torch.device("meta"):
-        model = model_cls(config)
-    return model.init_weights(device=device, seed=seed)
+make_llama = TitanModelFactory(
+    family="llama3", flavor="debug", overrides={"vocab_size": 264, "num_layers": 2}
+)
+"""A tiny fp32 Llama 3 on the byte vocabulary (same weights in every process)."""
 
 
 class FlexshardDP:
-    """The hook the app passes: flexshard shards, reduces (mean) and clips."""
+    """The hook the app passes: flexshard shards, reduces (mean) and clips. (Tests compose
+    libraries; titan_rl never imports flexshard. Imported on use: replicas need not.)"""
 
     def parallelize(self, model, group):
+        import flexshard
+
         return flexshard.shard(model, group)
 
     def reduce_gradients(self, model):
         pass  # flexshard reduces in its backward hooks
 
     def clip_grad_norm_(self, model, max_norm):
+        import flexshard
+
         return flexshard.clip_grad_norm_(model.parameters(), max_norm)
 
     def state_dict(self, model):
+        import flexshard
+
         return flexshard.sharded_state_dict(model)
 
 
@@ -77,6 +80,8 @@ class LowIdTask(ExactMatchTask):
 
 def _full_weights(learner) -> list[tuple[str, tuple, torch.Tensor]]:
     """This rank's pieces of the full weights (offset, chunk), read from flexshard itself."""
+    import flexshard
+
     out = []
     for name, value in flexshard.sharded_state_dict(learner.model).items():
         if hasattr(value, "local_chunks"):
@@ -97,10 +102,6 @@ def _assemble(pieces_per_rank, like: dict[str, torch.Tensor]) -> dict[str, torch
 
 def _generator_state(generator) -> tuple[int, dict[str, torch.Tensor]]:
     return generator.weight_version, {k: v.cpu() for k, v in generator.model.state_dict().items()}
-
-
-def _trainer_state(learner) -> dict[str, torch.Tensor]:
-    return {k: v.cpu() for k, v in learner.model.state_dict().items()}
 
 
 def _pid(_target) -> int:
@@ -200,33 +201,3 @@ def test_trainer_mesh_replicas_weight_sync_and_faults(caplog):
         os.kill(trainer_pid, signal.SIGKILL)
         with pytest.raises(TrainerDiedError, match="a trainer rank died, the run stops"):
             run.train(1)
-
-
-@requires_gpus(1)
-def test_distributed_grpo_on_cuda():
-    """The GPU path: a trainer rank over NCCL and a TorchGenerator replica on CUDA; after two
-    steps the replica holds the trainer's weights bitwise at version 2 (the slot copy from
-    and to device memory)."""
-    cfg = GRPOConfig(**{**{f: getattr(CFG, f) for f in CFG.__slots__}, "batch_invariant": False})
-    source = TaskRollouts(
-        LowIdTask(Bytes(), _sums), num_prompts=2, group_size=4, sampling=cfg.sampling
-    )
-    run = DistributedGRPO(
-        model_factory=make_llama,
-        optimizer_factory=functools.partial(torch.optim.AdamW, lr=1e-4),
-        generator_factory=TorchGeneratorFactory(make_llama),
-        data_parallel=AllReduceGradients(),
-        source=source,
-        config=cfg,
-        mesh=MeshConfig(num_generators=1, trainer_ranks=1, backend="nccl"),
-    )
-    with run:
-        hist = run.train(2)
-        assert [m["step"] for m in hist] == [0, 1] and all(m["grad_norm"] > 0 for m in hist)
-        run.router.wait_loaded(2)
-        (trainer,) = run.trainer.run(_trainer_state)
-        (replica,) = run.router._replicas.values()
-        version, weights = replica.run(_generator_state)
-        assert version == 2
-        for name, tensor in trainer.items():
-            assert torch.equal(weights[name], tensor), name
