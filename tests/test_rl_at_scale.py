@@ -9,6 +9,7 @@ import functools
 import logging
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -137,15 +138,17 @@ def test_trainer_mesh_replicas_weight_sync_and_faults(caplog):
     run = DistributedGRPO(
         model_factory=make_llama,
         optimizer_factory=functools.partial(torch.optim.SGD, lr=0.5),
-        generator_factory=TorchGeneratorFactory(make_llama, batch_invariant=True),
+        generator_factory=TorchGeneratorFactory(model_factory=make_llama, batch_invariant=True),
         data_parallel=FlexshardDP(),
         source=source,
         config=CFG,
         mesh=MeshConfig(num_generators=2, trainer_ranks=2, num_threads=1, restart_generators=False),
         dataflow=DataflowConfig(rollout_workers=2),
     )
+    start = time.time()
     with run:
         hist = run.train(2)
+        print(f"[{time.time() - start:.1f} s] spawned, 2 steps")
         assert [m["max_abs_logprob_diff"] for m in hist] == [0.0, 0.0], hist
         assert [m["policy_lag_max"] for m in hist] == [0, 0]
         assert all(m["grad_norm"] > 0 for m in hist)
@@ -167,7 +170,7 @@ def test_trainer_mesh_replicas_weight_sync_and_faults(caplog):
         model = make_llama(torch.device("cpu"))
         model.load_state_dict(trainer_full)
         local = GRPOLearner(model, torch.optim.SGD(model.parameters(), lr=0.5), CFG, version=2)
-        gen = TorchGeneratorFactory(make_llama)(0)
+        gen = TorchGeneratorFactory(model_factory=make_llama)(0)
         gen.update_weights(trainer_full, 2)
         reqs = [RolloutRequest(step=2, group=g, num_groups=1, index=4 + g, seed=9) for g in (0, 1)]
         batch = pack_groups(2, [source(gen, r) for r in reqs])
@@ -182,6 +185,7 @@ def test_trainer_mesh_replicas_weight_sync_and_faults(caplog):
         assert moved > 1e-4 and worst <= 1e-6
         assert abs(got["loss"] - want["loss"]) <= 1e-6
 
+        print(f"[{time.time() - start:.1f} s] weight sync and DP checks")
         # kill -9 one replica as the next step's requests go out.
         pid = replicas[0].pid()
 
@@ -196,8 +200,11 @@ def test_trainer_mesh_replicas_weight_sync_and_faults(caplog):
         assert [m["max_abs_logprob_diff"] for m in hist] == [0.0, 0.0, 0.0]
         print(f"requests re-sent after the kill: {run.router.resent}")
 
+        print(f"[{time.time() - start:.1f} s] replica killed, 3 steps")
         # kill -9 a trainer rank: one clear error.
         trainer_pid = run.trainer.run(_pid)[1]
         os.kill(trainer_pid, signal.SIGKILL)
         with pytest.raises(TrainerDiedError, match="a trainer rank died, the run stops"):
             run.train(1)
+        print(f"[{time.time() - start:.1f} s] trainer rank killed")
+    print(f"[{time.time() - start:.1f} s] closed")
