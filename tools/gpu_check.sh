@@ -58,7 +58,8 @@ log "bf16 peak used for MFU: ${peak} (0 = measured)"
 uv pip install --quiet 'nvidia-cutlass-dsl==4.8.1' >/dev/null 2>&1 \
   || log "(could not install the cutlass extra: the CuTe checks will skip)"
 
-step "pytest -m gpu" 240 uv run pytest -m gpu -q -rs -p no:cacheprovider
+step "pytest -m gpu" 240 uv run pytest -m gpu -q -rs -p no:cacheprovider \
+  --deselect libs/titan_rl/tests/test_actors.py::test_distributed_grpo_on_cuda  # its own step
 
 run=$(mktemp -d)
 common=(--training.device cuda --training.mixed-precision bf16 --metrics.peak-flops "$peak"
@@ -82,6 +83,10 @@ if [ "$gpus" -ge 2 ]; then
   step "symmetric-memory dispatch vs all-to-all" 90 uv run torchrun --standalone \
     --nproc-per-node "$gpus" libs/dist_moe/benchmarks/bench_symm_dispatch.py
 fi
+# titan_rl at scale (issue 33): Monarch actors on the GPU (a trainer rank over NCCL, a
+# TorchGenerator replica on CUDA, weight slots copied from and to device memory).
+step "titan_rl: DistributedGRPO on CUDA" 120 uv run pytest -q -rs -p no:cacheprovider \
+  "libs/titan_rl/tests/test_actors.py::test_distributed_grpo_on_cuda"
 # FP8 / MXFP8 (issue 27): the real kernels against fp32 on the debug recipe, and a 1B step rate.
 cap=$(uv run python -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())')
 modes="fp8_rowwise"; [ "$cap" -ge 100 ] && modes="fp8_rowwise mxfp8"

@@ -256,3 +256,45 @@ def test_rollout_throughput_scales_with_replicas_and_the_trainer_idles_less():
           f"trainer idle {idle_one:.2f} -> {idle_four:.2f}")  # fmt: skip
     assert four >= 2.5 * one
     assert idle_four < idle_one
+
+
+def test_rewards_are_scored_in_parallel_by_the_pool(tokenizer):
+    """Guards the worker pool: each score waits at a 4-party barrier, which only 4 scorers
+    running at once can pass (one after another, every wait times out: status "error")."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    barrier = threading.Barrier(4, timeout=5.0)
+
+    class Meeting(_LowIdTask):
+        def score(self, prompt, response_ids):
+            barrier.wait()
+            return RewardResult(1.0, "correct")
+
+    sampling = SamplingParams(max_new_tokens=2)
+    request = RolloutRequest(step=0, group=0, num_groups=2, index=0, seed=0)
+    with ThreadPoolExecutor(4) as pool:
+        source = TaskRollouts(
+            Meeting(tokenizer, _sums), num_prompts=2, group_size=4, sampling=sampling, pool=pool
+        )
+        batch = source(LatencyGenerator(token_latency_s=0.0), request)
+    assert batch.statuses == ["correct"] * 8
+
+
+def test_bad_dataflow_input_is_refused_before_any_work(tokenizer):
+    with pytest.raises(ValueError, match="DataflowConfig.groups_per_request=0"):
+        DataflowConfig(groups_per_request=0)
+    with pytest.raises(ValueError, match="DataflowConfig.rollout_workers=0"):
+        DataflowConfig(rollout_workers=0)
+    cfg = _config(tokenizer, num_prompts=3)
+    with pytest.raises(
+        ValueError, match="groups_per_request=2 must divide GRPOConfig.num_prompts=3"
+    ):
+        Controller(
+            LatencyPolicy(step_s=0.0), LatencyGenerator(token_latency_s=0.0), lambda g, r: None,
+            cfg, DataflowConfig(groups_per_request=2),
+        )  # fmt: skip
+    with pytest.raises(TypeError, match="source must be a callable"):
+        Controller(LatencyPolicy(step_s=0.0), LatencyGenerator(token_latency_s=0.0), 3, cfg)
+    with pytest.raises(ValueError, match="Router needs at least one replica"):
+        Router([])

@@ -41,7 +41,8 @@ from monarch.actor import Actor, ActorError, current_rank, current_size, endpoin
 from torch import nn
 
 from .controller import Controller, DataflowConfig
-from .generator import Generator, TorchGenerator
+from .factories import TorchGeneratorFactory
+from .generator import Generator
 from .learner import DataParallel, GRPOLearner
 from .loop import GRPOConfig
 from .rollout import RolloutBatch
@@ -57,26 +58,16 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 GeneratorFactory = Callable[[int], Generator]
 """``generator_factory(index)``: replica ``index``'s generator (picks its own device)."""
 
-
-@dataclass(frozen=True, slots=True)
-class TorchGeneratorFactory:
-    """Replica ``i``: a ``TorchGenerator`` over ``model_factory(device)``; on CUDA, device
-    ``(first_device + i) % device_count`` (put the generators after the trainer's ranks)."""
-
-    model_factory: ModelFactory
-    batch_invariant: bool = False
-    compile_decode: bool = False
-    first_device: int = 0
-
-    def __call__(self, index: int) -> TorchGenerator:
-        device = torch.device("cpu")
-        if torch.cuda.is_available():
-            device = torch.device("cuda", (self.first_device + index) % torch.cuda.device_count())
-        return TorchGenerator(
-            self.model_factory(device),
-            batch_invariant=self.batch_invariant,
-            compile_decode=self.compile_decode,
-        )
+__all__ = [
+    "DistributedGRPO",
+    "GeneratorActor",
+    "MeshConfig",
+    "MonarchReplica",
+    "TorchGeneratorFactory",
+    "TrainerActor",
+    "TrainerDiedError",
+    "TrainerMesh",
+]
 
 
 class TrainerDiedError(RuntimeError):
@@ -151,7 +142,7 @@ class TrainerActor(Actor):
         """Every weight's full shape and dtype (what the shared slots hold)."""
         out = {}
         for name, value in self.dp.state_dict(self.learner.model).items():
-            shape = getattr(value, "global_shape", None) or tuple(value.shape)
+            shape = value.global_shape if hasattr(value, "global_shape") else value.shape
             out[name] = (tuple(shape), value.dtype)
         return out
 
@@ -398,7 +389,6 @@ class DistributedGRPO:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the controller (after loading the trainer's weights of that version)."""
         self.trainer.set_version(int(state["version"]))
-        self.controller.buffer.published = int(state["version"])
         self.controller.load_state_dict(state)
 
     def close(self) -> None:

@@ -108,13 +108,6 @@ class Timeline:
         with self._lock:
             self.intervals.append(item)
 
-    def busy(self, lane_prefix: str) -> float:
-        """Seconds of recorded work on lanes starting with ``lane_prefix``."""
-        with self._lock:
-            return sum(
-                i["end"] - i["start"] for i in self.intervals if i["lane"].startswith(lane_prefix)
-            )
-
 
 class Controller:
     """Runs GRPO as independent loops (see the module docstring)."""
@@ -143,8 +136,8 @@ class Controller:
         self.timeline = Timeline()
         if not isinstance(generator, Router):
             generator = Router([LocalReplica(generator)], on_interval=self.timeline.record)
-        elif generator._on_interval is None:
-            generator._on_interval = self.timeline.record
+        elif generator.on_interval is None:
+            generator.on_interval = self.timeline.record
         self.router = generator
         self.max_lag = config.max_offpolicy_steps if config.mode == "async" else 0
         self.buffer = WorkBuffer(

@@ -153,9 +153,9 @@ class GRPOLearner:
         shares = [self._share(slice(s, s + size)) for s in range(0, rows, size)]
         old = ref = None
         if c.num_minibatches > 1:  # the proximal policy must be fixed before the first update
-            old = [self._logprobs(self.model, batch, mb, grad=False) for mb in shares]
+            old = self._fixed_logprobs(self.model, batch, shares)
         if self.ref_model is not None:
-            ref = [self._logprobs(self.ref_model, batch, mb, grad=False) for mb in shares]
+            ref = self._fixed_logprobs(self.ref_model, batch, shares)
 
         losses, norms, clipped, kls, first_logprobs = [], [], [], [], None
         for i, mb in enumerate(shares):
@@ -205,6 +205,16 @@ class GRPOLearner:
             **reward_diagnostics(batch.rewards, gen.lengths),
             "reward_statuses": batch.status_counts(),
         }
+
+    def _fixed_logprobs(
+        self, model, batch: RolloutBatch, shares: list[slice]
+    ) -> list[torch.Tensor]:
+        """No-grad log-probs of this rank's rows of each minibatch (one forward over the
+        whole batch in one process, as the minibatches are all of its rows)."""
+        if self.world == 1:
+            full = self._logprobs(model, batch, slice(None), grad=False)
+            return [full[mb] for mb in shares]
+        return [self._logprobs(model, batch, mb, grad=False) for mb in shares]
 
     def _share(self, mb: slice) -> slice:
         if self.world == 1:

@@ -100,7 +100,7 @@ class Router:
             raise ValueError("Router needs at least one replica")
         self._replicas: dict[int, Replica] = dict(enumerate(replicas))
         self._outstanding = dict.fromkeys(self._replicas, 0)
-        self._restart, self._on_interval = restart, on_interval
+        self._restart, self.on_interval = restart, on_interval
         self._lock = threading.Condition()
         self._tie = itertools.count()
         self._latest: tuple[Any, int] | None = None  # newest weights, loaded into restarts
@@ -140,8 +140,8 @@ class Router:
                 with self._lock:
                     if index in self._outstanding:
                         self._outstanding[index] -= cost
-            if self._on_interval is not None:
-                self._on_interval(f"replica:{replica.name}", start, end, "generate")
+            if self.on_interval is not None:
+                self.on_interval(f"replica:{replica.name}", start, end, "generate")
             return out
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:

@@ -42,7 +42,12 @@ ALLOWED: dict[str, frozenset[str]] = {
 # Tests and benchmarks of a package may also use the dev-only harness.
 _DEV_ONLY = frozenset({"titan_testing"})
 # Distribution name -> import name where they differ.
-_IMPORT_NAME = {"nvidia-cutlass-dsl": "cutlass", "pyyaml": "yaml", "pillow": "PIL"}
+_IMPORT_NAME = {
+    "nvidia-cutlass-dsl": "cutlass",
+    "pyyaml": "yaml",
+    "pillow": "PIL",
+    "torchmonarch": "monarch",
+}
 # Importable whenever torch is installed (torch depends on them on Linux).
 _WITH_TORCH = frozenset({"triton", "typing_extensions", "sympy", "networkx", "jinja2", "filelock"})
 
