@@ -98,6 +98,8 @@ def test_bad_settings_are_refused_before_any_checkpoint(tmp_path):
 
     with pytest.raises(ValueError, match=r"save_steps must be None .* or an int >= 1, got 0"):
         CheckpointCallback(tmp_path, save_steps=0)
+    with pytest.raises(ValueError, match=r"pass root=\.\.\. \(a folder\) or storage="):
+        CheckpointCallback(None)
     with pytest.raises(TypeError, match="keep_lats"):
         CheckpointCallback(tmp_path, keep_lats=2)
     with pytest.raises(ValueError, match="keep_last must be None or an int >= 1"):

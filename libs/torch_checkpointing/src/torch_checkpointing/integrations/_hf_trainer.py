@@ -83,6 +83,8 @@ class CheckpointCallback(TrainerCallback):
                 f"CheckpointCallback: save_steps must be None (the Trainer's save steps) or an "
                 f"int >= 1, got {save_steps!r}"
             )
+        if root is None and storage is None:
+            raise ValueError("CheckpointCallback: pass root=... (a folder) or storage=...")
         if not isinstance(hf_checkpoints, bool):
             raise TypeError(
                 f"CheckpointCallback: hf_checkpoints must be a bool, got {hf_checkpoints!r}"
