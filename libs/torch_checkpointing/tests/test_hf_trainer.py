@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from safetensors.torch import load_file
 from torch_checkpointing import CheckpointError, CheckpointManager
 
 RUN = Path(__file__).resolve().parent / "_hf_train_run.py"
+DDP_RUN = Path(__file__).resolve().parent / "_hf_ddp_run.py"
 
 
 def _steps(out: Path) -> list[dict]:
@@ -63,6 +65,27 @@ def test_trainer_killed_after_step_5_resumes_bitwise_like_an_uninterrupted_run(t
     assert sorted(p.name for p in (ref / "trainer").iterdir()) == ["checkpoint-10", "checkpoint-5"]
     assert not list((killed / "trainer").iterdir()) and not list((resumed / "trainer").iterdir())
     assert CheckpointManager(root, read_only=True).steps() == [5, 10]
+
+
+@pytest.mark.slow
+def test_ddp_ranks_save_their_own_state_and_resume_bitwise(tmp_path):
+    # Two gloo ranks under torchrun: each saves its own RNG (NEFTune noise differs per rank)
+    # and its share of the replicated weights; a run stopped after step 3 and resumed logs
+    # the uninterrupted run's steps 4-6 and ends with its weights, on both ranks.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    out = subprocess.run(
+        [*launch, str(DDP_RUN), str(tmp_path)], capture_output=True, text=True, timeout=900, env=env
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert [row[0] for row in r["first"]] == [1, 2, 3]
+        assert [row[0] for row in r["second"]] == [4, 5, 6]
+        assert r["first"] + r["second"] == r["ref"] and r["weights_equal"], r
+    (step3,) = (tmp_path / "ckpt").glob("step-000000000003.*")
+    names = {p.name for p in step3.iterdir()}
+    assert {"rng-00000.safetensors", "rng-00001.safetensors", "done-00001.json"} <= names
 
 
 def test_importing_the_integration_does_not_import_transformers():
