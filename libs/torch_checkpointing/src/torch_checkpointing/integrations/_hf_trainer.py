@@ -38,6 +38,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.training_args import ParallelMode
 
 from .._errors import CheckpointError
+from .._exchange import allgather_int64
 from .._tree import PerRank
 from ..manager import CheckpointManager
 from ..policy import CheckpointPolicy
@@ -148,7 +149,7 @@ class CheckpointCallback(TrainerCallback):
         self._drop_resume_dir()
         if self.manager is None:  # now, not in __init__: the Trainer's args set up the group
             self.manager = CheckpointManager(self.root, storage=self.storage, policy=self.policy)
-        if self.manager.latest_step() is None:
+        if self._agreed_latest_step() is None:
             return None
         position: dict[str, Any] = {"trainer_state": {}, "rng": PerRank(_rng_state())}
         step = self.manager.load(position, fallback=True)
@@ -172,6 +173,23 @@ class CheckpointCallback(TrainerCallback):
         self._resume_dir = folder
         self._route_weight_loading(trainer)
         return folder.name
+
+    def _agreed_latest_step(self) -> int | None:
+        """The newest complete step, the same on every rank (one small collective), so that
+        either all ranks load (a collective) or none does."""
+        assert self.manager is not None
+        latest = self.manager.latest_step()
+        pg = self.manager._pg
+        if pg is None or pg.size() == 1:
+            return latest
+        rows = allgather_int64(pg, [-1 if latest is None else latest])
+        if any(r != rows[0] for r in rows):
+            raise CheckpointError(
+                f"CheckpointCallback: the ranks see different newest checkpoints under "
+                f"{self.manager.storage!r} (per rank: {[r[0] for r in rows]}, -1: none); is "
+                f"the folder on a filesystem every rank sees alike?"
+            )
+        return latest
 
     def _route_weight_loading(self, trainer: Trainer) -> None:
         """The Trainer loads weights from ``resume_from_checkpoint`` before building the
@@ -304,7 +322,20 @@ class CheckpointCallback(TrainerCallback):
         if self._pending:
             self._save(state)
         self._drop_resume_dir()
-        self.wait()
+        error: Exception | None = None
+        try:
+            self.wait()
+        except Exception as e:  # reported to the other ranks first, so none waits for us
+            error = e
+        pg = None if self.manager is None else self.manager._pg
+        if pg is not None and pg.size() > 1:
+            # Every rank's part is on disk once all have waited: past this barrier the last
+            # checkpoint is complete for all, so a resume() later in this job sees it everywhere.
+            failed = [r for r, (ok,) in enumerate(allgather_int64(pg, [error is None])) if not ok]
+            if failed and error is None:
+                raise CheckpointError(f"CheckpointCallback: ranks {failed} failed to write a save")
+        if error is not None:
+            raise error
 
     # -------------------------------------------------------------------------- misc
     def wait(self) -> None:
