@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import time
 
 from torch_checkpointing.storage import FileSystemStorage
 
@@ -84,3 +85,28 @@ class FaultyStorage:
 
     def exists(self, path):
         return self.inner.exists(path)
+
+
+class StallUntilOrphanedStorage(FileSystemStorage):
+    """A local folder whose writes of paths containing ``match`` wait, in the writer process,
+    until the trainer that made the storage (``owner_pid``) is gone, then go on.
+
+    The first such write records the writer's pid in ``started``: the moment to kill the
+    trainer with a save in the middle of being written.
+    """
+
+    def __init__(self, root, *, match, started, owner_pid):
+        super().__init__(root, fsync=False)
+        self.match = match
+        self.started = str(started)
+        self.owner_pid = owner_pid
+
+    def write(self, path, chunks):
+        if self.match in path:
+            with open(self.started + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(self.started + ".tmp", self.started)
+            deadline = time.monotonic() + 120
+            while os.getppid() == self.owner_pid and time.monotonic() < deadline:
+                time.sleep(0.005)
+        return super().write(path, chunks)

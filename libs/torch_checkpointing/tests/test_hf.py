@@ -15,6 +15,7 @@ from torch_checkpointing import FsspecStorage, StateMismatchError, load_hf, save
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _checkpointing_cases import Chunked
+from _faulty_storage import FaultyStorage
 
 
 def _state():
@@ -134,3 +135,71 @@ def test_pieces_that_miss_or_overlap_elements_are_refused_before_any_file(tmp_pa
     with pytest.raises(ValueError, match=r"transforms name keys not in state_dict: \['v'\]"):
         save_hf({"w": w}, tmp_path / "d", transforms={"v": lambda t: t})
     assert not list(tmp_path.iterdir())  # not even the folders
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_export_with_config_loads_with_auto_model_and_equal_logits(tmp_path, sharded):
+    # Guards the reported bug: save_hf wrote no config.json, so from_pretrained failed.
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = _tiny_llama()
+    config = model.config if sharded else model.config.to_dict()  # an object, or a dict
+    index = save_hf(
+        model.state_dict(),
+        tmp_path,
+        max_shard_size="40KB" if sharded else "5GB",
+        config=config,
+        generation_config=model.generation_config,
+    )
+    assert (len(set(index["weight_map"].values())) > 1) == sharded
+    assert (tmp_path / "model.safetensors.index.json").exists() == sharded
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is type(model)
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert GenerationConfig.from_pretrained(tmp_path).eos_token_id == 2
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_interrupted_export_over_an_earlier_one_never_looks_loadable(tmp_path):
+    # config.json is the commit: a stale one is removed before any weight is replaced, the
+    # new one written last. Without that, old config + half-new weights would look loadable.
+    model = _tiny_llama()
+    storage = FaultyStorage(tmp_path, tmp_path / "fault.json")
+    save_hf(model.state_dict(), storage=storage, max_shard_size="40KB", config=model.config)
+    assert (tmp_path / "config.json").exists()
+    storage.set_fault("erofs", match="model-00002-of")
+    with pytest.raises(OSError, match="Read-only"):
+        save_hf(model.state_dict(), storage=storage, max_shard_size="40KB", config=model.config)
+    assert not (tmp_path / "config.json").exists()
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+
+
+def test_bad_config_is_refused_before_any_file(tmp_path):
+    sd = {"w": torch.zeros(2)}
+    with pytest.raises(TypeError, match=r"config must be a transformers config .* got object"):
+        save_hf(sd, tmp_path / "a", config=object())
+    with pytest.raises(TypeError, match="config must hold only JSON values"):
+        save_hf(sd, tmp_path / "b", config={"model_type": "llama", "bad": {1, 2}})
+    with pytest.raises(ValueError, match="generation_config needs config"):
+        save_hf(sd, tmp_path / "c", generation_config={"eos_token_id": 2})
+    assert not list(tmp_path.iterdir())

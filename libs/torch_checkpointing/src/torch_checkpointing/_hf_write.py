@@ -14,7 +14,11 @@ several ranks hold, a replica, is written once). Then:
    tensor is gathered, on rank 0 or anywhere.
 3. A tensor with a layout transform (a key of ``transforms``) was written in the layout of
    its pieces; the lowest rank holding it reads it back whole, transforms it and rewrites it.
-4. Writers rename their spread files into place; rank 0 writes the index last.
+4. Writers rename their spread files into place; rank 0 writes the index, then (when given)
+   ``generation_config.json`` and ``config.json``. ``config.json`` is the folder's commit:
+   when one is to be written, rank 0 first removes a stale ``config.json`` (and index and
+   ``generation_config.json``) before any rank writes a weight, so an interrupted overwrite
+   of an earlier export never looks loadable.
 
 The ranks agree after each phase (a small all-gather that doubles as a barrier and carries
 each rank's success), so a failure on one rank leaves only temporary files, on every rank.
@@ -40,6 +44,8 @@ from ._exchange import _allgather_bytes, allgather_int64
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """A piece of a tensor: its offsets in the global tensor and its shape."""
@@ -255,16 +261,28 @@ def write(
     state_dict: Mapping[str, Any],
     transforms: Mapping[str, Callable[[torch.Tensor], torch.Tensor]],
     p: _Plan,
+    configs: Mapping[str, bytes] | None = None,
 ) -> dict[str, Any]:
-    """Run the four phases; returns the index (the same on every rank)."""
+    """Run the four phases, then write the index and ``configs`` (file name -> bytes, in
+    order; ``config.json`` last); returns the index (the same on every rank)."""
     spread = [f for f in p.files if not f.whole]
     if spread and not callable(getattr(store, "write_at", None)):
         raise CheckpointError(
             f"save_hf: the pieces of {spread[0].name} are held by several ranks, which write "
             f"them in place, and {store!r} cannot write at an offset (FileSystemStorage can)"
         )
+    configs = dict(configs or {})
     tmp = {f.name: fmt.tmp_name(f.name, p.tag) for f in p.files}
     mine = [f for f in p.files if f.writer == rank]
+    if CONFIG in configs:  # retract the commit of an earlier export before touching its files
+
+        def retract() -> None:
+            if rank == 0:
+                for name in (CONFIG, INDEX, *configs):
+                    if store.exists(name):
+                        store.delete(name)
+
+        _phase(pg, retract)
     try:
         _phase(pg, lambda: _write_own_files(store, rank, state_dict, transforms, p, mine, tmp))
         if spread:
@@ -281,15 +299,19 @@ def write(
         "metadata": {"total_size": sum(t.nbytes for t in p.tensors.values())},
         "weight_map": weight_map,
     }
+    last = dict(configs)
     if len(p.files) > 1:
+        last = {INDEX: json.dumps(index, indent=2).encode(), **last}
+    if last:
 
-        def write_index() -> None:
+        def write_last() -> None:
             if rank == 0:
-                name = fmt.tmp_name(INDEX, p.tag)
-                store.write(name, [json.dumps(index, indent=2).encode()])
-                store.rename(name, INDEX)
+                for file, data in last.items():
+                    name = fmt.tmp_name(file, p.tag)
+                    store.write(name, [data])
+                    store.rename(name, file)
 
-        _phase(pg, write_index)
+        _phase(pg, write_last)
     return index
 
 

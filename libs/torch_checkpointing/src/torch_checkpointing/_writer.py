@@ -15,6 +15,13 @@ Commit protocol, per rank and per save, with no collective:
 A checkpoint folder is complete exactly when ``manifest.json`` and the done-marker of every
 rank it lists are present. Folders are unique per save attempt, so stale files of a crashed
 run can never make a new attempt look complete.
+
+A writer process whose parent is gone (killed, crashed) abandons the save it is writing: it
+commits nothing more (the checks before each file and before the done-marker see the parent
+gone) and exits silently with status ``ORPHANED_EXIT``, whether it notices first through its
+parent-watching thread, a closed socket, or a reply that can no longer be sent. It ignores
+SIGINT: a Ctrl-C in the terminal reaches the whole process group, and the trainer, not its
+writer, decides what happens to queued saves.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import mmap
 import os
 import pickle
 import secrets
+import signal
 import socket
 import struct
 import subprocess
@@ -46,6 +54,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # ------------------------------------------------------------------------------ the job
 
+ORPHANED_EXIT = 3
+"""Exit status of a writer process that abandoned its work because its parent is gone."""
+
+
+class _Orphaned(Exception):
+    """The writer process's parent is gone: stop before committing anything more."""
+
 
 def _write_small(storage: Storage, path: str, data: bytes, tag: str) -> None:
     tmp = fmt.tmp_name(path, tag)
@@ -58,8 +73,23 @@ def _write_small(storage: Storage, path: str, data: bytes, tag: str) -> None:
         raise
 
 
-def execute_job(storage: Storage, job: dict[str, Any], buffer: Callable[[int], memoryview]) -> None:
-    """Write one rank's part of one checkpoint: data files, done-marker, manifest (rank 0)."""
+def execute_job(
+    storage: Storage,
+    job: dict[str, Any],
+    buffer: Callable[[int], memoryview],
+    alive: Callable[[], bool] | None = None,
+) -> None:
+    """Write one rank's part of one checkpoint: data files, done-marker, manifest (rank 0).
+
+    ``alive`` (the writer process's "is my parent still there?") is asked before each file: a
+    save whose trainer is gone is abandoned (``_Orphaned``) before its done-marker, so it never
+    completes behind the back of a run that no longer exists.
+    """
+
+    def check() -> None:
+        if alive is not None and not alive():
+            raise _Orphaned
+
     folder = job["dir"]
     tag = f"{job['id']}-{secrets.token_hex(4)}"
     block = job["block_size"]
@@ -67,6 +97,7 @@ def execute_job(storage: Storage, job: dict[str, Any], buffer: Callable[[int], m
     current = folder
     try:
         for f in job["files"]:
+            check()
             path = f"{folder}/{f['name']}"
             current = path
             data = buffer(f["buffer"])[f["offset"] : f["offset"] + f["size"]]
@@ -89,12 +120,13 @@ def execute_job(storage: Storage, job: dict[str, Any], buffer: Callable[[int], m
             }
         marker = dict(job["marker"])
         marker["files"] = files
+        check()  # the commit point of this rank's part
         current = f"{folder}/{fmt.marker_file(job['rank'])}"
         _write_small(storage, current, fmt.dump_checked(marker), tag)
         if job.get("manifest") is not None:
             current = f"{folder}/{fmt.MANIFEST}"
             _write_small(storage, current, job["manifest"], tag)
-    except CheckpointWriteError:
+    except (CheckpointWriteError, _Orphaned):
         raise
     except BaseException as e:
         raise CheckpointWriteError(
@@ -149,20 +181,32 @@ def _watch_parent(ppid: int) -> None:
     while True:
         time.sleep(0.2)
         if os.getppid() != ppid:
-            os._exit(3)  # the trainer died: die with it rather than write as an orphan
+            os._exit(ORPHANED_EXIT)  # the trainer died: die with it rather than write as an orphan
 
 
 def main() -> None:
     """Entry point of the writer process: ``argv = [fd of the socket, parent pid]``."""
     fd, ppid = int(sys.argv[1]), int(sys.argv[2])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
     threading.Thread(target=_watch_parent, args=(ppid,), daemon=True).start()
+    try:
+        _serve(sock, lambda: os.getppid() == ppid)
+    except (_Orphaned, OSError):
+        # The parent is gone (a socket error here is its end closing: EPIPE, ECONNRESET):
+        # there is no one left to report to, so no traceback either.
+        os._exit(ORPHANED_EXIT)
+    os._exit(0)
+
+
+def _serve(sock: socket.socket, alive: Callable[[], bool]) -> None:
+    """Answer the parent's requests until it says ``exit``; ``_Orphaned`` once it is gone."""
     buffers: dict[int, mmap.mmap] = {}
     storage: Storage | None = None
     while True:
         msg = _recv(sock)
-        if msg is None:
-            os._exit(0)
+        if msg is None:  # EOF without an "exit": the parent died
+            raise _Orphaned
         op = msg["op"]
         try:
             if op == "init":
@@ -179,16 +223,20 @@ def main() -> None:
                     mm.close()
                 continue
             elif op == "job":
-                execute_job(storage, msg["job"], lambda i: memoryview(buffers[i]))
+                execute_job(storage, msg["job"], lambda i: memoryview(buffers[i]), alive)
                 reply = {"ok": True}
             elif op == "retain":
+                if not alive():
+                    raise _Orphaned
                 result = run_retention(storage, msg["spec"])
                 reply = {"ok": True, "damaged": result.damaged}
             elif op == "exit":
                 _send(sock, {"ok": True})
-                os._exit(0)
+                return
             else:  # pragma: no cover - our own protocol
                 raise ValueError(f"unknown writer op {op!r}")
+        except _Orphaned:
+            raise
         except BaseException as e:
             reply = {
                 "ok": False,

@@ -4,6 +4,9 @@
 ``model.safetensors.index.json`` (a single file is ``model.safetensors`` with no index, as
 Hugging Face does) from whatever each rank holds: whole tensors, DTensor shards or
 sharded-protocol pieces, each rank writing its own pieces' bytes in place (``_hf_write``).
+Given a ``config`` (and a ``generation_config``), it also writes ``config.json`` (and
+``generation_config.json``), so ``from_pretrained`` loads the folder; ``config.json`` is
+written last and a stale one is removed first, so a folder with one is complete.
 Key renaming between model code and Hugging Face names is the caller's job (titan_models
 gives its models' mapping).
 
@@ -70,6 +73,30 @@ def _parse_size(size: int | str) -> int:
     raise ValueError(f"max_shard_size must be a positive int or a string like '5GB', got {size!r}")
 
 
+def _config_json(config: Any, field: str) -> bytes | None:
+    """``config`` (a ``transformers`` config object, or a dict) as the bytes of its JSON file,
+    as ``save_pretrained`` writes it; ``None`` stays ``None``."""
+    if config is None:
+        return None
+    if isinstance(config, Mapping):
+        try:
+            text = json.dumps(dict(config), indent=2, sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"save_hf: {field} must hold only JSON values: {e}") from e
+        return (text + "\n").encode()
+    to_json = getattr(config, "to_json_string", None)
+    if not callable(to_json):
+        raise TypeError(
+            f"save_hf: {field} must be a transformers config (PretrainedConfig / "
+            f"GenerationConfig, anything with to_json_string()) or a dict, got "
+            f"{type(config).__name__}"
+        )
+    text = to_json(use_diff=True)  # what save_pretrained writes: the non-default fields
+    if not isinstance(text, str):
+        raise TypeError(f"save_hf: {field}.to_json_string() returned {type(text).__name__}")
+    return text.encode()
+
+
 def save_hf(
     state_dict: Mapping[str, Any],
     path: str | os.PathLike[str] | None = None,
@@ -79,6 +106,8 @@ def save_hf(
     max_shard_size: int | str = "5GB",
     metadata: dict[str, str] | None = None,
     transforms: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    config: Any = None,
+    generation_config: Any = None,
 ) -> dict[str, Any]:
     """Write HF-style safetensors (shard files + index) from the pieces each rank holds.
 
@@ -93,6 +122,14 @@ def save_hf(
 
     ``transforms``: key -> a layout change of the whole tensor (same dtype and element count,
     e.g. a row permutation), applied by one rank holding it after the pieces are written.
+    ``config``: the model's ``transformers`` config (``model.config``) or a dict, written as
+    ``config.json``; ``generation_config`` likewise as ``generation_config.json`` (needs
+    ``config``). Then ``AutoModelForCausalLM.from_pretrained(path)`` loads the folder.
+    ``config.json`` is the folder's commit: a stale one (and a stale index or
+    ``generation_config.json``) is removed before any weight is written, and the new one is
+    written last, so a folder that has a ``config.json`` is complete and an interrupted export
+    never looks loadable.
+
     Returns the index (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``).
     Pieces spread over ranks need a storage with ``write_at`` (``FileSystemStorage``).
     """
@@ -107,14 +144,24 @@ def save_hf(
     transforms = dict(transforms or {})
     pg = _resolve_group(process_group)
     rank = pg.rank() if pg is not None else 0
+    configs: dict[str, bytes] = {}
     try:
         rows, error = hw.describe(state_dict, transforms), None
+        if generation_config is not None and config is None:
+            raise ValueError("save_hf: generation_config needs config (config.json) as well")
+        for name, value, field in (
+            (hw.GENERATION_CONFIG, generation_config, "generation_config"),
+            (hw.CONFIG, config, "config"),  # last: the folder's commit
+        ):
+            data = _config_json(value, field)
+            if data is not None:
+                configs[name] = data
     except (TypeError, ValueError) as e:  # every rank learns of it in the exchange
         rows, error = [], e
     all_rows, tag = hw.exchange(pg, rows, error)
     plan = hw.plan(all_rows, limit, tag, meta)
     store = _storage(path, storage, create=True)
-    return hw.write(store, pg, rank, state_dict, transforms, plan)
+    return hw.write(store, pg, rank, state_dict, transforms, plan, configs)
 
 
 def _files(store: Any) -> dict[str, str]:
