@@ -47,9 +47,9 @@ class _Optimizer:
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
+        flexshard.init_optim_state(self.optimizer)  # a fresh optimizer: targets to load into
         if not isinstance(self.model, flexshard.FlexShardModule):
             return self.optimizer.state_dict()
-        flexshard.init_optim_state(self.optimizer)  # a fresh optimizer: targets to load into
         return flexshard.sharded_optim_state_dict(self.model, self.optimizer)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
