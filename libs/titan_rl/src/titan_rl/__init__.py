@@ -24,6 +24,7 @@ from .losses import (
     grpo_loss,
 )
 from .messages import Message, ToolCall, as_message
+from .packing import PackedRows, pack_rows, packed_sequence_logprobs
 from .renderer import ChatTemplateRenderer, RenderedTokens, Renderer, SimpleChatRenderer
 from .rewards import (
     RewardResult,
@@ -72,6 +73,7 @@ __all__ = [
     "LossConfig",
     "LossOutput",
     "Message",
+    "PackedRows",
     "Prompt",
     "PromptImages",
     "RenderedTokens",
@@ -115,7 +117,9 @@ __all__ = [
     "invariant_linear",
     "last_boxed",
     "logprob_diagnostics",
+    "pack_rows",
     "pack_sequences",
+    "packed_sequence_logprobs",
     "reward_diagnostics",
     "rollout_seed",
     "run_episode",
