@@ -3,6 +3,8 @@ log-probs: to 1e-6 by default, bit for bit in batch-invariant mode with aligned 
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -105,13 +107,22 @@ def test_packed_logprobs_equal_the_generators_bit_for_bit_in_batch_invariant_mod
 
 
 def search_batch(tokenizer, num_prompts=8, group_size=8):
-    """The search environment's episodes (oracle transcripts) as a training batch."""
-    renderer, env = SimpleChatRenderer(tokenizer), SearchEnv()
+    """A batch of the search environment's episodes as a scripted policy plays them: 0-3
+    searches (half of them for a random town) before the answer, so lengths spread as in RL."""
+    renderer, env, rng = SimpleChatRenderer(tokenizer), SearchEnv(), random.Random(0)
     prompts, rows = [], []
     for seed in range(num_prompts):
-        out = renderer.render(env.demonstration(seed))
-        k = out.mask.index(True)
+        question, query, answer = env.problem(seed)
         for _ in range(group_size):
+            convo = [Message("user", question)]
+            for _ in range(rng.randint(0, 3)):
+                q = query if rng.random() < 0.5 else rng.choice(env.towns)["town"]
+                convo += [
+                    Message("assistant", f"<search>{q}</search>"),
+                    Message("tool", env.search(q)),
+                ]
+            out = renderer.render([*convo, Message("assistant", f"<answer>{answer}</answer>")])
+            k = out.mask.index(True)
             prompts.append(out.ids[:k])
             rows.append((out.ids[k:], out.mask[k:]))
     T = max(len(ids) for ids, _ in rows)
@@ -124,7 +135,11 @@ def search_batch(tokenizer, num_prompts=8, group_size=8):
 
 
 def test_padding_is_under_five_percent_on_search_batches(tokenizer):
+    """Right-padded, this batch is ~45% padding; packed, under 5% (measured 0.7% in rows of
+    2048)."""
     prompts, responses, mask = search_batch(tokenizer)
+    lengths = pack_rows(prompts, responses, mask).lengths
+    assert 1 - lengths.sum() / (len(prompts) * lengths.max()) > 0.3  # what packing saves
     for max_row_tokens in (None, 1024, 2048, 4096):
         packed = pack_rows(prompts, responses, mask, max_row_tokens=max_row_tokens)
         assert packed.padding_fraction <= 0.05, (max_row_tokens, packed.padding_fraction)
