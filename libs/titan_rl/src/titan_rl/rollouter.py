@@ -111,7 +111,7 @@ class Rollouter:
         item = self.item(index)
         envs = [self.env_factory(item) for _ in range(group_size)]
         seeds = [lambda k, m=m: turn_seed(seed, index, m, k) for m in range(group_size)]
-        episodes = play(envs, index, seeds, generator, self.renderer, self.config)
+        episodes = _play(envs, index, seeds, generator, self.renderer, self.config)
         scores = self.rubric.score_group(episodes)
         return [
             replace(
@@ -136,7 +136,7 @@ def run_episode(
     """Play one episode of ``env`` (reset with ``seed``; the ``k``-th turn sampled with
     ``turn_seed(seed, 0, 0, k)``); its reward is the environment's."""
     config = RolloutConfig(sampling=params, max_turns=max_turns)
-    (episode,) = play(
+    (episode,) = _play(
         [env], seed, [lambda k: turn_seed(seed, 0, 0, k)], generator, renderer, config
     )
     return episode
@@ -204,7 +204,7 @@ class _Play:
         )
 
 
-def play(
+def _play(
     envs: Sequence[Environment],
     reset_seed: int,
     seeds: Sequence[Callable[[int], int]],
