@@ -26,6 +26,7 @@ without one (the byte-level tokenizer): role prefixes, and EOS ending each assis
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -79,14 +80,20 @@ class Renderer(Protocol):
         ...
 
 
-class _Rendering:
+class _Rendering(ABC):
     """``render`` from the two pieces, shared by every renderer (one path)."""
 
-    def continuation(self, history, new, *, add_generation_prompt=True) -> list[int]:
-        raise NotImplementedError
+    @abstractmethod
+    def continuation(
+        self,
+        history: Sequence[Message],
+        new: Sequence[Message],
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[int]: ...
 
-    def assistant_ids(self, history, message) -> list[int]:
-        raise NotImplementedError
+    @abstractmethod
+    def assistant_ids(self, history: Sequence[Message], message: Message) -> list[int]: ...
 
     def render(
         self,
