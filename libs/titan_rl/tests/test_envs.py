@@ -9,6 +9,7 @@ import torch
 from titan_rl import Generation, Message, SamplingParams, SimpleChatRenderer, run_episode
 from titan_rl.envs import (
     BM25,
+    ArithmeticConfig,
     ArithmeticToolEnv,
     CodeEnv,
     SearchConfig,
@@ -116,6 +117,8 @@ def test_calculator_runs_in_the_sandbox_and_refuses_anything_but_arithmetic():
 
 def test_arithmetic_problems_need_more_than_a_head_for_small_numbers():
     """Most products have 4-5 digits: the tool is what earns reward for a tiny model."""
+    only = ArithmeticToolEnv(ArithmeticConfig(operations=("*",)))
+    assert all("*" in only.problem(s)[1] for s in range(50))
     env = ArithmeticToolEnv()
     products = [env.problem(s) for s in range(200) if "*" in env.problem(s)[1]]
     assert len(products) > 80 and sum(len(answer) >= 4 for *_, answer in products) > 0.9 * len(

@@ -128,6 +128,27 @@ def test_render_matches_transformers_apply_chat_template(hf_tokenizer, template,
     assert sum(got.mask) > 0
 
 
+def test_renderer_reads_a_tokenizer_config_file(hf_tokenizer, tmp_path):
+    """From a model folder's tokenizer_config.json (the named-template list form too)."""
+    import json
+
+    config = {
+        "chat_template": [{"name": "default", "template": LLAMA3}],
+        "bos_token": "<|begin_of_text|>",
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    renderer = ChatTemplateRenderer.from_tokenizer_config(tmp_path, HFTitanTokenizer(hf_tokenizer))
+    ids = renderer.render(CONVERSATION[:2], add_generation_prompt=True).ids
+    want = hf_tokenizer.apply_chat_template(
+        CONVERSATION[:2],
+        chat_template=LLAMA3,
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=True,
+    )["input_ids"]
+    assert ids == list(want) and ids[0] == hf_tokenizer.bos_token_id
+
+
 def test_stop_token_is_the_templates_end_of_turn(hf_tokenizer):
     tok = HFTitanTokenizer(hf_tokenizer)
     chatml = ChatTemplateRenderer(tok, CHATML)

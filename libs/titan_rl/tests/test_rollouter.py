@@ -60,12 +60,13 @@ def make_rollouter(tokenizer, rubric=None, **config):
 
 
 def test_rollout_group_is_reproducible_and_independent_of_the_batch(tokenizer, tiny_model):
-    """Same seed, same episodes; a member's episode does not depend on the group's size
-    (each turn's seed is fixed by (seed, index, member, turn); batch-invariant generator)."""
+    """Same seed, same episodes (environments stepped on one thread or three); a member's
+    episode does not depend on the group's size (each turn's seed is fixed by (seed, index,
+    member, turn); batch-invariant generator)."""
     gen = TorchGenerator(tiny_model, batch_invariant=True)
     rollouter = make_rollouter(tokenizer)
     three = rollouter.rollout_group(gen, 1, 3, seed=5)
-    again = rollouter.rollout_group(gen, 1, 3, seed=5)
+    again = make_rollouter(tokenizer, env_workers=3).rollout_group(gen, 1, 3, seed=5)
     two = rollouter.rollout_group(gen, 1, 2, seed=5)
     other = rollouter.rollout_group(gen, 1, 3, seed=6)
     assert three == again

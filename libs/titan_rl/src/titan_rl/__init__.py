@@ -27,6 +27,7 @@ from .losses import (
     grpo_loss,
 )
 from .messages import Message, ToolCall, as_message
+from .packing import PackedRows, pack_rows, packed_sequence_logprobs
 from .renderer import ChatTemplateRenderer, RenderedTokens, Renderer, SimpleChatRenderer
 from .rewards import (
     RewardResult,
@@ -86,6 +87,7 @@ __all__ = [
     "LossOutput",
     "Message",
     "NoReplicasError",
+    "PackedRows",
     "Policy",
     "Prompt",
     "PromptImages",
@@ -138,7 +140,9 @@ __all__ = [
     "invariant_linear",
     "last_boxed",
     "logprob_diagnostics",
+    "pack_rows",
     "pack_sequences",
+    "packed_sequence_logprobs",
     "reward_diagnostics",
     "rollout_seed",
     "run_episode",

@@ -7,7 +7,7 @@ before the compaction stay in the old sequence, with the context they were sampl
 so every model token is trained on exactly the prefix the generator saw, once:
 
 - ``DropToolOutputs``: the oldest tool outputs are replaced by a short marker (the newest
-  ``keep_last`` stay) until the context fits;
+  ``keep_last`` stay) until the context fits or none is left to drop;
 - ``Summarize``: the policy itself writes the summary: the environment asks for it
   (``instruction``), the model's answer is a model turn of the old sequence (trained on,
   like any other), and the new context is the episode's first messages plus the summary.
@@ -47,20 +47,19 @@ class DropToolOutputs:
     def compact(
         self, messages: Sequence[Message], fits: Callable[[list[Message]], bool]
     ) -> list[Message] | None:
-        """``messages`` with the oldest outputs replaced, one by one, until ``fits``; ``None``
-        when dropping every droppable output is not enough."""
+        """``messages`` with the oldest outputs replaced, one by one, until ``fits`` or none
+        is left to drop; ``None`` when there was nothing to drop."""
         outputs = [i for i, m in enumerate(messages) if m.role in self.roles]
-        outputs = [
-            i
-            for i in outputs[: len(outputs) - self.keep_last]
-            if messages[i].content != self.marker
-        ]
+        outputs = outputs[: len(outputs) - self.keep_last] if self.keep_last else outputs
+        outputs = [i for i in outputs if messages[i].content != self.marker]
+        if not outputs:
+            return None
         out = list(messages)
         for i in outputs:
             out[i] = replace(out[i], content=self.marker)
             if fits(out):
-                return out
-        return None
+                break
+        return out
 
 
 @dataclass(kw_only=True, slots=True)

@@ -26,8 +26,10 @@ without one (the byte-level tokenizer): role prefixes, and EOS ending each assis
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -78,14 +80,20 @@ class Renderer(Protocol):
         ...
 
 
-class _Rendering:
+class _Rendering(ABC):
     """``render`` from the two pieces, shared by every renderer (one path)."""
 
-    def continuation(self, history, new, *, add_generation_prompt=True) -> list[int]:
-        raise NotImplementedError
+    @abstractmethod
+    def continuation(
+        self,
+        history: Sequence[Message],
+        new: Sequence[Message],
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[int]: ...
 
-    def assistant_ids(self, history, message) -> list[int]:
-        raise NotImplementedError
+    @abstractmethod
+    def assistant_ids(self, history: Sequence[Message], message: Message) -> list[int]: ...
 
     def render(
         self,
@@ -331,8 +339,9 @@ class ChatTemplateRenderer(_Rendering):
 
 def _compile(chat_template: str):
     """The template compiled in the sandboxed Jinja environment ``transformers`` uses (chat
-    templates from a hub are untrusted): trim/lstrip blocks, ``loopcontrols``, its ``tojson``
-    and ``raise_exception``, and ``{% generation %}`` blocks rendered as their body."""
+    templates from a hub are untrusted): trim/lstrip blocks, ``loopcontrols``, its ``tojson``,
+    ``raise_exception`` and ``strftime_now``, and ``{% generation %}`` blocks rendered as their
+    body."""
     import jinja2
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -363,4 +372,5 @@ def _compile(chat_template: str):
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)  # Llama 3.1's date
     return env.from_string(chat_template)

@@ -111,7 +111,7 @@ class Rollouter:
         item = self.item(index)
         envs = [self.env_factory(item) for _ in range(group_size)]
         seeds = [lambda k, m=m: turn_seed(seed, index, m, k) for m in range(group_size)]
-        episodes = play(envs, index, seeds, generator, self.renderer, self.config)
+        episodes = _play(envs, index, seeds, generator, self.renderer, self.config)
         scores = self.rubric.score_group(episodes)
         return [
             replace(
@@ -136,7 +136,7 @@ def run_episode(
     """Play one episode of ``env`` (reset with ``seed``; the ``k``-th turn sampled with
     ``turn_seed(seed, 0, 0, k)``); its reward is the environment's."""
     config = RolloutConfig(sampling=params, max_turns=max_turns)
-    (episode,) = play(
+    (episode,) = _play(
         [env], seed, [lambda k: turn_seed(seed, 0, 0, k)], generator, renderer, config
     )
     return episode
@@ -204,7 +204,7 @@ class _Play:
         )
 
 
-def play(
+def _play(
     envs: Sequence[Environment],
     reset_seed: int,
     seeds: Sequence[Callable[[int], int]],
@@ -280,7 +280,15 @@ def _after_step(p: _Play, result: StepResult, renderer: Renderer, config: Rollou
         p.status = "max_turns"
         return
     new = list(result.messages)
-    p.append_env(renderer.continuation(p.context, new))
+    ids = renderer.continuation(p.context, new)
+    policy = config.compaction
+    if isinstance(policy, Summarize) and not _room(
+        len(p.ids()) + len(ids), config, policy.budget_tokens
+    ):
+        new.append(policy.request())  # the policy writes the summary next
+        ids = renderer.continuation(p.context, new)
+        p.summarising = True
+    p.append_env(ids)
     p.context += new
     p.transcript += new
     _fit(p, renderer, config)
@@ -291,26 +299,20 @@ def _room(p_len: int, config: RolloutConfig, budget: int | None) -> bool:
 
 
 def _fit(p: _Play, renderer: Renderer, config: RolloutConfig) -> None:
-    """Before the next model turn: compact past the policy's budget, stop past the limit."""
+    """Before the next model turn: drop tool outputs past the budget, stop past the limit
+    (``Summarize`` acts in ``_after_step``: its request joins the environment's messages)."""
     policy = config.compaction
-    if policy is not None and not _room(len(p.ids()), config, policy.budget_tokens):
-        if isinstance(policy, DropToolOutputs):
+    if isinstance(policy, DropToolOutputs) and not _room(
+        len(p.ids()), config, policy.budget_tokens
+    ):
 
-            def fits(messages: list[Message]) -> bool:
-                size = len(renderer.render(messages, add_generation_prompt=True).ids)
-                return _room(size, config, policy.budget_tokens)
+        def fits(messages: list[Message]) -> bool:
+            size = len(renderer.render(messages, add_generation_prompt=True).ids)
+            return _room(size, config, policy.budget_tokens)
 
-            compacted = policy.compact(p.context, fits)
-            if compacted is not None:
-                p.new_sequence(
-                    compacted, renderer.render(compacted, add_generation_prompt=True).ids
-                )
-        elif not p.summarising:
-            request = policy.request()
-            p.append_env(renderer.continuation(p.context, [request]))
-            p.context.append(request)
-            p.transcript.append(request)
-            p.summarising = True
+        compacted = policy.compact(p.context, fits)
+        if compacted is not None:
+            p.new_sequence(compacted, renderer.render(compacted, add_generation_prompt=True).ids)
     if not _room(len(p.ids()), config, config.max_context_tokens):
         p.status = "context"
 

@@ -37,6 +37,9 @@ class ArithmeticConfig:
     """Smallest operand."""
     max_operand: int = 999
     """Largest operand (2- and 3-digit products by default)."""
+    operations: tuple[str, ...] = ("*", "+", "-")
+    """Which problem kinds to draw: products (the ones a tiny model cannot do in its head),
+    sums, differences."""
     max_tool_calls: int = 2
     """Calculator calls allowed; the turn after the last one must answer."""
     isolation: str = "namespaces"
@@ -47,6 +50,11 @@ class ArithmeticConfig:
             raise ValueError(
                 f"ArithmeticConfig: need 0 <= min_operand ({self.min_operand}) <= max_operand "
                 f"({self.max_operand})"
+            )
+        bad = [op for op in self.operations if op not in ("*", "+", "-")]
+        if bad or not self.operations:
+            raise ValueError(
+                f"ArithmeticConfig.operations={self.operations!r}: a non-empty subset of '*', '+', '-'"
             )
         if self.max_tool_calls < 0:
             raise ValueError(f"ArithmeticConfig.max_tool_calls={self.max_tool_calls} must be >= 0")
@@ -65,7 +73,7 @@ class ArithmeticToolEnv:
     def problem(self, seed: int) -> tuple[str, str, str]:
         """Problem ``seed``: ``(question, expression, answer)`` (deterministic)."""
         rng = random.Random(seed)
-        template, op = rng.choice(_TEMPLATES)
+        template, op = rng.choice([t for t in _TEMPLATES if t[1] in self.config.operations])
         a = rng.randint(self.config.min_operand, self.config.max_operand)
         b = rng.randint(self.config.min_operand, self.config.max_operand)
         if op == "-" and b > a:
