@@ -202,3 +202,17 @@ def test_multi_turn_groups_stay_multi_turn_through_the_work_buffer(tokenizer, ti
         taken = pack_groups(0, b.take(0))
         taken.generation.validate(4)
         assert torch.equal(taken.generation.mask, batch.generation.mask)
+
+
+def test_rollout_items_plays_many_problems_at_once_like_groups_of_one(tokenizer, tiny_model):
+    # Evaluation plays every held-out problem in one lockstep batch; each episode must be the
+    # one its own group of one would give (batch-invariant generator: bitwise).
+    rollouter = make_rollouter(tokenizer)
+    gen = TorchGenerator(tiny_model, batch_invariant=True)
+    together = rollouter.rollout_items(gen, [0, 1, 2], seed=5)
+    for i, episode in enumerate(together):
+        (alone,) = rollouter.rollout_group(gen, i, 1, seed=5)
+        assert episode.tokens == alone.tokens and episode.reward == alone.reward
+        assert episode.messages[1].content == f"from {['a', 'bb', 'ccc'][i]}"
+    with pytest.raises(ValueError, match="at least one index"):
+        rollouter.rollout_items(gen, [], seed=0)

@@ -123,6 +123,31 @@ class Rollouter:
             for e, s in zip(episodes, scores, strict=True)
         ]
 
+    def rollout_items(
+        self,
+        generator: Generator,
+        indices: Sequence[int],
+        seed: int,
+        config: RolloutConfig | None = None,
+    ) -> list[Episode]:
+        """One episode of each item ``indices[i]``, all played in lockstep (one ``generate``
+        call per round: evaluation over many problems), each scored by the rubric as a group
+        of one. ``config`` replaces the rollouter's (greedy sampling for evaluation, say)."""
+        indices = list(indices)
+        if not indices:
+            raise ValueError("rollout_items needs at least one index")
+        envs = [self.env_factory(self.item(i)) for i in indices]
+        seeds = [lambda k, i=i: turn_seed(seed, i, 0, k) for i in indices]
+        episodes = _play(envs, indices, seeds, generator, self.renderer, config or self.config)
+        out = []
+        for e in episodes:
+            (s,) = self.rubric.score_group([e])
+            status = "error" if "error" in s.statuses.values() else e.reward_status
+            out.append(
+                replace(e, reward=s.total, reward_breakdown=s.breakdown, reward_status=status)
+            )
+        return out
+
 
 def run_episode(
     env: Environment,
@@ -206,19 +231,21 @@ class _Play:
 
 def _play(
     envs: Sequence[Environment],
-    reset_seed: int,
+    reset_seed: int | Sequence[int],
     seeds: Sequence[Callable[[int], int]],
     generator: Generator,
     renderer: Renderer,
     config: RolloutConfig,
 ) -> list[Episode]:
     """Play one episode per environment in lockstep (``seeds[m](k)``: the seed of episode
-    ``m``'s ``k``-th model turn); rewards are the environments' (no rubric)."""
+    ``m``'s ``k``-th model turn; ``reset_seed``: one for all, or one per environment); rewards
+    are the environments' (no rubric)."""
     stops = tuple(dict.fromkeys((*config.sampling.stop_token_ids, *renderer.stop_token_ids)))
     params = replace(config.sampling, stop_token_ids=stops)
     plays = []
-    for env in envs:
-        first = list(env.reset(reset_seed))
+    resets = [reset_seed] * len(envs) if isinstance(reset_seed, int) else list(reset_seed)
+    for env, reset in zip(envs, resets, strict=True):
+        first = list(env.reset(reset))
         if not first or any(not isinstance(m, Message) for m in first):
             raise TypeError(f"{type(env).__name__}.reset must return a non-empty list of Message")
         plays.append(_Play(env, first, renderer.continuation([], first)))

@@ -201,29 +201,27 @@ class _Environment:
         return f"_{self.name}"
 
     def build(self, job: Any, tokenizer: ByteTokenizer, model: Any) -> BuiltTask:
-        from titan_rl.rollouter import RolloutConfig, play
         from titan_train.environments import get_environment
 
         spec = get_environment(self.name)
         renderer = titan_rl.SimpleChatRenderer(tokenizer)
         sampling = _sampling(job, renderer.stop_token_ids)
-        config = RolloutConfig(sampling=sampling, max_turns=job.rl.max_turns, env_workers=4)
+        turns = dict(max_turns=job.rl.max_turns, env_workers=4)
         rollouter = titan_rl.Rollouter(
             env_factory=lambda _: _Shifted(spec.make(), job.rl.seed * _STRIDE),
             renderer=renderer,
-            config=config,
+            config=titan_rl.RolloutConfig(sampling=sampling, **turns),
         )
-        greedy = RolloutConfig(
-            sampling=_greedy(job, tokenizer, renderer.stop_token_ids),
-            max_turns=job.rl.max_turns,
-            env_workers=4,
+        heldout = titan_rl.Rollouter(
+            env_factory=lambda _: _Shifted(spec.make(), job.eval.seed * _STRIDE),
+            renderer=renderer,
+            config=titan_rl.RolloutConfig(
+                sampling=_greedy(job, tokenizer, renderer.stop_token_ids), **turns
+            ),
         )
-        base = job.eval.seed * _STRIDE
 
         def evaluate(generator: titan_rl.Generator) -> dict[str, float]:
-            envs = [_Shifted(spec.make(), base + i) for i in range(job.eval.count)]
-            seeds = [lambda k, i=i: i * 1_024 + k for i in range(job.eval.count)]
-            episodes = play(envs, 0, seeds, generator, renderer, greedy)
+            episodes = heldout.rollout_items(generator, range(job.eval.count), seed=0)
             rewards = [e.reward for e in episodes]
             turns = [len(e.weight_versions) for e in episodes]
             return {
