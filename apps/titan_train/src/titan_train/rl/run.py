@@ -78,6 +78,7 @@ class _Log:
                     kept.append(line + "\n")
         self.file = path.open("w")
         self.file.writelines(kept)
+        self.file.flush()
 
     def write(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(record) + "\n")
