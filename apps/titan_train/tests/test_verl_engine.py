@@ -34,7 +34,8 @@ def test_titan_engine_equals_verl_fsdp_engine():
     """One PPO step of veRL's ``train_batch`` on a ``DataProto`` batch, on 1 and 2 gloo ranks:
     log-probs, entropy, loss, grad norm, the updated weights and the log-probs after the step
     agree with veRL's FSDP engine within 1e-5 (fp32, same HF safetensors); a checkpoint
-    restored into a fresh engine takes the next step bit for bit like the original."""
+    restored into a fresh engine takes the next step bit for bit like the original; the
+    checkpoint's HF export equals the weights; bad engine config values are ValueErrors."""
     # The environment has this repository's packages installed editable from wherever it was
     # built: put this checkout's sources first, so the code under test is this checkout's.
     sources = [str(p) for p in sorted(REPO.glob("libs/*/src"))] + [
@@ -58,8 +59,13 @@ def test_titan_engine_equals_verl_fsdp_engine():
             assert result[key] <= TOLERANCE, result
         # The step moved the weights (else "weights" above compares two untouched models).
         assert result["weights_moved"] > 100 * TOLERANCE, result
-        # Model, optimizer moments and LR schedule came back exactly from torch_checkpointing.
+        # Model, optimizer moments and LR schedule came back exactly from torch_checkpointing,
+        # and the checkpoint's HF export holds exactly the weights the rollout is sent.
         assert result["restored_step"] == 0.0, result
+        assert result["hf_export"] == 0.0, result
+    [errors] = [json.loads(s)["errors"] for s in out.stdout.splitlines() if s.startswith('{"err')]
+    for field_name, message in errors.items():  # one ValueError naming the field
+        assert field_name in message, errors
 
 
 @pytest.mark.skipif(

@@ -13,7 +13,9 @@ world size with the largest differences (titan minus FSDP): per-token log-probs 
 the training forward, loss, gradient norm, every weight after the optimizer step (in HF
 names), and the log-probs after the step. It also saves the titan engine's checkpoint,
 restores it into a fresh engine, runs one more step on both and reports the largest weight
-difference (0 when model, optimizer and schedule came back exactly).
+difference (0 when model, optimizer and schedule came back exactly), and the largest difference
+between the checkpoint's ``huggingface`` export and the engine's weights (0). A first line
+gives the engine config's errors for bad values.
 
 veRL 0.9.1 registers no CPU platform (it falls back to "nvidia" and calls ``cuda.set_device``),
 so this script registers one through veRL's own ``PlatformRegistry`` and selects it with
@@ -280,13 +282,14 @@ def run(rank: int, world: int, port: int, folder: str, out: str) -> None:
 
     def titan_engine():
         titan_actor = titan_verl.TitanActorConfig(**actor)  # strategy "titan"; .engine is ours
+        contents = ["model", "optimizer", "extra", "hf_model"]
         engine = EngineRegistry.new(
             "language_model",
             titan_actor.strategy,
             model_config=model_config(),
             engine_config=titan_actor.engine,
             optimizer_config=optim(),
-            checkpoint_config=CheckpointConfig(),
+            checkpoint_config=CheckpointConfig(save_contents=contents),
         )
         engine.initialize()
         return engine, partial(ppo_loss, config=titan_actor)
@@ -302,6 +305,7 @@ def run(rank: int, world: int, port: int, folder: str, out: str) -> None:
     # Checkpoint round trip: a fresh engine restored from the checkpoint takes the same step.
     ckpt = Path(out) / f"ckpt{world}" / "global_step_1" / "actor"
     titan.save_checkpoint(str(ckpt), global_step=1)
+    diffs["hf_export"] = max_diff(read_hf(ckpt / "huggingface"), titan_weights(titan))
     restored, _ = titan_engine()
     restored.load_checkpoint(str(ckpt))
     train_once(titan, make_batch(rank, world), titan_loss)
@@ -313,9 +317,37 @@ def run(rank: int, world: int, port: int, folder: str, out: str) -> None:
 
 
 def titan_weights_initial(folder: str) -> dict[str, torch.Tensor]:
+    return read_hf(Path(folder))
+
+
+def read_hf(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(str(Path(folder) / "model.safetensors"))
+    files = sorted(folder.glob("*.safetensors"))
+    assert files and (folder / "config.json").is_file(), f"no HF checkpoint in {folder}"
+    return {k: v for f in files for k, v in load_file(str(f)).items()}
+
+
+def check_errors() -> dict[str, str]:
+    """The engine config's answer to bad values: each a ValueError naming the field."""
+    from titan_train.integrations.verl import TitanEngineConfig
+
+    bad = {
+        "mixed_precision": {"mixed_precision": "fp16"},
+        "param_offload": {"param_offload": True},
+        "dp_shard": {"dp_shard": 0},
+        "attention_backend": {"attention_backend": "nope"},
+        "strategy": {"strategy": "fsdp"},
+    }
+    messages = {}
+    for name, kwargs in bad.items():
+        try:
+            TitanEngineConfig(**kwargs)
+        except ValueError as e:
+            messages[name] = str(e)
+        else:
+            messages[name] = "no error"
+    return messages
 
 
 def free_port() -> int:
@@ -329,6 +361,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, action="append", choices=(1, 2))
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    print(json.dumps({"errors": check_errors()}), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "tiny-llama"
         write_tiny_llama(folder)

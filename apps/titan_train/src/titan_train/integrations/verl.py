@@ -37,6 +37,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -114,10 +115,12 @@ class TitanEngineConfig(EngineConfig):
         _check_choice("mixed_precision", self.mixed_precision, ("fp32", "bf16"))
         _check_choice("remat", self.remat, ("none", "full", "selective", "every_nth"))
         titan_models.resolve_attention_backend(self.attention_backend, "cpu")  # registered?
-        if self.dp_replicate < 1 or (self.dp_shard < 1 and self.dp_shard != -1):
+        if self.dp_replicate < 1:
+            raise ValueError(f"TitanEngineConfig: dp_replicate={self.dp_replicate} must be >= 1")
+        if self.dp_shard < 1 and self.dp_shard != -1:
             raise ValueError(
-                f"TitanEngineConfig: dp_replicate={self.dp_replicate} must be >= 1 and "
-                f"dp_shard={self.dp_shard} >= 1 or -1 (the rest of the world)"
+                f"TitanEngineConfig: dp_shard={self.dp_shard} must be >= 1, or -1 (the ranks "
+                "dp_replicate leaves)"
             )
         for name in ("param_offload", "optimizer_offload"):
             if getattr(self, name):
@@ -151,7 +154,7 @@ def _check_choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
         raise ValueError(f"TitanEngineConfig: {name}={value!r} must be one of {list(allowed)}")
 
 
-def job_config(engine_config: TitanEngineConfig, max_grad_norm: float) -> JobConfig:
+def _job_config(engine_config: TitanEngineConfig, max_grad_norm: float) -> JobConfig:
     """The app's job config for the parts of a job the engine runs: layout, precision, remat,
     compile (data, schedule and checkpoints are veRL's)."""
     return JobConfig(
@@ -202,7 +205,7 @@ class TitanEngine(BaseEngine):
         self.checkpoint_config = checkpoint_config
         self.mode = None
         clip = 0.0 if engine_config.forward_only else float(optimizer_config.clip_grad or 0.0)
-        self.job = job_config(engine_config, clip)
+        self.job = _job_config(engine_config, clip)
         self.device = resolve_device(engine_config.device)
         # Everything that can reject the model or the layout, before any allocation.
         self._model_cls, config = titan_models.hf_model_config(model_config.local_path)
@@ -211,14 +214,10 @@ class TitanEngine(BaseEngine):
         )
         self.dims = ParallelDims.resolve(self.job, dist.get_world_size())
         check_plan(self.job, self.dims, self.titan_config)
+        self._entropy: Callable[[torch.Tensor], torch.Tensor] = verl_F.entropy_from_logits
         if engine_config.entropy_from_logits_with_chunking:
-            self._entropy: Callable[..., torch.Tensor] = lambda logits: (
-                verl_F.entropy_from_logits_with_chunking(
-                    logits, chunk_size=engine_config.entropy_from_logits_chunk_size
-                )
-            )
-        else:
-            self._entropy = verl_F.entropy_from_logits
+            chunk = engine_config.entropy_from_logits_chunk_size
+            self._entropy = partial(verl_F.entropy_from_logits_with_chunking, chunk_size=chunk)
         self.pm: ParallelModel | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: Any = None
@@ -248,9 +247,6 @@ class TitanEngine(BaseEngine):
     @property
     def module(self) -> torch.nn.Module:
         """The model (this rank's shards of it)."""
-        return self._model()
-
-    def _model(self) -> torch.nn.Module:
         if self.pm is None:
             raise RuntimeError("the titan engine is not initialised: call initialize() first")
         return self.pm.parts[0]
@@ -378,7 +374,7 @@ class TitanEngine(BaseEngine):
         return tensors(), None
 
     def _full_state(self) -> dict[str, torch.Tensor]:
-        part = self._model()
+        part = self.module
         if self.pm.sharded:
             import flexshard
 
