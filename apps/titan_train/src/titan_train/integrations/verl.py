@@ -45,7 +45,6 @@ import torch
 import torch.distributed as dist
 
 try:
-    from tensordict import TensorDict
     from verl.trainer.config import CheckpointConfig
     from verl.utils import tensordict_utils as tu
     from verl.utils import torch_functional as verl_F
@@ -76,6 +75,10 @@ from titan_train.parallelize import ParallelDims, ParallelModel, build_mesh, che
 __all__ = ["TitanActorConfig", "TitanEngine", "TitanEngineConfig", "TitanEngineWithLMHead"]
 
 logger = logging.getLogger(__name__)
+
+VerlBatch = Any
+"""veRL's batch: a ``tensordict.TensorDict`` of jagged tensors plus non-tensor settings
+(tensordict comes with veRL; only veRL itself is imported here)."""
 
 BACKEND = "titan"
 """The ``strategy`` / registry backend name that selects this engine."""
@@ -285,7 +288,7 @@ class TitanEngine(BaseEngine):
     # --- step -------------------------------------------------------------------------
 
     def forward_backward_batch(
-        self, data: TensorDict, loss_function: Callable | None, forward_only: bool = False
+        self, data: VerlBatch, loss_function: Callable | None, forward_only: bool = False
     ) -> Any:
         """Per micro-batch: forward, veRL's loss, backward (gradients reduced by flexshard
         in the last micro-batch's backward only). Returns veRL's ``postprocess_batch_func``
@@ -317,7 +320,7 @@ class TitanEngine(BaseEngine):
         return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
 
     def forward_step(
-        self, micro_batch: TensorDict, loss_function: Callable | None, forward_only: bool
+        self, micro_batch: VerlBatch, loss_function: Callable | None, forward_only: bool
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         raise NotImplementedError("forward_step is the model head's (TitanEngineWithLMHead)")
 
@@ -516,7 +519,7 @@ class TitanEngineWithLMHead(TitanEngine):
     next token, as veRL's FSDP engine computes them."""
 
     def forward_step(
-        self, micro_batch: TensorDict, loss_function: Callable | None, forward_only: bool
+        self, micro_batch: VerlBatch, loss_function: Callable | None, forward_only: bool
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         """One micro-batch: the packed forward, veRL's ``model_output`` (nested log-probs,
         entropy), and the loss ``loss_function`` makes of it."""
@@ -561,7 +564,7 @@ class TitanEngineWithLMHead(TitanEngine):
         tokens_T: torch.Tensor,
         lengths: torch.Tensor,
         offsets: torch.Tensor,
-        micro_batch: TensorDict,
+        micro_batch: VerlBatch,
     ) -> dict[str, torch.Tensor]:
         temperature = micro_batch["temperature"]
         if isinstance(temperature, torch.Tensor):  # one per sequence
