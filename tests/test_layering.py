@@ -44,6 +44,19 @@ def test_bad_import_in_a_temporary_tree_is_reported(tmp_path, folder, name, sour
     assert violations[0].file.name == "__init__.py"
 
 
+def test_an_integration_module_imports_its_host_and_nothing_else_undeclared(tmp_path):
+    _package(tmp_path, "apps/titan_train", "titan_train", ["torch"], "")
+    integrations = tmp_path / "apps/titan_train/src/titan_train/integrations"
+    integrations.mkdir()
+    (integrations / "verl.py").write_text("import verl\nfrom verl.workers import engine\n")
+    assert check_layering(tmp_path) == []
+    (integrations / "verl.py").write_text("import verl\nimport tensordict\n")
+    [violation] = check_layering(tmp_path)
+    assert violation.imported == "tensordict" and "not declared" in violation.rule
+    (integrations / "ray.py").write_text("import verl\n")  # another host's module
+    assert {v.file.name for v in check_layering(tmp_path)} == {"verl.py", "ray.py"}
+
+
 def test_allowed_imports_in_a_temporary_tree_pass(tmp_path):
     _package(tmp_path, "libs/dist_moe", "dist_moe", ["torch"], "import torch\nimport os\n")
     _package(
