@@ -6,6 +6,18 @@ import argparse
 import sys
 
 
+def _shutdown_monarch() -> None:
+    """Stop this process's Monarch client now, with time to do it: left to its exit hook
+    (one second) on a loaded machine, it prints a TimeoutError traceback at exit."""
+    if "monarch.actor" in sys.modules:
+        from monarch.actor import shutdown_context
+
+        try:
+            shutdown_context().get(timeout=60)
+        except Exception as e:  # the run's result is already out; a slow teardown is no error
+            print(f"titan-train rl: note: Monarch shutdown: {type(e).__name__}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``titan-train rl [--recipe arith_grpo] [--list-recipes] [--<group>.<field> value ...]``."""
     import tyro
@@ -38,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         validate_rl(job)
         from titan_train.rl.run import run_rl
 
-        run_rl(job)
+        try:
+            run_rl(job)
+        finally:
+            _shutdown_monarch()
     except ValueError as e:  # config errors are raised before anything is trained or written
         print(f"titan-train rl: error: {e}", file=sys.stderr)
         return 2
