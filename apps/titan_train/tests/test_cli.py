@@ -48,8 +48,8 @@ def test_config_file_sets_fields_and_the_command_line_overrides_it(tmp_path, cap
     assert cfg.model.overrides == ("output=chunked_cross_entropy",)
     for text, message in [
         ("[training]\nstep = 3\n", "training.step is not a field"),
-        ('[training]\nsteps = "3"\n', "training.steps='3' is not a int"),
-        ('[data]\nsource = "web"\n', "data.source='web' is not a one of 'arithmetic'"),
+        ('[training]\nsteps = "3"\n', "training.steps='3' must be an integer"),
+        ('[data]\nsource = "web"\n', "data.source='web' must be one of 'arithmetic'"),
         ("[training\n", "not valid TOML"),
     ]:
         toml.write_text(text)

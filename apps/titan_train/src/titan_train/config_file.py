@@ -98,10 +98,18 @@ def _coerce(value: Any, hint: Any, name: str, path: Path) -> Any:
             return float(value)
     elif hint is str and isinstance(value, str):
         return value
-    raise ValueError(f"--config {path}: {name}={value!r} is not a {_describe(hint)}")
+    raise ValueError(f"--config {path}: {name}={value!r} must be {_describe(hint)}")
 
 
 def _describe(hint: Any) -> str:
-    if typing.get_origin(hint) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
-    return str(hint).replace("typing.", "")
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"a list of {_describe(args[0])}"
+        return f"a list of {len(args)}: " + ", ".join(_describe(a) for a in args)
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    return names.get(hint, "null" if hint is type(None) else str(hint))

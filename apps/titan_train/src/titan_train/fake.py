@@ -280,7 +280,7 @@ def _fake_steps(
             row["grads_bytes"], row["optimizer_bytes"] = need["grads"], need["optimizer"]
             row["gathered_params_peak_bytes"] = need["gathered"]
             row["activations_estimate_bytes"] = activation_estimate(cfg, dims, config, pm)
-        if pm.sharded:  # flexshard's own count of gathered buffers (peak above the shards)
+        if pm.sharded and batches:  # flexshard's count of gathered buffers (peak above shards)
             mems = [st.mem for part in pm.parts for st in part.flexshard_state.all_states()]
             row["gathered_params_peak_bytes"] = sum(m.peak - m.current for m in mems)
     return row
