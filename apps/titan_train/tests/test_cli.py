@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -24,13 +24,16 @@ SHORT = [
 
 def test_help_is_quick_and_the_cli_module_does_not_import_torch():
     # Guards: `titan-train --help` took 26 s, importing torch._dynamo through the recipes.
-    start = time.perf_counter()
+    # CPU seconds, not wall time: on a shared 2-core machine the wall clock measures the
+    # load (0.7 s CPU took 9 s of wall time at load 19; importing torch costs ~12 s of CPU).
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(
-        [sys.executable, "-m", "titan_train", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "titan_train", "--help"], capture_output=True, text=True, timeout=120
     )
-    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert out.returncode == 0 and "--training.steps" in out.stdout and "--config" in out.stdout
-    assert seconds < 10, f"--help took {seconds:.1f} s"  # generous: ~1.5 s on a quiet machine
+    assert cpu < 5, f"--help took {cpu:.1f} s of CPU"  # generous: 0.7 s measured
     probe = "import sys, titan_train.cli; print(sorted(m for m in sys.modules if m.startswith('torch')))"
     mods = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert mods.returncode == 0 and mods.stdout.strip() == "[]", mods.stdout[:300]
