@@ -52,7 +52,8 @@ def test_chunked_cross_entropy_equals_the_full_one_and_saves_the_logits():
 
 def test_overrides_train_like_the_original_model_with_the_same_state_keys(tmp_path):
     common = ["--output-dir", str(tmp_path), "--training.steps", "3", "--metrics.validate-every",
-              "0", "--metrics.no-tensorboard", "--metrics.peak-flops", "1e11"]  # fmt: skip
+              "0", "--metrics.no-tensorboard", "--metrics.peak-flops", "1e11",
+              "--checkpoint.interval", "0"]  # fmt: skip
     plain = train(parse_config([*common, "--name", "plain"]))
     swapped = train(
         parse_config(
@@ -85,7 +86,8 @@ def test_bad_override_is_one_error_line_and_writes_nothing(tmp_path, capsys, ove
 @pytest.mark.slow
 def test_local_compile_trains_like_eager(tmp_path):
     common = ["--output-dir", str(tmp_path), "--training.steps", "3", "--metrics.validate-every",
-              "0", "--metrics.no-tensorboard", "--metrics.peak-flops", "1e11"]  # fmt: skip
+              "0", "--metrics.no-tensorboard", "--metrics.peak-flops", "1e11",
+              "--checkpoint.interval", "0"]  # fmt: skip
     eager = train(parse_config([*common, "--name", "eager"]))
     compiled = train(parse_config([*common, "--name", "compiled", "--compile.enabled"]))
     torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=0, atol=1e-4)

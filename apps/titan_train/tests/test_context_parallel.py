@@ -30,7 +30,7 @@ COMMON = [
     "--metrics.validate-every", "0",
     "--metrics.no-tensorboard",
     "--metrics.log-every", "3",
-    "--metrics.peak-flops", "1e11",
+    "--metrics.peak-flops", "1e11", "--checkpoint.interval", "0",
 ]  # fmt: skip
 QWEN3_5 = ["--model.family", "qwen3_5", "--model.flavor", "debug"]
 WORLD2 = {

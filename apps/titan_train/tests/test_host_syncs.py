@@ -84,7 +84,7 @@ def _syncs_per_step(out_dir: str, *argv: str) -> dict[int, dict[str, int]]:
             "--training.steps", str(STEPS), "--training.batch-size", "4",
             "--training.seq-len", "32", "--metrics.log-every", str(LOG_EVERY),
             "--metrics.validate-every", "0", "--metrics.no-tensorboard",
-            "--metrics.peak-flops", "1e11", "--training.grad-accum", "2",
+            "--metrics.peak-flops", "1e11", "--checkpoint.interval", "0", "--training.grad-accum", "2",
             "--model.attention-backend", "sdpa",
             *argv,
         ]

@@ -182,7 +182,7 @@ def test_vision_language_recipe_trains_and_reports_answer_accuracy(tmp_path):
             "--output-dir", str(tmp_path), "--name", "vl",
             "--training.steps", "4", "--training.batch-size", "2", "--metrics.log-every", "2",
             "--metrics.validate-every", "4", "--metrics.validation-batches", "1",
-            "--metrics.peak-flops", "1e11",
+            "--metrics.peak-flops", "1e11", "--checkpoint.interval", "0",
         ],
         recipe="qwen3_vl_debug",
     )  # fmt: skip

@@ -23,7 +23,7 @@ COMMON = [
     "--metrics.validate-every", "0",
     "--metrics.no-tensorboard",
     "--metrics.log-every", "1",
-    "--metrics.peak-flops", "1e11",
+    "--metrics.peak-flops", "1e11", "--checkpoint.interval", "0",
     "--parallel.dp-shard", "2",
     "--training.mixed-precision", "bf16",
     "--quantize.linear", "mxfp8",
@@ -184,7 +184,7 @@ def test_emulated_fp8_and_mxfp8_training_tracks_the_fp32_run_within_3_percent(tm
     short = [
         "--training.steps", "4", "--training.batch-size", "2", "--training.seq-len", "32",
         "--lr-schedule.warmup-steps", "1", "--metrics.validate-every", "0",
-        "--metrics.no-tensorboard", "--metrics.log-every", "1", "--metrics.peak-flops", "1e11",
+        "--metrics.no-tensorboard", "--metrics.log-every", "1", "--metrics.peak-flops", "1e11", "--checkpoint.interval", "0",
         "--output-dir", str(tmp_path), "--quantize.kernels", "emulated",
     ]  # fmt: skip
     runs = {

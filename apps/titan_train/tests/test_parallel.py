@@ -29,7 +29,7 @@ COMMON = [
     "--metrics.validate-every", "0",
     "--metrics.no-tensorboard",
     "--metrics.log-every", "5",
-    "--metrics.peak-flops", "1e11",
+    "--metrics.peak-flops", "1e11", "--checkpoint.interval", "0",
 ]  # fmt: skip
 RESUME = ["--training.steps", "20", "--checkpoint.interval", "5", "--checkpoint.keep-last", "3"]
 

@@ -179,3 +179,44 @@ def test_step_watchdog_ends_a_stuck_rank_with_a_clear_error():
     assert proc.returncode == 3
     assert "rank 1 made no progress for 1 s after step 7" in proc.stderr
     assert "time.sleep" in proc.stderr or "File" in proc.stderr  # the stacks
+
+
+def test_the_header_and_closing_line_say_what_runs_and_where_results_are(tmp_path, capsys):
+    # Guards: nothing printed before the first log step, and no line said where results were;
+    # a resume and the archiving of an earlier run went unannounced.
+    argv = _argv(tmp_path, "--training.steps", "2", "--checkpoint.interval", "1")
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("titan-train: run: llama3 debug, ") and "M parameters" in out[0]
+    assert "1 process (dp_shard=1) on cpu" in out[0]
+    assert out[1].strip().startswith("2 steps of 2 x 32 tokens") and "every 1 steps" in out[1]
+    assert out[2].strip() == f"run folder {tmp_path / 'run'}: a fresh start"
+    assert out[-1].startswith("titan-train: done at step 2 (loss ")
+    assert out[-1].endswith(
+        f"results in {tmp_path / 'run'}/ (metrics.jsonl, loss.png, checkpoints)"
+    )
+    longer = _argv(tmp_path, "--training.steps", "3", "--checkpoint.interval", "1")
+    assert main([*longer, "--allow-config-change"]) == 0
+    assert "resuming from the step-2 checkpoint" in capsys.readouterr().out
+    assert main([*longer, "--checkpoint.no-resume", "--overwrite"]) == 0
+    (archived,) = (tmp_path / "run" / "archive").iterdir()
+    assert f"a fresh start; the previous run's outputs were moved to {archived}" in (
+        capsys.readouterr().out
+    )
+
+
+def test_rerunning_a_finished_run_says_so_and_touches_nothing(tmp_path, capsys):
+    # Guards: a rerun of a finished run trained nothing yet redrew loss.png blank.
+    argv = _argv(tmp_path, "--training.steps", "2")  # checkpoints on by default
+    assert main(argv) == 0
+    run = tmp_path / "run"
+    assert [p.name[:17] for p in (run / "checkpoints").iterdir() if p.name.startswith("step")] == [
+        "step-000000000002"  # the last step is saved whatever the interval
+    ]
+    outputs = lambda: {p: t for p, t in _tree(run).items() if p.name != ".titan-train.lock"}  # noqa: E731
+    before = outputs()
+    capsys.readouterr()
+    assert main(argv) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(f"titan-train: {run} already finished (checkpoint at step 2 of 2)")
+    assert len(out.splitlines()) == 1 and outputs() == before

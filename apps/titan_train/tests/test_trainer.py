@@ -19,7 +19,7 @@ def _cfg(tmp_path, *extra: str):
             "--training.steps", "20", "--training.batch-size", "4", "--training.seq-len", "64",
             "--lr-schedule.warmup-steps", "2", "--metrics.log-every", "5",
             "--metrics.validate-every", "10", "--metrics.validation-batches", "1",
-            "--metrics.peak-flops", "1e11",
+            "--metrics.peak-flops", "1e11", "--checkpoint.interval", "0",
             *extra,
         ]
     )  # fmt: skip
@@ -137,7 +137,7 @@ def test_moe_recipe_logs_expert_load_and_learns(tmp_path, recipe):
     cfg = parse_config(
         ["--output-dir", str(tmp_path), "--training.steps", "6", "--metrics.log-every", "3",
          "--metrics.validate-every", "0", "--metrics.no-tensorboard",
-         "--metrics.peak-flops", "1e11"],
+         "--metrics.peak-flops", "1e11", "--checkpoint.interval", "0"],
         recipe,
     )  # fmt: skip
     out = train(cfg)
@@ -166,7 +166,7 @@ def test_linear_attention_hybrid_recipe_learns(tmp_path, recipe):
     cfg = parse_config(
         ["--output-dir", str(tmp_path), "--training.steps", "8", "--metrics.log-every", "4",
          "--metrics.validate-every", "0", "--metrics.no-tensorboard",
-         "--metrics.peak-flops", "1e11"],
+         "--metrics.peak-flops", "1e11", "--checkpoint.interval", "0"],
         recipe,
     )  # fmt: skip
     losses = train(cfg)["losses"]

@@ -53,10 +53,12 @@ class TrainState:
 
 class _ModelState:
     """The model's checkpoint item: sharded pieces (flexshard's protocol objects, DTensors)
-    of every local part under the unsplit model's FQNs."""
+    of every local part under the unsplit model's FQNs. ``per_rank``: this rank's pieces as
+    plain tensors (what a ``PerRank`` item holds), keyed ``fqn@offset``; they alias the live
+    shards, so loading fills them in place too."""
 
-    def __init__(self, pm: ParallelModel) -> None:
-        self.pm = pm
+    def __init__(self, pm: ParallelModel, *, per_rank: bool = False) -> None:
+        self.pm, self.per_rank = pm, per_rank
 
     def state_dict(self) -> dict[str, Any]:
         import flexshard
@@ -64,7 +66,16 @@ class _ModelState:
         out: dict[str, Any] = {}
         for part in self.pm.parts:
             out.update(flexshard.sharded_state_dict(part) if self.pm.sharded else part.state_dict())
-        return out
+        if not self.per_rank:
+            return out
+        plain: dict[str, Any] = {}
+        for fqn, value in out.items():
+            if hasattr(value, "local_chunks"):
+                for offset, chunk in value.local_chunks():
+                    plain[f"{fqn}@{','.join(map(str, offset))}"] = chunk
+            else:
+                plain[fqn] = value.to_local() if hasattr(value, "to_local") else value
+        return plain
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # torch_checkpointing fills sharded pieces and tensors in place.
@@ -107,7 +118,7 @@ def checkpoint_state(
 
     # Stages and experts differ per rank; HSDP replicas hold duplicate shards.
     per_rank = pm.dims.pp > 1 or bool(pm.experts) or pm.dims.dp_replicate > 1
-    model = PerRank(_ModelState(pm)) if per_rank else _ModelState(pm)
+    model = PerRank(_ModelState(pm, per_rank=True)) if per_rank else _ModelState(pm)
     if pm.sharded and not per_rank:  # reshardable, like the parameters
         optim = _OptimizerState(pm.parts[0], optimizer)
     else:

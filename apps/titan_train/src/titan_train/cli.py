@@ -1,9 +1,13 @@
 """``titan-train``: pick a recipe, override any field, run (or dry-run) the job.
 
-Launcher flags (``--recipe``, ``--list-recipes``, ``--print-config``, ``--dry-run``,
-``--nproc``) are read first; every other argument overrides a field of the recipe's config
+Launcher flags (``--recipe``, ``--config``, ``--list-recipes``, ``--print-config``,
+``--dry-run``, ``--nproc``) are read first; ``--config FILE`` (TOML, or a run's
+``config.json``) sets fields on top of the recipe, and every other argument overrides a field
 through tyro (``--optimizer.lr 3e-4``, ``--parallel.tp 2``). ``titan-train rl ...`` runs GRPO
 post-training instead (``titan_train.rl``).
+
+Nothing here imports torch: ``--help``, ``--list-recipes`` and config errors answer at once;
+the trainer is imported once a job is about to run.
 """
 
 from __future__ import annotations
@@ -14,15 +18,21 @@ import json
 import os
 import sys
 
-import tyro
-
 from titan_train.config import JobConfig, validate
+from titan_train.config_file import apply_config_file
 from titan_train.recipes import DEFAULT_RECIPE, get_recipe, list_recipes
 
 
 def _launcher_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="titan-train", add_help=False)
     p.add_argument("--recipe", default=DEFAULT_RECIPE, help="recipe name (see --list-recipes)")
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="TOML or JSON file of fields set on top of the recipe (a run's config.json "
+        "reproduces that run); command-line overrides apply on top of it",
+    )
     p.add_argument("--list-recipes", action="store_true", help="list recipes and exit")
     p.add_argument("--print-config", action="store_true", help="print the resolved config, exit")
     p.add_argument(
@@ -35,9 +45,17 @@ def _launcher_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_config(argv: list[str], recipe: str = DEFAULT_RECIPE) -> JobConfig:
-    """The recipe's config with ``argv``'s field overrides applied and validated."""
-    cfg = tyro.cli(JobConfig, default=get_recipe(recipe), args=argv, prog="titan-train")
+def parse_config(
+    argv: list[str], recipe: str = DEFAULT_RECIPE, *, config_file: str | None = None
+) -> JobConfig:
+    """The recipe's config with ``config_file``'s fields, then ``argv``'s overrides, applied
+    and validated."""
+    import tyro
+
+    default = get_recipe(recipe)
+    if config_file is not None:
+        default = apply_config_file(default, config_file)
+    cfg = tyro.cli(JobConfig, default=default, args=argv, prog="titan-train")
     validate(cfg)
     return cfg
 
@@ -59,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:20s} {doc}")
         return 0
     try:
-        cfg = parse_config(rest, launcher.recipe)
+        cfg = parse_config(rest, launcher.recipe, config_file=launcher.config)
     except ValueError as e:
         print(f"titan-train: error: {e}", file=sys.stderr)
         return 2
@@ -82,28 +100,46 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        return _run(cfg, launcher.nproc, argv)
+    except KeyboardInterrupt:  # before the first step (or a second Ctrl-C): nothing saved
+        print("titan-train: interrupted before any step was saved", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+EXIT_INTERRUPTED = 130
+"""Exit status of a job stopped by Ctrl-C (128 + SIGINT)."""
+
+
+def _run(cfg: JobConfig, nproc: int, argv: list[str]) -> int:
+    from titan_train.errors import ExportError
+    from titan_train.run_report import Interrupted
     from titan_train.trainer import ConfigError, NonFiniteError, prepare, train
     from torch_checkpointing import CheckpointError
 
-    if launcher.nproc > 1 and "LOCAL_RANK" not in os.environ:
+    if nproc > 1 and "LOCAL_RANK" not in os.environ:
         try:  # every check that needs no process, before launching any
-            prepare(dataclasses.replace(cfg), world_size=launcher.nproc)
+            prepare(dataclasses.replace(cfg), world_size=nproc)
         except ConfigError as e:
             print(f"titan-train: error: {e}", file=sys.stderr)
             return 2
-        return _relaunch(launcher.nproc, argv)
+        return _relaunch(nproc, argv)
     # Only errors about the config become one line; anything else keeps its traceback.
     try:
         train(cfg)
     except ConfigError as e:
         print(f"titan-train: error: {e}", file=sys.stderr)
         return 2
-    except NonFiniteError as e:
+    except (NonFiniteError, ExportError) as e:
         print(f"titan-train: error: {e}", file=sys.stderr)
         return 1
     except CheckpointError as e:  # a disk that is full or read-only, a lost connection
         print(f"titan-train: error: checkpoint: {e}", file=sys.stderr)
         return 1
+    except Interrupted as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"titan-train: {e}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     return 0
 
 
@@ -131,6 +167,7 @@ def _relaunch(nproc: int, argv: list[str]) -> int:
     if "--nproc" in argv:  # "--nproc N" form: drop the value too
         i = argv.index("--nproc")
         args = argv[:i] + argv[i + 2 :]
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     # A rank that fails ends the others within the monitor interval; a stopped one is ended
@@ -138,7 +175,11 @@ def _relaunch(nproc: int, argv: list[str]) -> int:
     launch = ["--standalone", f"--nproc-per-node={nproc}", f"--monitor-interval={MONITOR_S}"]
     try:
         torchrun([*launch, "-m", "titan_train", *args])
+    except SignalException:  # Ctrl-C: torchrun passed it to the ranks; rank 0 said where to resume
+        return EXIT_INTERRUPTED
     except ChildFailedError as e:
+        if all(f.exitcode == EXIT_INTERRUPTED for f in e.failures.values()):
+            return EXIT_INTERRUPTED  # the ranks were interrupted: rank 0 printed the line
         failures = ", ".join(
             f"rank {rank} exit code {f.exitcode}" for rank, f in sorted(e.failures.items())
         )

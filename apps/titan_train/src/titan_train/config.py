@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 
@@ -191,10 +193,11 @@ class DataConfig:
 class CheckpointConfig:
     """Checkpointing through torch_checkpointing."""
 
-    interval: int = 0
-    """Save every N steps; 0 disables checkpoints."""
+    interval: int = 50
+    """Save every N steps and at the last one (so a rerun of the same command resumes, and a
+    finished run is known as such); 0 disables checkpoints."""
     keep_last: int = 2
-    """Complete checkpoints to keep."""
+    """Complete checkpoints to keep (older ones are deleted once a newer one is complete)."""
     async_mode: Literal["thread", "process", "off"] = "thread"
     """How saves are written in the background."""
     resume: bool = True
@@ -272,6 +275,11 @@ class MetricsConfig:
     """Run validation every N steps; 0 disables it."""
     validation_batches: int = 4
     """Batches per validation run."""
+    wandb: bool = False
+    """Also log to Weights & Biases (the ``wandb`` package; ``WANDB_MODE=offline`` runs with
+    no account or network, files under ``<run>/wandb``)."""
+    wandb_project: str = "titan-train"
+    """W&B project name (the run is named after ``name``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -429,6 +437,32 @@ def validate(cfg: JobConfig) -> None:
         )
     if not cfg.name or "/" in cfg.name or cfg.name in (".", ".."):
         raise ValueError(f"name={cfg.name!r} must be a non-empty folder name without '/'")
+
+
+def check_paths(cfg: JobConfig) -> None:
+    """Reject paths a job cannot use, before anything is built: one ``ValueError`` naming the
+    field, the path and what is wrong (missing, not a folder, unreadable, not writable)."""
+    hf = cfg.checkpoint.init_from_hf
+    if hf:
+        if not Path(hf).is_dir():
+            what = "is not a folder" if Path(hf).exists() else "does not exist"
+            raise ValueError(f"checkpoint.init_from_hf={hf!r} {what} (an HF checkpoint folder)")
+        if not (Path(hf) / "config.json").is_file():
+            raise ValueError(
+                f"checkpoint.init_from_hf={hf!r} has no config.json: not an HF checkpoint folder"
+            )
+    out = Path(cfg.output_dir)
+    for name, path in (("output_dir", out), ("name", out / cfg.name)):
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"{name}: {str(path)!r} is a file; runs are written to a folder")
+    existing = next((p for p in (out / cfg.name, *(out / cfg.name).parents) if p.exists()), None)
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"output_dir={cfg.output_dir!r}: {str(existing)!r} is not writable")
+    for path in cfg.data.paths if cfg.data.source in ("files", "image_files") else ():
+        if not Path(path).exists():
+            raise ValueError(f"data.paths: {path!r} does not exist")
+        if not os.access(path, os.R_OK):
+            raise ValueError(f"data.paths: {path!r} is not readable")
 
 
 _BUILTIN_ATTENTION_BACKENDS = ("auto", "context_parallel", "flex", "sdpa", "varlen")

@@ -10,3 +10,7 @@ class ConfigError(ValueError):
 
 class NonFiniteError(RuntimeError):
     """Training produced a non-finite loss or gradient norm; the message names the step."""
+
+
+class ExportError(RuntimeError):
+    """The HF export of a trained model failed; the message says where the weights are."""

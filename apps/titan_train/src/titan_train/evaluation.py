@@ -6,9 +6,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from titan_train.config import JobConfig
+from titan_train.data.image_files import ImageFilesSource
+from titan_train.data.image_text import ShapesSource
+from titan_train.data.packing import PackedLoader
+from titan_train.data.tokenizers import Tokenizer
+from titan_train.loaders import image_text_loader
 from titan_train.losses import cross_entropy_sum, loss_sum
+from titan_train.pipelined import evaluate_pipeline
 
 
 @torch.no_grad()
@@ -50,3 +58,34 @@ def answers_right(
     per_sample.index_add_(0, answers[mask], wrong)
     seen = torch.zeros_like(per_sample).index_add_(0, answers[mask], torch.ones_like(wrong))
     return ((per_sample == 0) & (seen > 0)).sum()
+
+
+def validate_run(
+    pm: Any,
+    cfg: JobConfig,
+    tokenizer: Tokenizer,
+    val_src: Any,
+    device: torch.device,
+) -> dict[str, float]:
+    """Mean validation loss over every data-parallel rank's batches (under pipelining: the
+    schedule's forward actions only), and the answer accuracy of image-text data."""
+    t = cfg.training
+    if isinstance(val_src, (ShapesSource, ImageFilesSource)):
+        val_loader = image_text_loader(cfg, tokenizer, val_src)
+    else:
+        val_loader = PackedLoader(val_src, tokenizer, seq_len=t.seq_len, batch_size=t.batch_size)
+    right = answers = 0
+    if pm.schedule is None:
+        n = cfg.metrics.validation_batches
+        total, tokens, right, answers = evaluate(pm.parts[0], val_loader, n, device, pm.shard_batch)
+    else:
+        total, tokens = evaluate_pipeline(pm, val_loader, cfg, device)
+    if pm.dims.world_size > 1:
+        sums = [total, float(tokens), float(right), float(answers)]
+        both = torch.tensor(sums, dtype=torch.float64, device=device)
+        dist.all_reduce(both, group=pm.group("dp_cp"))
+        total, tokens, right, answers = float(both[0]), int(both[1]), int(both[2]), int(both[3])
+    out = {"loss": total / max(1, tokens)}
+    if answers:
+        out["answer_accuracy"] = right / answers
+    return out

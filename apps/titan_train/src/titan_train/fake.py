@@ -183,6 +183,8 @@ def run_fake(
             for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
         ),
     }
+    report["total_bytes_per_rank"] = max(_total(row) for row in stages)
+    report["fits"] = fits(report["total_bytes_per_rank"])
     run_dir = Path(cfg.output_dir) / cfg.name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "memory.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -270,38 +272,99 @@ def _fake_steps(
             row["activations_peak_bytes"] = tracker.peak_above(
                 marks["start"], marks["grads"], excluded
             )
-        if pm.sharded:  # flexshard's own count of gathered buffers (peak above the shards)
+        else:  # a plan (--dry-run): what a step would hold, from the shapes
+            from titan_train.materialize import local_bytes
+
+            bf16 = cfg.training.mixed_precision == "bf16"
+            need = local_bytes(pm, optimizer=cfg.optimizer.name, bf16=bf16)
+            row["grads_bytes"], row["optimizer_bytes"] = need["grads"], need["optimizer"]
+            row["gathered_params_peak_bytes"] = need["gathered"]
+            row["activations_estimate_bytes"] = activation_estimate(cfg, dims, config, pm)
+        if pm.sharded and batches:  # flexshard's count of gathered buffers (peak above shards)
             mems = [st.mem for part in pm.parts for st in part.flexshard_state.all_states()]
             row["gathered_params_peak_bytes"] = sum(m.peak - m.current for m in mems)
     return row
 
 
-def _print(report: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def activation_estimate(cfg: JobConfig, dims: ParallelDims, config: Any, pm: Any) -> int:
+    """Activation bytes one rank keeps for backward, from the shapes (``--dry-run``, where no
+    step runs). Per transformer block ``s·b·h·(10 + 24/tp)`` bytes in 16-bit compute
+    (Korthikanti et al. 2022 without sequence parallelism, fused attention: no ``s²`` term);
+    under full remat only the block's input (``2·s·b·h``) plus one block recomputed in
+    backward; ``every_nth``: one block in n kept whole. Tokens are this rank's (micro-batch,
+    context shard); a first pipeline stage holds ``min(pp, microbatches)`` microbatches
+    (1F1B). The rank with the head adds fp32 logits and their gradient. An estimate: a fake
+    step (``--comm.fake-world-size N --training.steps 1``) measures the peak."""
+    t, p = cfg.training, cfg.parallel
+    micro = t.batch_size // (p.pp_microbatches if dims.pp > 1 else t.grad_accum)
+    sbh = micro * t.seq_len // dims.cp * config.dim * (2 if t.mixed_precision == "fp32" else 1)
+    whole = sbh * (10 + 24 / dims.tp)
+    kept = {"full": 2 * sbh, "every_nth": whole / cfg.remat.every_nth + 2 * sbh}
+    per_block = kept.get(cfg.remat.policy, whole)
+    blocks = sum(len(part.layers) for part in pm.parts if getattr(part, "layers", None))
+    in_flight = min(dims.pp, p.pp_microbatches) if dims.pp > 1 else 1
+    total = blocks * per_block * in_flight + (whole if cfg.remat.policy != "none" else 0)
+    if any(getattr(part, "output", None) is not None for part in pm.parts):
+        tokens = sbh // config.dim
+        total += 2 * 4 * tokens * config.vocab_size // dims.tp
+    return int(total)
 
+
+ACCELERATORS = (("H100", 80), ("H200", 141), ("GB300", 288))
+"""Accelerators the dry run checks a layout against: (name, memory in GB, 10⁹ bytes)."""
+
+HEADROOM = 0.9
+"""Fraction of an accelerator's memory a rank may plan to use (the rest: CUDA context,
+allocator fragmentation, communication buffers)."""
+
+
+def fits(bytes_per_rank: int) -> dict[str, bool]:
+    """Per accelerator of ``ACCELERATORS``: whether a rank needing ``bytes_per_rank`` fits in
+    ``HEADROOM`` of its memory."""
+    return {name: bytes_per_rank <= HEADROOM * gb * 1e9 for name, gb in ACCELERATORS}
+
+
+def verdicts(report: dict[str, Any]) -> list[str]:
+    """Per accelerator: whether the largest rank's total fits in ``HEADROOM`` of its memory."""
+    fits = report["fits"]
+    return [f"{n} {gb} GB: {'fits' if fits[n] else 'does not fit'}" for n, gb in ACCELERATORS]
+
+
+_COLUMNS = (
+    ("params", "params_bytes"),
+    ("grads", "grads_bytes"),
+    ("optimizer", "optimizer_bytes"),
+    ("activations", "activations_peak_bytes"),
+    ("gathered", "gathered_params_peak_bytes"),
+)
+
+
+def _activations(row: dict[str, Any]) -> int | None:
+    return row.get("activations_peak_bytes", row.get("activations_estimate_bytes"))
+
+
+def _total(row: dict[str, Any]) -> int:
+    parts = [row.get(k) for _, k in _COLUMNS if k != "activations_peak_bytes"]
+    return sum(v or 0 for v in parts) + (_activations(row) or 0)
+
+
+def _print(report: dict[str, Any]) -> None:
+    """The per-rank memory table (GiB), then one verdict line per accelerator."""
     gib = 2**30
     layout = " ".join(f"{k}={v}" for k, v in report["layout"].items())
-    table = Table(
-        title=(
-            f"{report['model']}: {report['parameters'] / 1e9:.2f} B parameters, "
-            f"{report['world_size']} ranks ({layout}), per rank, GiB"
-        )
-    )
-    columns = ("stage", "params", "grads", "optimizer", "activations", "gathered", "seconds")
-    for col in columns:
-        table.add_column(col, justify="right")
+    estimated = any("activations_estimate_bytes" in row for row in report["stages"])
+    names = [n if n != "activations" or not estimated else "activ. (est.)" for n, _ in _COLUMNS]
+    lines = [
+        f"{report['model']}: {report['parameters'] / 1e9:.2f} B parameters, "
+        f"{report['world_size']} ranks ({layout}); per rank, GiB:",
+        "  ".join(f"{c:>13}" for c in ("stage", *names, "total", "seconds")),
+    ]
     for row in report["stages"]:
-        values = [
-            row.get(k)
-            for k in (
-                "params_bytes",
-                "grads_bytes",
-                "optimizer_bytes",
-                "activations_peak_bytes",
-                "gathered_params_peak_bytes",
-            )
-        ]
+        values = [row.get(k) for _, k in _COLUMNS]
+        values[3] = _activations(row)
         cells = ["-" if v is None else f"{v / gib:.2f}" for v in values]
-        table.add_row(",".join(map(str, row["stages"])), *cells, f"{row['seconds']:.1f}")
-    Console().print(table)
+        stage = ",".join(map(str, row["stages"]))
+        total = f"{_total(row) / gib:.2f}"
+        lines.append("  ".join(f"{c:>13}" for c in (stage, *cells, total, f"{row['seconds']:.1f}")))
+    lines.append("per rank: " + "; ".join(verdicts(report)))
+    print("\n".join(lines), flush=True)

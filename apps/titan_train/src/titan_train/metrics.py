@@ -1,9 +1,15 @@
-"""Metrics: a rich console line, ``metrics.jsonl``, TensorBoard events and a loss-curve PNG."""
+"""Metrics: a console line, ``metrics.jsonl``, TensorBoard events, optionally Weights & Biases,
+and a loss-curve PNG.
+
+The console line is rich (colours, a progress bar) on a terminal and plain text otherwise
+(piped to a file or a job log: one unwrapped line per record, no bar characters).
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,9 +42,10 @@ def _synchronize(device: torch.device) -> None:
 
 
 class MetricsLogger:
-    """Writes each logged step to the console, ``metrics.jsonl`` and TensorBoard (rank 0 only).
-    A run resumed from ``resumed_step`` drops the records of later steps from
-    ``metrics.jsonl`` first: those steps run again and are logged again."""
+    """Writes each logged step to the console, ``metrics.jsonl``, TensorBoard and W&B (rank 0
+    only). A run resumed from ``resumed_step`` drops the records of later steps from
+    ``metrics.jsonl`` first (those steps run again and are logged again) and reads the earlier
+    ones back, so ``loss.png`` covers the whole run."""
 
     def __init__(
         self,
@@ -48,23 +55,30 @@ class MetricsLogger:
         tensorboard: bool,
         enabled: bool = True,
         resumed_step: int = 0,
+        wandb: dict[str, Any] | None = None,
     ) -> None:
         self.run_dir, self.total_steps, self.enabled = run_dir, total_steps, enabled
         self._start = time.perf_counter()
+        self._start_step = resumed_step
         self._history: dict[str, list[tuple[int, float]]] = {}
-        self._tb = None
+        self._tb = self._wandb = None
         if not enabled:
             return
-        from rich.console import Console
+        self._console = None
+        if sys.stdout.isatty():
+            from rich.console import Console
 
-        self._console = Console(highlight=False)
+            self._console = Console(highlight=False)
         if resumed_step:
             _drop_records_after(run_dir / "metrics.jsonl", resumed_step)
+            self._history = _read_history(run_dir / "metrics.jsonl")
         self._jsonl = (run_dir / "metrics.jsonl").open("a")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        if wandb is not None:
+            self._wandb = start_wandb(run_dir, **wandb)
 
     def log(self, step: int, values: dict[str, float], *, prefix: str = "train") -> None:
         """Record ``values`` for ``step`` (1-based) under ``prefix``."""
@@ -77,15 +91,23 @@ class MetricsLogger:
         if self._tb is not None:
             for k, v in values.items():
                 self._tb.add_scalar(f"{prefix}/{k}", v, step)
-        self._console.print(self._line(step, values, prefix))
+        if self._wandb is not None:
+            self._wandb.log({f"{prefix}/{k}": v for k, v in values.items()}, step=step)
+        if self._console is not None:
+            self._console.print(self._line(step, values, prefix, rich=True))
+        else:
+            print(self._line(step, values, prefix, rich=False), flush=True)
 
-    def _line(self, step: int, values: dict[str, float], prefix: str) -> str:
+    def _line(self, step: int, values: dict[str, float], prefix: str, *, rich: bool) -> str:
         elapsed = time.perf_counter() - self._start
-        done = step / self.total_steps
-        width = 20
-        bar = "█" * round(width * done) + "·" * (width - round(width * done))
+        done = (step - self._start_step) / max(1, self.total_steps - self._start_step)
         eta = elapsed / done * (1 - done) if done > 0 else math.nan
         shown = "  ".join(f"{k} {_fmt(v)}" for k, v in values.items())
+        if not rich:
+            return f"{prefix:>5} step {step:>5}/{self.total_steps}  {shown}  eta {eta:,.0f}s"
+        width = 20
+        filled = round(width * step / self.total_steps)
+        bar = "█" * filled + "·" * (width - filled)
         colour = "cyan" if prefix == "train" else "magenta"
         return (
             f"[{colour}]{prefix:>5}[/] step {step:>5}/{self.total_steps} {bar} "
@@ -103,6 +125,8 @@ class MetricsLogger:
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
         self._plot_loss()
 
     def _plot_loss(self) -> None:
@@ -149,6 +173,33 @@ def _drop_records_after(path: Path, step: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(kept))
     tmp.replace(path)
+
+
+def _read_history(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """The numeric records of ``metrics.jsonl`` as ``{"split/key": [(step, value)]}``."""
+    history: dict[str, list[tuple[int, float]]] = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            row = json.loads(line)
+            step, split = int(row.pop("step")), str(row.pop("split"))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue  # a line cut short by a crash
+        for k, v in row.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                history.setdefault(f"{split}/{k}", []).append((step, float(v)))
+    return history
+
+
+def start_wandb(run_dir: Path, *, project: str, name: str, config: dict[str, Any]) -> Any:
+    """A W&B run writing under ``run_dir/wandb`` (``WANDB_MODE=offline``: no account, no
+    network). ``ImportError`` naming the package when it is not installed."""
+    try:
+        import wandb
+    except ImportError:
+        raise ImportError(
+            "metrics.wandb needs the wandb package: pip install wandb (or drop --metrics.wandb)"
+        ) from None
+    return wandb.init(project=project, name=name, config=config, dir=str(run_dir))
 
 
 def _fmt(v: float) -> str:

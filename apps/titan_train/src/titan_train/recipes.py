@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import titan_models
 from titan_train.config import (
     CheckpointConfig,
     DataConfig,
@@ -88,6 +87,8 @@ def qwen3_vl_moe_debug() -> JobConfig:
 def _full_size(name: str, family: str, flavor: str, parallel: ParallelConfig) -> JobConfig:
     """A published-size model at a production layout. The vocabulary is the flavour's (the
     built-in byte tokenizer's ids fit in it; pass ``--data.tokenizer`` for the real one)."""
+    import titan_models  # torch: only for the recipes that need a flavour's vocabulary
+
     vocab = titan_models.get_model(family, flavor)[1].vocab_size
     return JobConfig(
         name=name,

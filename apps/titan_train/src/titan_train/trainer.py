@@ -16,6 +16,7 @@ device and are read only when logged.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 import titan_models
+from titan_train import run_report
 from titan_train.checkpointing import (
     TrainState,
     checkpoint_state,
@@ -35,12 +37,8 @@ from titan_train.checkpointing import (
     resume,
 )
 from titan_train.components import apply_overrides, parse_overrides
-from titan_train.config import JobConfig, validate
-from titan_train.data.chat import chat_sources
-from titan_train.data.image_files import ImageFilesSource
-from titan_train.data.image_text import ImageProcessor, ImageTextLoader, ShapesSource
-from titan_train.data.packing import IGNORE_INDEX, Batch, PackedLoader
-from titan_train.data.sources import DocumentSource
+from titan_train.config import JobConfig, check_paths, validate
+from titan_train.data.packing import IGNORE_INDEX, Batch
 from titan_train.data.tokenizers import Tokenizer, build_tokenizer
 from titan_train.device import (
     free_memory_bytes,
@@ -48,8 +46,10 @@ from titan_train.device import (
     init_process_group,
     resolve_device,
 )
-from titan_train.errors import ConfigError, NonFiniteError
-from titan_train.evaluation import evaluate
+from titan_train.errors import ConfigError, ExportError, NonFiniteError
+from titan_train.evaluation import validate_run
+from titan_train.loaders import IMAGE_TEXT
+from titan_train.loaders import loaders as _loaders
 from titan_train.losses import autocast, loss_sum
 from titan_train.low_precision import apply_quantize, check_low_precision
 from titan_train.lr_schedule import build_lr_scheduler
@@ -65,7 +65,7 @@ from titan_train.parallelize import (
     check_plan,
     parallelize,
 )
-from titan_train.pipelined import evaluate_pipeline, pipeline_micro_step
+from titan_train.pipelined import pipeline_micro_step
 from titan_train.run_folder import (
     RunLock,
     apply_resumed_changes,
@@ -77,6 +77,7 @@ from titan_train.watchdog import StepWatchdog
 
 __all__ = [
     "ConfigError",
+    "ExportError",
     "NonFiniteError",
     "StepResult",
     "build_model",
@@ -96,7 +97,7 @@ def check_supported(cfg: JobConfig, dims: ParallelDims) -> None:
             "model.overrides output=chunked_cross_entropy needs parallel.pp=1 and parallel.tp=1 "
             "(the head must see whole rows of the vocabulary and the labels)"
         )
-    if (dims.pp > 1 or dims.cp > 1) and cfg.data.source in _IMAGE_TEXT:
+    if (dims.pp > 1 or dims.cp > 1) and cfg.data.source in IMAGE_TEXT:
         raise ValueError(
             f"data.source={cfg.data.source!r} with parallel.pp > 1 or parallel.cp > 1 is not supported "
             "yet: pipeline stages and sequence shards take token ids only, not the images "
@@ -265,86 +266,6 @@ def train_step(
     return StepResult(total / dims.dp_cp, norm, counts, skipped)
 
 
-_IMAGE_TEXT = ("shapes", "image_files")
-
-
-def _image_text_loader(cfg: JobConfig, tokenizer: Tokenizer, source: Any) -> Any:
-    """An ``ImageTextLoader`` over ``source`` for the job's model (its image processor and
-    special tokens)."""
-    _, config = model_config(cfg, tokenizer)
-    d, t = cfg.data, cfg.training
-    processor = ImageProcessor(
-        config.vision, min_pixels=d.image_min_pixels, max_pixels=d.image_max_pixels
-    )
-    return ImageTextLoader(
-        source,
-        tokenizer,
-        processor,
-        seq_len=t.seq_len,
-        batch_size=t.batch_size,
-        image_token_id=config.image_token_id,
-        vision_start_id=config.vision_start_token_id,
-        vision_end_id=config.vision_end_token_id,
-        skip_too_long=d.skip_too_long,
-        skip_bad_images=d.skip_bad_images,
-    )
-
-
-def _image_text_sources(
-    cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_size: int
-) -> tuple[Any, ShapesSource | ImageFilesSource]:
-    _, config = model_config(cfg, tokenizer)
-    vision = getattr(config, "vision", None)
-    d = cfg.data
-    if vision is None:
-        raise ValueError(
-            f"data.source={d.source!r} needs a vision-language model; {cfg.model.family} has no "
-            "vision tower (e.g. --model.family qwen3_vl)"
-        )
-    common = dict(validation_fraction=d.validation_fraction, rank=dp_rank, world_size=dp_size)
-    if d.source == "shapes":
-        unit = vision.patch_size * vision.spatial_merge_size
-        common |= dict(unit=unit, seed=cfg.training.seed)
-        train, val = (ShapesSource(split=s, **common) for s in ("train", "validation"))
-    else:
-        common |= dict(
-            paths=d.paths,
-            image_field=d.image_field,
-            question_field=d.question_field,
-            answer_field=d.answer_field,
-        )
-        train, val = (ImageFilesSource(split=s, **common) for s in ("train", "validation"))
-    return _image_text_loader(cfg, tokenizer, train), val
-
-
-def _loaders(
-    cfg: JobConfig, tokenizer: Tokenizer, *, dp_rank: int = 0, dp_size: int = 1
-) -> tuple[Any, Any]:
-    """This data-parallel rank's training stream (every ``dp_size``-th document) and its
-    validation source."""
-    d, t = cfg.data, cfg.training
-    if d.source in _IMAGE_TEXT:
-        return _image_text_sources(cfg, tokenizer, dp_rank, dp_size)
-    if d.source == "chat":
-        train_src, val_src = chat_sources(cfg, tokenizer, dp_rank=dp_rank, dp_size=dp_size)
-        loader = PackedLoader(train_src, tokenizer, seq_len=t.seq_len, batch_size=t.batch_size)
-        return loader, val_src
-    common = dict(
-        kind=d.source,
-        seed=t.seed,
-        validation_fraction=d.validation_fraction,
-        paths=d.paths,
-        text_field=d.text_field,
-        slip_rate=d.arithmetic_slip_rate,
-        reverse_answer=d.arithmetic_reverse_answer,
-        rank=dp_rank,
-        world_size=dp_size,
-    )
-    train_src = DocumentSource(split="train", **common)
-    val_src = DocumentSource(split="validation", **common)
-    return PackedLoader(train_src, tokenizer, seq_len=t.seq_len, batch_size=t.batch_size), val_src
-
-
 def _check_memory(pm: ParallelModel, cfg: JobConfig, device: torch.device) -> None:
     """Fail before allocating when this rank's parameters, gradients and optimizer state
     cannot fit on its device (activations come on top)."""
@@ -371,6 +292,15 @@ def prepare(
     (default: the fake world size, or torchrun's ``WORLD_SIZE``)."""
     try:
         validate(cfg)
+        check_paths(cfg)
+        if cfg.metrics.wandb:
+            try:
+                import wandb  # noqa: F401
+            except ImportError:
+                raise ValueError(
+                    "metrics.wandb needs the wandb package: pip install wandb (or drop "
+                    "--metrics.wandb)"
+                ) from None
         fake = cfg.comm.fake_world_size
         world = world_size or fake or int(os.environ.get("WORLD_SIZE", "1"))
         dims = ParallelDims.resolve(cfg, world)
@@ -458,6 +388,11 @@ def _train(
     stop_after: int | None,
 ) -> dict[str, Any]:
     plan = plan_run_folder(cfg, check_lock=False)  # on every rank, before any rank writes
+    rank = int(os.environ.get("RANK", "0"))
+    if _finished(cfg, plan):  # a rerun of a complete run: nothing to do, nothing touched
+        if rank == 0:
+            print(run_report.finished(plan.run_dir, plan.resume_step), flush=True)
+        return {"losses": [], "run_dir": plan.run_dir, "model": None, "step": plan.resume_step}
     device = resolve_device(cfg.training.device)
     if cfg.training.deterministic:
         if device.type == "cuda":  # cuBLAS needs a fixed workspace to be deterministic
@@ -477,8 +412,7 @@ def _train(
     state = TrainState(device)
 
     run_dir = plan.run_dir
-    if plan.archive and rank == 0:
-        archive_outputs(run_dir)
+    archived = archive_outputs(run_dir) if plan.archive and rank == 0 else None
     if dims.world_size > 1:
         dist.barrier()
     stateful = checkpoint_state(pm, optimizer, scheduler, loader, state)
@@ -487,15 +421,34 @@ def _train(
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_config(run_dir, cfg, plan)
+        with torch.device("meta"):
+            num_params = sum(p.numel() for p in model_cls(config).parameters())
+        layout = {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}
+        print(
+            run_report.header(
+                cfg,
+                run_dir=run_dir,
+                num_params=num_params,
+                layout=layout,
+                device=device.type,
+                resume_step=plan.resume_step,
+                archived=archived,
+            ),
+            flush=True,
+        )
     if dims.world_size > 1:
         dist.barrier()
 
+    m = cfg.metrics
     logger = MetricsLogger(
         run_dir,
         total_steps=cfg.training.steps,
-        tensorboard=cfg.metrics.tensorboard,
+        tensorboard=m.tensorboard,
         enabled=rank == 0,
         resumed_step=state.step,
+        wandb=dict(project=m.wandb_project, name=cfg.name, config=dataclasses.asdict(cfg))
+        if m.wandb
+        else None,
     )
     bf16 = cfg.training.mixed_precision == "bf16"
     peak = cfg.metrics.peak_flops or measure_matmul_flops(
@@ -507,43 +460,58 @@ def _train(
     losses: list[float] = []
     last_log = time.perf_counter()
     steps_since_log = 0
+    saved = plan.resume_step or 0
     end = cfg.training.steps if stop_after is None else min(stop_after, cfg.training.steps)
     watchdog = StepWatchdog(_watchdog_limit(cfg), rank=rank) if dims.world_size > 1 else None
+    stop = run_report.StopRequest()
     try:
-        while state.step < end:
-            batch = next(loader).to(device)
-            result = train_step(pm, optimizer, batch, cfg, skip_nonfinite=guard.per_step)
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            state.step += 1
-            steps_since_log += 1
-            guard.add(state.step, result)
-            if state.step % cfg.metrics.log_every == 0 or state.step == end:
-                losses += guard.read()  # the one host read per log interval
-                elapsed = time.perf_counter() - last_log
-                tps = steps_since_log * tokens_per_step / elapsed
-                logger.log(
-                    state.step,
-                    {
-                        "loss": losses[-1],
-                        "grad_norm": float(result.grad_norm),
-                        "lr": lr,
-                        "tokens_per_s": tps,
-                        "mfu": tps * flops_per_token / (peak * dims.world_size),
-                        **moe_load(result.expert_counts),
-                        **memory_bytes(device),
-                    },
-                )
-                last_log, steps_since_log = time.perf_counter(), 0
-            every = cfg.metrics.validate_every
-            if every and (state.step % every == 0 or state.step == cfg.training.steps):
-                val = _validate(pm, cfg, tokenizer, val_src, device)
-                logger.log(state.step, val, prefix="validation")
-            if ckpt is not None and state.step % cfg.checkpoint.interval == 0:
-                losses += guard.read()  # never save weights a non-finite step touched
-                ckpt.save(state.step, stateful)
-            if watchdog is not None:
-                watchdog.beat(state.step)
+        with stop:
+            try:
+                while state.step < end and not stop.requested:
+                    batch = next(loader).to(device)
+                    result = train_step(pm, optimizer, batch, cfg, skip_nonfinite=guard.per_step)
+                    lr = scheduler.get_last_lr()[0]
+                    scheduler.step()
+                    state.step += 1
+                    steps_since_log += 1
+                    guard.add(state.step, result)
+                    if state.step % cfg.metrics.log_every == 0 or state.step == end:
+                        losses += guard.read()  # the one host read per log interval
+                        elapsed = time.perf_counter() - last_log
+                        tps = steps_since_log * tokens_per_step / elapsed
+                        logger.log(
+                            state.step,
+                            {
+                                "loss": losses[-1],
+                                "grad_norm": float(result.grad_norm),
+                                "lr": lr,
+                                "tokens_per_s": tps,
+                                "mfu": tps * flops_per_token / (peak * dims.world_size),
+                                **moe_load(result.expert_counts),
+                                **memory_bytes(device),
+                            },
+                        )
+                        last_log, steps_since_log = time.perf_counter(), 0
+                    every = cfg.metrics.validate_every
+                    if every and (state.step % every == 0 or state.step == cfg.training.steps):
+                        val = validate_run(pm, cfg, tokenizer, val_src, device)
+                        logger.log(state.step, val, prefix="validation")
+                    last = state.step == cfg.training.steps
+                    if ckpt is not None and (state.step % cfg.checkpoint.interval == 0 or last):
+                        losses += guard.read()  # never save weights a non-finite step touched
+                        ckpt.save(state.step, stateful)
+                        saved = state.step
+                    if watchdog is not None:
+                        watchdog.beat(state.step)
+            except Exception:
+                if stop.requested and dims.world_size > 1:  # a peer stopped first
+                    raise _interrupted(state.step, ckpt, cfg) from None
+                raise
+            if stop.requested and state.step < end:
+                if dims.world_size == 1 and ckpt is not None and saved < state.step:
+                    losses += guard.read()
+                    ckpt.save(state.step, stateful)  # ranks may have stopped at other steps
+                raise _interrupted(state.step, ckpt, cfg)
         if watchdog is not None:
             watchdog.pause()  # the last save and the export may take longer than a step
         if ckpt is not None:
@@ -554,42 +522,54 @@ def _train(
         if ckpt is not None:
             ckpt.close()
         logger.close()
+    summary = {"losses": losses, "run_dir": run_dir, "model": pm.parts[0], "step": state.step}
     if cfg.checkpoint.export_hf and state.step == cfg.training.steps:
+        _export(pm, config, cfg, stateful, saved)
+    if rank == 0 and state.step == cfg.training.steps:
+        val = logger.history("validation/loss")
+        print(run_report.closing(summary, run_dir=run_dir, validation=val[-1][1] if val else None))
+    return summary
+
+
+def _finished(cfg: JobConfig, plan: Any) -> bool:
+    """The run folder's latest checkpoint is the last step, and its export (if asked) exists."""
+    if plan.resume_step is None or plan.resume_step < cfg.training.steps:
+        return False
+    return not cfg.checkpoint.export_hf or (plan.run_dir / "hf" / "config.json").exists()
+
+
+def _interrupted(step: int, ckpt: Any, cfg: JobConfig) -> run_report.Interrupted:
+    """The Ctrl-C outcome, naming the newest complete checkpoint once this rank's writes end."""
+    latest = None
+    if ckpt is not None:
+        with contextlib.suppress(Exception):  # a peer gone mid-save: its checkpoint is not listed
+            ckpt.wait()
+        latest = ckpt.latest_step()
+    return run_report.Interrupted(step, latest, cfg.checkpoint.interval > 0)
+
+
+def _export(pm: ParallelModel, config: Any, cfg: JobConfig, stateful: Any, saved: int) -> None:
+    """The HF export, after the last checkpoint is complete. If it fails the error names that
+    checkpoint (with checkpoints off, one is written now): nothing trained is lost."""
+    run_dir = Path(cfg.output_dir) / cfg.name
+    try:
         export_hf(pm, config, run_dir / "hf")
-    return {"losses": losses, "run_dir": run_dir, "model": pm.parts[0], "step": state.step}
+    except Exception as e:
+        step, root = cfg.training.steps, run_dir / "checkpoints"
+        rerun = "rerun the same command"
+        if saved != step:  # checkpoint.interval=0
+            from torch_checkpointing import CheckpointManager
+
+            with CheckpointManager(root, async_mode="off") as ckpt:
+                ckpt.save(step, stateful)
+            rerun += f" with --checkpoint.interval {step} --allow-config-change"
+        raise ExportError(
+            f"HF export to {run_dir / 'hf'} failed ({type(e).__name__}: {e}); the trained weights "
+            f"are safe in the step-{step} checkpoint in {root}: fix the cause and {rerun} to "
+            "export them"
+        ) from e
 
 
 def _watchdog_limit(cfg: JobConfig) -> float:
     """The step watchdog fires only after the process group's own timeout would have."""
     return cfg.comm.timeout_s + max(60.0, 0.25 * cfg.comm.timeout_s)
-
-
-def _validate(
-    pm: ParallelModel,
-    cfg: JobConfig,
-    tokenizer: Tokenizer,
-    val_src: DocumentSource,
-    device: torch.device,
-) -> dict[str, float]:
-    """Mean validation loss over every data-parallel rank's batches (under pipelining: the
-    schedule's forward actions only), and the answer accuracy of image-text data."""
-    t = cfg.training
-    if isinstance(val_src, (ShapesSource, ImageFilesSource)):
-        val_loader = _image_text_loader(cfg, tokenizer, val_src)
-    else:
-        val_loader = PackedLoader(val_src, tokenizer, seq_len=t.seq_len, batch_size=t.batch_size)
-    right = answers = 0
-    if pm.schedule is None:
-        n = cfg.metrics.validation_batches
-        total, tokens, right, answers = evaluate(pm.parts[0], val_loader, n, device, pm.shard_batch)
-    else:
-        total, tokens = evaluate_pipeline(pm, val_loader, cfg, device)
-    if pm.dims.world_size > 1:
-        sums = [total, float(tokens), float(right), float(answers)]
-        both = torch.tensor(sums, dtype=torch.float64, device=device)
-        dist.all_reduce(both, group=pm.group("dp_cp"))
-        total, tokens, right, answers = float(both[0]), int(both[1]), int(both[2]), int(both[3])
-    out = {"loss": total / max(1, tokens)}
-    if answers:
-        out["answer_accuracy"] = right / answers
-    return out

@@ -14,6 +14,7 @@ folder that is renamed into place only when complete.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -122,7 +123,7 @@ def load_hf_state(state: Mapping[str, Any], path: str | os.PathLike) -> None:
     one tensor is read), so a rank's memory holds its pieces and one slice in flight, never
     the full model. Keys and shapes are validated first against the model the checkpoint's
     ``config.json`` describes; dtypes convert on copy. Entries the checkpoint does not hold
-    (a router's selection bias) are left as they are.
+    (a router's selection bias, non-persistent buffers) are left as they are.
     """
     _, hf_config, adapter, files = _open_checkpoint(path)
     family = family_for_hf(hf_config.get("model_type"))
@@ -131,8 +132,10 @@ def load_hf_state(state: Mapping[str, Any], path: str | os.PathLike) -> None:
     _validate(model, adapter, files, hf_config, torch.float32, convert=True)
     whole = dict(named_state(model))
     aliases = set(model.state_dict()) - set(whole)  # a tied head: filled with the embedding
+    # Buffers no checkpoint holds (a router's token counts): left as they are.
+    unsaved = {name for name, _ in model.named_buffers()} - set(model.state_dict())
     for key, value in state.items():
-        if key in aliases:
+        if key in aliases or key in unsaved:
             continue
         if key not in whole:
             raise ValueError(f"load_hf_state: {key!r} is not a tensor of {type(model).__name__}")
@@ -269,7 +272,8 @@ def hf_export(
         )
     tensors: dict[str, Any] = {}
     transforms: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
-    fused: dict[str, list[HFTensor]] = defaultdict(list)
+    fused = _fused_tensors(whole, adapter, hf_config)
+    stacked: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = defaultdict(list)
     param_dtype = None
     for fqn, ours in whole.items():
         if fqn not in state:
@@ -285,12 +289,15 @@ def hf_export(
             param_dtype = param_dtype or own
         target = own if dtype is None or fqn in buffers else dtype
         for ht in adapter.hf_tensors(fqn, ours, hf_config):
-            if ht.shape is not None:  # a part of a fused HF tensor (gpt-oss's gate_up_proj)
-                fused[ht.key] += _fused_parts(fqn, state[fqn], ht.key, adapter, hf_config)
-                tensors[ht.key] = target
+            if ht.shape is not None:  # part i of a fused HF tensor: slice i of the stack
+                i = [f for f, _ in fused[ht.key]].index(fqn)
+                stacked[ht.key] += [((i, *o), c.unsqueeze(0)) for o, c in chunks]
+                n = len(fused[ht.key])
+                tensors[ht.key] = _Pieces((n, *ours.shape), target, stacked[ht.key])
+                transforms[ht.key] = functools.partial(_assemble_fused, parts=fused[ht.key])
                 continue
             lead = _leading_index(ht.ours, ours)
-            if lead is None or ht.shape is not None:
+            if lead is None:
                 raise ValueError(f"{ht.key}: not a whole-trailing-dims view of {fqn!r}")
             k = len(lead)
             pieces = [
@@ -301,29 +308,43 @@ def hf_export(
             tensors[ht.key] = _Pieces(tuple(ht.ours.shape), target, pieces)
             if ht.to_hf is not None:
                 transforms[ht.key] = ht.to_hf
-    for key, parts in fused.items():
-        full = parts[0].ours.new_empty(parts[0].shape)
-        for part in parts:
-            part.put(full, part.ours.detach())
-        tensors[key] = _Pieces(tuple(full.shape), tensors[key], [((0,) * full.dim(), full)])
     hf_config["torch_dtype"] = str(dtype or param_dtype or torch.float32).removeprefix("torch.")
     return HFExport(tensors=tensors, transforms=transforms, config=hf_config)
 
 
-def _fused_parts(
-    fqn: str, value: Any, key: str, adapter: HFAdapter, hf_config: dict
-) -> list[HFTensor]:
-    """The parts ``fqn`` writes into the fused HF tensor ``key``, from its whole value (a
-    fused tensor is assembled in one process: sharded pieces are refused)."""
-    if not isinstance(value, torch.Tensor) or value.device.type == "meta":
-        raise ValueError(
-            f"hf_export: {key} fuses several of our tensors; pass {fqn!r} whole (gather its "
-            "shards first)"
-        )
-    parts = [ht for ht in adapter.hf_tensors(fqn, value, hf_config) if ht.key == key]
-    if any(ht.put is None for ht in parts):
-        raise ValueError(f"{key} is a fused HF tensor this adapter cannot write")
-    return parts
+def _fused_tensors(
+    whole: Mapping[str, torch.Tensor], adapter: HFAdapter, hf_config: dict
+) -> dict[str, list[tuple[str, HFTensor]]]:
+    """Every fused HF tensor (one that holds several of our tensors, as gpt-oss's
+    ``gate_up_proj`` holds ``w_gate`` and ``w_up``) and its parts, in the model's FQN order.
+
+    A fused tensor is exported in a stacked layout: part i is slice i of an ``(n, *part)``
+    tensor, so each rank's pieces of a part are plain boxes of it, whatever the sharding
+    (experts split over ranks, rows over flexshard shards); the transform assembles the HF
+    tensor from the whole stack (``_assemble_fused``), on the one rank that rewrites it.
+    """
+    fused: dict[str, list[tuple[str, HFTensor]]] = defaultdict(list)
+    for fqn, ours in whole.items():
+        for ht in adapter.hf_tensors(fqn, ours, hf_config):
+            if ht.shape is not None:
+                fused[ht.key].append((fqn, ht))
+    for key, parts in fused.items():
+        shapes = {tuple(ht.ours.shape) for _, ht in parts}
+        if any(ht.put is None for _, ht in parts) or len(shapes) != 1:
+            raise ValueError(
+                f"hf_export: {key} is a fused HF tensor this adapter cannot write (every part "
+                f"needs a put and one shape; got {sorted(shapes)})"
+            )
+        assert all(ht.ours.shape == whole[f].shape for f, ht in parts), key  # whole parts
+    return dict(fused)
+
+
+def _assemble_fused(stacked: torch.Tensor, *, parts: list[tuple[str, HFTensor]]) -> torch.Tensor:
+    """The fused HF tensor from its parts stacked along dim 0 (see ``_fused_tensors``)."""
+    full = stacked.new_empty(parts[0][1].shape)
+    for i, (_, ht) in enumerate(parts):
+        ht.put(full, stacked[i])
+    return full
 
 
 def to_hf(
@@ -400,7 +421,14 @@ def to_hf(
 def _standalone(export: HFExport, key: str) -> torch.Tensor:
     """One HF tensor whole, in HF's layout, as a CPU tensor owning exactly its own bytes
     (safetensors refuses shared storage)."""
-    [(_, tensor)] = export.tensors[key].local_chunks()  # one process holds it whole
+    pieces = export.tensors[key]
+    chunks = pieces.local_chunks()  # one process holds all of it
+    if len(chunks) == 1 and tuple(chunks[0][1].shape) == tuple(pieces.global_shape):
+        tensor = chunks[0][1]
+    else:  # the parts of a fused tensor, stacked
+        tensor = torch.empty(pieces.global_shape, dtype=pieces.dtype, device=chunks[0][1].device)
+        for offset, chunk in chunks:
+            tensor[tuple(slice(o, o + n) for o, n in zip(offset, chunk.shape, strict=True))] = chunk
     transform = export.transforms.get(key)
     tensor = (transform(tensor) if transform is not None else tensor).to("cpu").contiguous()
     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
