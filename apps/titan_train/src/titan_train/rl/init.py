@@ -35,18 +35,33 @@ def starting_job(job: RLJob) -> JobConfig:
     return run
 
 
+_ANNOUNCED = (
+    ("training", "steps"),
+    ("training", "batch_size"),
+    ("data", "source"),
+    ("data", "chat_environment"),
+    ("data", "arithmetic_slip_rate"),
+    ("data", "arithmetic_reverse_answer"),
+)
+
+
 def starting_command(run: JobConfig, recipe: str) -> str:
-    """The ``titan-train`` command that makes ``run`` from ``recipe`` (the announcement)."""
-    d = run.data
-    parts = [f"titan-train --recipe {recipe}", f"--name {run.name}"]
-    parts += [f"--output-dir {run.output_dir}", f"--training.steps {run.training.steps}"]
-    parts.append(f"--data.source {d.source}")
-    if d.source == "chat":
-        parts.append(f"--data.chat-environment {d.chat_environment}")
-    if d.arithmetic_slip_rate:
-        parts.append(f"--data.arithmetic-slip-rate {d.arithmetic_slip_rate:g}")
-    if d.arithmetic_reverse_answer:
-        parts.append("--data.arithmetic-reverse-answer")
+    """The ``titan-train`` command that makes ``run`` from ``recipe`` (the announcement): the
+    fields the task changed, as flags."""
+    from titan_train.recipes import get_recipe
+
+    base = get_recipe(recipe)
+    parts = [
+        f"titan-train --recipe {recipe}",
+        f"--name {run.name}",
+        f"--output-dir {run.output_dir}",
+    ]
+    for section, name in _ANNOUNCED:
+        value = getattr(getattr(run, section), name)
+        if value == getattr(getattr(base, section), name):
+            continue
+        flag = f"--{section}.{name.replace('_', '-')}"
+        parts.append(flag if value is True else f"{flag} {value}")
     return " ".join([*parts, "--checkpoint.export-hf"])
 
 

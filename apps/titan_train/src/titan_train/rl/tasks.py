@@ -198,6 +198,7 @@ class _Environment:
     def corpus(self, job: JobConfig) -> str:
         job.data.source = "chat"
         job.data.chat_environment = self.name
+        job.training.batch_size = 16  # short conversations: more of them per step
         return f"_{self.name}"
 
     def build(self, job: Any, tokenizer: ByteTokenizer, model: Any) -> BuiltTask:
