@@ -63,7 +63,8 @@ step "pytest -m gpu" 240 uv run pytest -m gpu -q -rs -p no:cacheprovider \
 
 run=$(mktemp -d)
 common=(--training.device cuda --training.mixed-precision bf16 --metrics.peak-flops "$peak"
-        --metrics.no-tensorboard --metrics.validate-every 0 --output-dir "$run")
+        --metrics.no-tensorboard --metrics.validate-every 0 --checkpoint.interval 0
+        --output-dir "$run")
 step "llama3_debug on one GPU" 90 uv run titan-train --recipe llama3_debug \
   "${common[@]}" --training.steps 50 --metrics.log-every 10
 step "Llama 1B, 50 steps, local compile" 240 uv run titan-train --recipe llama3_debug \

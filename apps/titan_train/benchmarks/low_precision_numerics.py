@@ -40,6 +40,7 @@ def _run(
         sys.executable, "-m", "titan_train", "--recipe", recipe, "--name", f"{mode}-{seed}",
         "--training.steps", str(steps), "--training.seed", str(seed), "--metrics.log-every", "1",
         "--metrics.validate-every", "0", "--metrics.no-tensorboard", "--output-dir", out,
+        "--checkpoint.interval", "0",
         "--quantize.linear", mode, "--quantize.kernels", kernels,
         *(["--quantize.experts", mode] if moe else []), *extra,
     ]  # fmt: skip
