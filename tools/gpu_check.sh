@@ -88,6 +88,15 @@ fi
 # TorchGenerator replica on CUDA, weight slots copied from and to device memory).
 step "titan_rl: DistributedGRPO on CUDA" 120 uv run pytest -q -rs -p no:cacheprovider \
   "libs/titan_rl/tests/test_actors.py::test_distributed_grpo_on_cuda"
+# titan_rl's vLLM generator on the GPU (issue 33): greedy ids and multi-turn tool episodes equal
+# TorchGenerator's. GPU vLLM pins its own torch, so it lives in an environment built elsewhere
+# (this machine may have no network): point TITAN_RL_VLLM_GPU_PYTHON at its python.
+if [ -n "${TITAN_RL_VLLM_GPU_PYTHON:-}" ]; then
+  step "titan_rl: vLLM (GPU) = TorchGenerator, incl. multi-turn" 180 \
+    "$TITAN_RL_VLLM_GPU_PYTHON" libs/titan_rl/vllm_generator/check_greedy.py
+else
+  log "skip: titan_rl vLLM on GPU (set TITAN_RL_VLLM_GPU_PYTHON to a GPU vLLM env's python)"
+fi
 # FP8 / MXFP8 (issue 27): the real kernels against fp32 on the debug recipe, and a 1B step rate.
 cap=$(uv run python -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())')
 modes="fp8_rowwise"; [ "$cap" -ge 100 ] && modes="fp8_rowwise mxfp8"

@@ -45,6 +45,37 @@ def _compare(case: str, model: torch.nn.Module, engine: VLLMGenerator) -> dict:
     }
 
 
+def _episodes(model: torch.nn.Module, engine: VLLMGenerator) -> dict:
+    """Multi-turn: greedy tool-use episodes (titan_rl.envs' calculator, run in the sandbox)
+    played through vLLM and through TorchGenerator give the same ids, turn after turn."""
+    from titan_rl import RolloutConfig, Rollouter, SimpleChatRenderer
+    from titan_rl.envs import ArithmeticToolEnv
+
+    class Bytes:
+        bos_id, eos_id, pad_id = 256, 257, 258
+
+        @staticmethod
+        def encode(text: str) -> list[int]:
+            return list(text.encode())
+
+        @staticmethod
+        def decode(ids: list[int]) -> str:
+            return bytes(i for i in ids if i < 256).decode(errors="replace")
+
+    rollouter = Rollouter(
+        env_factory=lambda _: ArithmeticToolEnv(),
+        renderer=SimpleChatRenderer(Bytes()),
+        config=RolloutConfig(sampling=PARAMS, max_turns=3),
+    )
+    ours = rollouter.rollout_items(TorchGenerator(model), range(4), seed=0)
+    theirs = rollouter.rollout_items(engine, range(4), seed=0)
+    return {
+        "case": "multi-turn tool episodes",
+        "same": [e.tokens for e in ours] == [e.tokens for e in theirs],
+        "turns": [len(e.weight_versions) for e in theirs],
+    }
+
+
 def main() -> None:
     for family in ("llama3", "qwen3"):
         first, second = _model(family, seed=0), _model(family, seed=1)
@@ -62,6 +93,8 @@ def main() -> None:
             print(
                 json.dumps(_compare(f"{family} after update_weights", second, engine)), flush=True
             )
+            if family == "llama3":
+                print(json.dumps(_episodes(second, engine)), flush=True)
             engine.close()
 
 
