@@ -216,3 +216,38 @@ def test_rollout_items_plays_many_problems_at_once_like_groups_of_one(tokenizer,
         assert episode.messages[1].content == f"from {['a', 'bb', 'ccc'][i]}"
     with pytest.raises(ValueError, match="at least one index"):
         rollouter.rollout_items(gen, [], seed=0)
+
+
+def test_packed_training_equals_padded_training_bitwise(tokenizer, tiny_model):
+    # GRPOConfig.pack_sequences: the learner's log-probs over packed rows (no padding) are the
+    # padded path's bits in batch-invariant mode (the generator-vs-trainer gap stays exactly
+    # 0); the backward sums the weight gradients over other row layouts, so the updates agree
+    # to rounding (1e-6), not bit for bit.
+    import copy
+
+    gen = TorchGenerator(tiny_model, batch_invariant=True)
+    rollouter = make_rollouter(tokenizer)
+    groups = [rollouter.rollout_group(gen, i, 2, seed=1) for i in range(2)]
+    batch = RolloutBatch.from_episodes(groups, step=0)
+    task = ExactMatchTask(tokenizer, lambda i: ("unused", "0"))
+    results = []
+    for pack in (False, True):
+        model = copy.deepcopy(tiny_model)
+        cfg = GRPOConfig(
+            num_prompts=2,
+            group_size=2,
+            sampling=SamplingParams(max_new_tokens=4),
+            batch_invariant=True,
+            pack_sequences=pack,
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        trainer = GRPOTrainer(model, optimizer, task, cfg, generator=TorchGenerator(model))
+        metrics = trainer.step(batch)
+        assert metrics["max_abs_logprob_diff"] == 0.0
+        results.append([p.detach().clone() for p in model.parameters()])
+    moved = max(
+        (a - b).abs().max() for a, b in zip(results[0], tiny_model.parameters(), strict=True)
+    )
+    assert moved > 1e-4
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)

@@ -25,6 +25,7 @@ from .batch_invariant import batch_invariant
 from .diagnostics import logprob_diagnostics, reward_diagnostics
 from .logprobs import sequence_logprobs
 from .losses import group_advantages, grpo_loss
+from .packing import packed_sequence_logprobs
 from .rollout import RolloutBatch
 
 
@@ -268,14 +269,24 @@ class GRPOLearner:
     def _logprobs(self, model, batch: RolloutBatch, rows: slice, *, grad: bool) -> torch.Tensor:
         mode = batch_invariant() if self.config.batch_invariant else nullcontext()
         gen = batch.generation
+        images = batch.model_images(rows)
         with mode, torch.set_grad_enabled(grad):
+            if self.config.pack_sequences and images is None:
+                return packed_sequence_logprobs(
+                    model,
+                    batch.prompts[rows],
+                    gen.tokens[rows],
+                    gen.mask[rows],
+                    temperature=self.config.sampling.temperature,
+                    max_row_tokens=self.config.max_row_tokens,
+                )
             lp = sequence_logprobs(
                 model,
                 batch.prompts[rows],
                 gen.tokens[rows],
                 gen.mask[rows],
                 temperature=self.config.sampling.temperature,
-                images=batch.model_images(rows),
+                images=images,
             )
         return lp
 

@@ -55,6 +55,12 @@ class GRPOConfig:
     """Clip the global gradient norm to this (0 disables clipping)."""
     seed: int = 0
     """Seeds every rollout's sampling."""
+    pack_sequences: bool = False
+    """The trainer's log-probs over packed rows (``packed_sequence_logprobs``: sequences laid
+    end to end with document ids, no padding; titan_models models) instead of right-padded
+    rows: the same values (bitwise in batch-invariant mode), less compute on ragged batches."""
+    max_row_tokens: int | None = None
+    """Packed rows hold at most this many tokens (``None``: the longest sequence's length)."""
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
@@ -71,6 +77,8 @@ class GRPOConfig:
             raise ValueError("GRPOConfig.sampling.temperature=0 (greedy) gives no exploration")
         if self.num_minibatches < 1:
             raise ValueError(f"GRPOConfig.num_minibatches={self.num_minibatches} must be >= 1")
+        if self.max_row_tokens is not None and self.max_row_tokens < 2:
+            raise ValueError(f"GRPOConfig.max_row_tokens={self.max_row_tokens} must be >= 2")
         if self.max_grad_norm < 0:
             raise ValueError(f"GRPOConfig.max_grad_norm={self.max_grad_norm} must be >= 0")
 

@@ -56,6 +56,9 @@ class LoopConfig:
     """Most model turns of an episode (environment tasks)."""
     batch_invariant: bool = False
     """Generator and trainer log-probs bitwise equal (titan_rl.batch_invariant)."""
+    pack_sequences: bool = True
+    """The trainer's log-probs over packed rows (episodes end to end, document ids, no
+    padding); rows with images stay padded."""
     time_budget_s: float = 0.0
     """Stop the updates after this many seconds (0: no limit); the final evaluation runs."""
     seed: int = 1

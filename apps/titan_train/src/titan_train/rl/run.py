@@ -56,6 +56,7 @@ def grpo_config(job: RLJob, task: BuiltTask) -> titan_rl.GRPOConfig:
         batch_invariant=r.batch_invariant,
         num_minibatches=r.num_minibatches,
         seed=r.seed,
+        pack_sequences=r.pack_sequences,
     )
 
 
