@@ -5,9 +5,10 @@ NAME``, the starting run of its RL recipe) and its episodes in ``titan-train rl`
 A demonstration is the environment's scripted oracle solving problem ``i``; the corpus is
 an endless, deterministic stream of them (problem ``i`` of corpus seed ``s`` is the
 environment's problem ``s * 10**7 + i``, so RL prompts — other seeds — are problems the
-starting run never saw). ``tool_calc``'s corpus answers in the head on 70 % of the problems
-(usually wrongly: 2- and 3-digit products) and calls the calculator on 30 %: RL then has a
-skill to learn from the reward — to use the tool.
+starting run never saw). ``tool_calc``'s demonstrations answer in the head on 70 % of the
+problems (usually wrongly: products of 2-digit numbers) and call the calculator on 30 %, and
+a third of its corpus is copy drills: RL then has a skill to learn from the reward — to use
+the tool.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ def _sorting() -> Any:
 
 
 def _tool_calc() -> Any:
-    from titan_rl.envs import ArithmeticToolEnv
+    from titan_rl.envs import ArithmeticConfig, ArithmeticToolEnv
 
-    return ArithmeticToolEnv()
+    # Products of 2-digit numbers: 3-4 digit answers, more than a tiny model does in its head.
+    return ArithmeticToolEnv(ArithmeticConfig(max_operand=99, operations=("*",)))
 
 
 def _search() -> Any:
@@ -66,11 +68,22 @@ def _code() -> Any:
 
 
 TOOL_SHARE = 0.3
-"""Share of ``tool_calc``'s corpus that calls the calculator (the rest answers in the head)."""
+"""Share of ``tool_calc``'s demonstrations that call the calculator (the rest answer in the
+head)."""
+DRILL_SHARE = 1 / 3
+"""Share of ``tool_calc``'s corpus that is copy drills: a from-scratch tiny model has no
+copying skill (which a tool call needs: the numbers go from the question into the call, the
+result from the tool into the answer), and learns it from demonstrations alone only slowly."""
 
 
 def _tool_demo(env: Any, problem: int) -> list[Any]:
-    use_tool = random.Random(problem).random() < TOOL_SHARE
+    from titan_rl import Message
+
+    draw = random.Random(problem).random()
+    if draw < DRILL_SHARE:  # "repeat: <a problem>" -> the problem, verbatim
+        question = env.reset(problem)[0].content
+        return [Message("user", f"repeat: {question}"), Message("assistant", question)]
+    use_tool = (draw - DRILL_SHARE) / (1 - DRILL_SHARE) < TOOL_SHARE
     return env.demonstration(problem, use_tool=use_tool)
 
 

@@ -40,6 +40,7 @@ _ANNOUNCED = (
     ("training", "batch_size"),
     ("data", "source"),
     ("data", "chat_environment"),
+    ("data", "chat_train_on"),
     ("data", "arithmetic_slip_rate"),
     ("data", "arithmetic_reverse_answer"),
 )

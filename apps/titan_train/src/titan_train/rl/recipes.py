@@ -84,7 +84,7 @@ def _environment_job(name: str, task: str, *, max_new_tokens: int, max_turns: in
             steps=200,
             num_prompts=8,
             group_size=8,
-            lr=3e-5,
+            lr=1e-4,
             temperature=1.0,
             max_new_tokens=max_new_tokens,
             max_turns=max_turns,

@@ -98,11 +98,11 @@ def run_rl(job: RLJob, *, announce=print) -> dict[str, Any]:
         raise ValueError(
             f"name={job.name!r}: {run_dir} already holds a finished RL run; choose another name"
         )
+    tokenizer = ByteTokenizer()
+    model, init_dir = starting_model(job, announce=announce)  # on torch's default threads
     threads = r.threads or (1 if _distributed(job) else 0)
     if threads:
         torch.set_num_threads(threads)
-    tokenizer = ByteTokenizer()
-    model, init_dir = starting_model(job, announce=announce)
     task = TASKS[job.task].build(job, tokenizer, model)
     run_dir.mkdir(parents=True, exist_ok=True)
     resume_step = _resume_step(run_dir)

@@ -198,6 +198,7 @@ class _Environment:
     def corpus(self, job: JobConfig) -> str:
         job.data.source = "chat"
         job.data.chat_environment = self.name
+        job.data.chat_train_on = "all"  # a from-scratch model learns the problems' text too
         job.training.batch_size = 16  # short conversations: more of them per step
         return f"_{self.name}"
 
@@ -255,7 +256,7 @@ TASKS: dict[str, TaskSpec] = {
         _shapes_build,
     ),
 }
-for _name, _steps in (("sorting", 1500), ("tool_calc", 1500), ("search", 1500), ("code", 1500)):
+for _name, _steps in (("sorting", 1500), ("tool_calc", 2400), ("search", 1500), ("code", 1500)):
     _env = _Environment(_name)
     TASKS[_name] = TaskSpec(
         f"multi-turn environment {_name} (titan_train.environments)",
