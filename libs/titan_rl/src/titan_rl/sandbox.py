@@ -3,7 +3,7 @@
 ``run_sandboxed`` starts ``_sandbox_supervisor.py`` (a separate ``python -I -S`` process) and
 reads its one report from a pipe the program never holds. The run's status comes from that
 report (the program's wait status, the timeout) and from the run's cgroup (OOM kills), never
-from the program's output. The README's "Sandbox threat model" says what is and is not isolated.
+from the program's output. docs/titan_rl_sandbox.md says what is and is not isolated.
 """
 
 from __future__ import annotations
