@@ -23,12 +23,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from titan_train.data.sources import _check_files, _is_validation
+from titan_train.data.sources import INDEX, check_files, in_validation, stream_records
 
 Document = tuple[list[int], list[bool]]
 """A rendered sample: token ids and, per token, whether it carries a loss."""
-
-_INDEX = "__titan_index"
 
 
 class ChatSource:
@@ -71,7 +69,7 @@ class ChatSource:
         self.overlong_count = 0
         """Samples over ``max_tokens`` met so far (truncated or dropped)."""
         if paths:
-            self._format = _check_files(paths)
+            self._format = check_files(paths)
             first = next(self._records(0), None)
             if first is None:
                 raise ValueError(f"data.paths={list(paths)}: the files hold no records")
@@ -82,7 +80,7 @@ class ChatSource:
         in_split = (
             (i, messages)
             for i, messages in self._all(epoch)
-            if _is_validation(i, self.validation_fraction) == (self.split == "validation")
+            if in_validation(i, self.validation_fraction) == (self.split == "validation")
         )
         mine = itertools.islice(in_split, self.rank, None, self.world_size)
         for i, messages in itertools.islice(mine, start, None):
@@ -108,25 +106,17 @@ class ChatSource:
     def _all(self, epoch: int) -> Iterator[tuple[int, Sequence[Any]]]:
         if self.conversations is not None:  # endless and deterministic: epochs never end
             return ((i, self.conversations(i)) for i in itertools.count())
-        return ((rec.pop(_INDEX), self._messages(rec)) for rec in self._records(epoch))
+        return ((rec.pop(INDEX), self._messages(rec)) for rec in self._records(epoch))
 
     def _records(self, epoch: int) -> Iterator[dict]:
-        import datasets
-
-        ds = datasets.load_dataset(
-            self._format, data_files=list(self.paths), split="train", streaming=True
-        )
-        ds = ds.map(lambda _, i: {_INDEX: i}, with_indices=True)  # before any shuffle
-        if epoch:
-            ds = ds.shuffle(seed=self.seed + epoch, buffer_size=10_000)
-        return iter(ds)
+        return stream_records(self._format, self.paths, seed=self.seed, epoch=epoch)
 
     def _messages(self, record: Mapping[str, Any]) -> Sequence[Any]:
         value = record.get(self.messages_field)
         if not isinstance(value, list) or not all(isinstance(m, Mapping) for m in value):
             raise ValueError(
                 f"data.messages_field={self.messages_field!r}: a record holds no list of "
-                f"messages there (fields: {sorted(k for k in record if k != _INDEX)})"
+                f"messages there (fields: {sorted(k for k in record if k != INDEX)})"
             )
         return value
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from titan_train.data.sources import _FORMATS, _is_validation
+from titan_train.data.sources import FORMATS, in_validation
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +90,7 @@ class ImageFilesSource:
         in_split = (
             (i, rec)
             for i, rec in enumerate(self._records())
-            if _is_validation(i, self.validation_fraction) == (self.split == "validation")
+            if in_validation(i, self.validation_fraction) == (self.split == "validation")
         )
         for i, rec in itertools.islice(in_split, self.rank, None, self.world_size):
             record = self._record(rec, i)
@@ -144,12 +144,12 @@ def _check_paths(paths: tuple[str, ...]) -> tuple[str, Path]:
                 f"data.paths: {p!r} does not exist or is not a file (image_files takes one "
                 "folder or json/jsonl/parquet files)"
             )
-        if _FORMATS.get(path.suffix) not in ("json", "parquet"):
+        if FORMATS.get(path.suffix) not in ("json", "parquet"):
             raise ValueError(
                 f"data.paths: {p!r} has suffix {path.suffix!r}; allowed for image_files: a "
                 "folder, or ['.json', '.jsonl', '.parquet']"
             )
-        formats.add(_FORMATS[path.suffix])
+        formats.add(FORMATS[path.suffix])
         folders.add(path.resolve().parent)
     if len(formats) != 1:
         raise ValueError(f"data.paths mixes formats {sorted(formats)}; use one format per run")

@@ -30,7 +30,7 @@ import torch
 
 from titan_train.data.packing import IGNORE_INDEX, Batch, ImageInputs
 from titan_train.data.shapes import ShapesSample, shapes_sample
-from titan_train.data.sources import _is_validation
+from titan_train.data.sources import in_validation
 from titan_train.data.tokenizers import Tokenizer
 
 
@@ -134,7 +134,7 @@ class ShapesSource:
         indices = (
             i
             for i in itertools.count()
-            if _is_validation(i, self.validation_fraction) == (self.split == "validation")
+            if in_validation(i, self.validation_fraction) == (self.split == "validation")
         )
         mine = itertools.islice(indices, self.rank + start * self.world_size, None, self.world_size)
         return ((f"shapes sample {i}", shapes_sample(self.seed, i, unit=self.unit)) for i in mine)

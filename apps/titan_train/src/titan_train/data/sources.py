@@ -15,14 +15,14 @@ from titan_train.data.arithmetic import arithmetic_problem
 
 Split = Literal["train", "validation"]
 
-_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 
 
-_INDEX = "__titan_record_index__"
+INDEX = "__titan_record_index__"
 """The field a record's position in the files carries through an epoch's shuffle."""
 
 
-def _is_validation(index: int, fraction: float) -> bool:
+def in_validation(index: int, fraction: float) -> bool:
     # Every k-th document is held out, k = 1 / fraction: deterministic and cheap to test.
     return fraction > 0 and index % max(1, round(1 / fraction)) == 0
 
@@ -55,7 +55,7 @@ class DocumentSource:
         self.paths, self.text_field = paths, text_field
         self.slip_rate, self.reverse_answer = slip_rate, reverse_answer
         if kind == "files":
-            self._format = _check_files(paths)
+            self._format = check_files(paths)
             self._check_field()
 
     def documents(self, *, start: int = 0, epoch: int = 0) -> Iterator[str]:
@@ -63,7 +63,7 @@ class DocumentSource:
         in_split = (
             text
             for i, text in self._all_documents(epoch)
-            if _is_validation(i, self.validation_fraction) == (self.split == "validation")
+            if in_validation(i, self.validation_fraction) == (self.split == "validation")
         )
         mine = itertools.islice(in_split, self.rank, None, self.world_size)
         return itertools.islice(mine, start, None)
@@ -82,18 +82,10 @@ class DocumentSource:
                 )
                 for i in itertools.count()
             )
-        return ((rec.pop(_INDEX), self._text(rec)) for rec in self._records(epoch))
+        return ((rec.pop(INDEX), self._text(rec)) for rec in self._records(epoch))
 
     def _records(self, epoch: int) -> Iterator[dict]:
-        import datasets
-
-        ds = datasets.load_dataset(
-            self._format, data_files=list(self.paths), split="train", streaming=True
-        )
-        ds = ds.map(lambda _, i: {_INDEX: i}, with_indices=True)  # before any shuffle
-        if epoch:
-            ds = ds.shuffle(seed=self.seed + epoch, buffer_size=10_000)
-        return iter(ds)
+        return stream_records(self._format, self.paths, seed=self.seed, epoch=epoch)
 
     def _text(self, record: dict) -> str:
         value = record.get(self.text_field)
@@ -111,17 +103,30 @@ class DocumentSource:
         self._text(first)
 
 
-def _check_files(paths: tuple[str, ...]) -> str:
+def stream_records(fmt: str, paths: tuple[str, ...], *, seed: int, epoch: int) -> Iterator[dict]:
+    """The records of local data files, streamed by HF ``datasets`` (nothing loaded whole),
+    each with its index in the files under ``INDEX`` (taken before epoch ``epoch``'s shuffle,
+    seeded by ``seed + epoch``; epoch 0 keeps the files' order)."""
+    import datasets
+
+    ds = datasets.load_dataset(fmt, data_files=list(paths), split="train", streaming=True)
+    ds = ds.map(lambda _, i: {INDEX: i}, with_indices=True)  # before any shuffle
+    if epoch:
+        ds = ds.shuffle(seed=seed + epoch, buffer_size=10_000)
+    return iter(ds)
+
+
+def check_files(paths: tuple[str, ...]) -> str:
     formats = set()
     for p in paths:
         path = Path(p)
         if not path.is_file():
             raise ValueError(f"data.paths: {p!r} does not exist or is not a file")
-        if path.suffix not in _FORMATS:
+        if path.suffix not in FORMATS:
             raise ValueError(
-                f"data.paths: {p!r} has suffix {path.suffix!r}; allowed: {sorted(_FORMATS)}"
+                f"data.paths: {p!r} has suffix {path.suffix!r}; allowed: {sorted(FORMATS)}"
             )
-        formats.add(_FORMATS[path.suffix])
+        formats.add(FORMATS[path.suffix])
     if len(formats) != 1:
         raise ValueError(f"data.paths mixes formats {sorted(formats)}; use one format per run")
     return formats.pop()

@@ -39,7 +39,13 @@ from titan_train.rl.checkpoint import (
 )
 from titan_train.rl.config import RLJob, validate_rl
 from titan_train.rl.init import starting_model
-from titan_train.rl.parallel import AdamW, FlexShardDataParallel, Generators, StartingModel
+from titan_train.rl.parallel import (
+    AdamW,
+    FlexShardDataParallel,
+    Generators,
+    StartingModel,
+    full_weights,
+)
 from titan_train.rl.tasks import TASKS, BuiltTask
 
 
@@ -238,18 +244,14 @@ def _run_local(job, task, model, log, announce, resume_step):
     checkpoints = _Checkpoints(
         Path(job.output_dir) / job.name, lambda fn, *a: [fn(learner, *a)], controller
     )
-    before, first = _start(job, log, announce, evaluate, checkpoints, resume_step)
-    if resume_step is not None and r.max_offpolicy_steps:  # the generator's own copy
-        generator.update_weights(model.state_dict(), learner.version)
-    start = time.perf_counter()
-    on_step = _on_step(job, log, announce, evaluate, start, checkpoints)
-    try:  # an interrupted run still finishes writing the checkpoint it started
-        history = controller.run(r.steps - first, on_step=on_step) if r.steps > first else []
-    finally:
-        checkpoints.close()
-    wall = time.perf_counter() - start
-    after = evaluate()
-    log.write({"step": len(history), "split": "eval", **after})
+
+    def resumed() -> None:
+        if r.max_offpolicy_steps:  # the generator's own copy of the weights
+            generator.update_weights(model.state_dict(), learner.version)
+
+    history, before, after, wall = _loop(
+        job, log, announce, evaluate, checkpoints, resume_step, controller.run, resumed=resumed
+    )
     weights = {k: v.detach() for k, v in model.state_dict().items()}
     return history, controller.timeline.intervals, before, after, weights, wall
 
@@ -282,22 +284,35 @@ def _run_distributed(job, task, init_dir, log, announce, resume_step):
             return task.evaluate(router)
 
         checkpoints = _Checkpoints(Path(job.output_dir) / job.name, rl.trainer.run, rl)
-        before, first = _start(job, log, announce, evaluate, checkpoints, resume_step)
-        start = time.perf_counter()
-        on_step = _on_step(job, log, announce, evaluate, start, checkpoints)
-        try:  # an interrupted run still finishes writing the checkpoint it started
-            history = rl.train(r.steps - first, on_step=on_step) if r.steps > first else []
-        finally:
-            checkpoints.close()
-        wall = time.perf_counter() - start
-        router.wait_loaded(rl.trainer.version)
-        after = evaluate()
-        log.write({"step": len(history), "split": "eval", **after})
-        from titan_train.rl.parallel import full_weights
-
+        history, before, after, wall = _loop(
+            job, log, announce, evaluate, checkpoints, resume_step, rl.train,
+            before_final_eval=lambda: router.wait_loaded(rl.trainer.version),
+        )  # fmt: skip
         weights = rl.trainer.run(full_weights)[0]
         timeline = rl.controller.timeline.intervals
     return history, timeline, before, after, weights, wall
+
+
+def _loop(
+    job, log, announce, evaluate, checkpoints, resume_step, train, *, resumed=None,
+    before_final_eval=None,
+):  # fmt: skip
+    """Evaluate, resume, ``train(steps, on_step=)`` the remaining steps, evaluate again."""
+    before, first = _start(job, log, announce, evaluate, checkpoints, resume_step)
+    if resume_step is not None and resumed is not None:
+        resumed()
+    start = time.perf_counter()
+    on_step = _on_step(job, log, announce, evaluate, start, checkpoints)
+    try:  # an interrupted run still finishes writing the checkpoint it started
+        history = train(job.rl.steps - first, on_step=on_step) if job.rl.steps > first else []
+    finally:
+        checkpoints.close()
+    wall = time.perf_counter() - start
+    if before_final_eval is not None:
+        before_final_eval()
+    after = evaluate()
+    log.write({"step": first + len(history), "split": "eval", **after})
+    return history, before, after, wall
 
 
 def _start(job, log, announce, evaluate, checkpoints, resume_step):
