@@ -131,3 +131,22 @@ def test_each_environment_corpus_is_a_correct_deterministic_demonstration(name):
         assert convo[-1].role == "assistant"
         rendered = titan_rl.SimpleChatRenderer(TOK).render(convo)
         assert any(rendered.mask) and not all(rendered.mask)
+
+
+def test_a_chat_sample_never_straddles_two_rows():
+    # A sample split across rows would be trained, in its second row, to answer without its
+    # question: every conversation must sit whole inside one row (the rest of a row padded,
+    # with no loss).
+    rendered = titan_rl.SimpleChatRenderer(TOK).render(CONVO)
+    n = len(rendered.ids)
+    seq_len = n + n // 2  # one sample fits a row, two do not
+    loader = PackedLoader(_source(), TOK, seq_len=seq_len, batch_size=4)
+    batch = next(loader)
+    for row in range(4):
+        docs = batch.document_ids[row]
+        labels = batch.labels[row]
+        trained = labels != IGNORE_INDEX
+        # The trained targets of a row are exactly one conversation's assistant tokens.
+        assert TOK.decode(labels[trained].tolist()) == "46", row
+        assert int((docs == docs[0]).sum()) in (n, seq_len)  # a whole sample or padding
+    assert (batch.input_ids == TOK.pad_id).any()

@@ -188,10 +188,28 @@ class PackedLoader:
             ids, mask = doc
             if not ids:
                 return
+            self._start_in_one_row(len(ids))
         self._tokens += ids
         self._loss_mask += mask
         self._doc_ids += [self._next_doc_id] * len(ids)
         self._positions += range(len(ids))
+        self._next_doc_id += 1
+
+    def _start_in_one_row(self, n: int) -> None:
+        """Pad to the next row when a sample of ``n`` tokens would straddle two rows: a chat
+        sample split across rows would be trained, in its second row, to answer without the
+        question and the tool output it was written from. (Text documents do continue across
+        rows, as pre-training corpora are read.) The padding is a document of its own with no
+        loss."""
+        s = self.seq_len
+        offset = len(self._tokens) % s  # the buffer starts at a row boundary
+        if offset == 0 or offset + n - 1 <= s or n - 1 > s:
+            return
+        pad = s - offset
+        self._tokens += [self.tokenizer.pad_id] * pad
+        self._loss_mask += [False] * pad
+        self._doc_ids += [self._next_doc_id] * pad
+        self._positions += range(pad)
         self._next_doc_id += 1
 
     def state_dict(self) -> dict[str, Any]:
