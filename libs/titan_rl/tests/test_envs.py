@@ -144,3 +144,19 @@ def test_code_env_scores_partial_solutions_and_contains_bad_ones():
     assert not wrong.done and wrong.messages[0].content.startswith("f(")  # a failing input back
     hang = env.step(Message("assistant", "```python\ndef f(xs):\n    while True: pass\n```"))
     assert hang.done and hang.reward == 0.0 and hang.info["sandbox"] == "timeout"
+
+
+def test_arithmetic_fixed_layout_puts_every_number_at_the_same_place():
+    from titan_rl.envs import ArithmeticConfig, ArithmeticToolEnv
+
+    env = ArithmeticToolEnv(
+        ArithmeticConfig(min_operand=32, max_operand=99, operations=("*",), fixed_layout=True)
+    )
+    problems = [env.problem(seed) for seed in range(50)]
+    questions = [q for q, _, _ in problems]
+    assert len({len(q) for q in questions}) == 1  # one wording, 3-letter names, 2-digit operands
+    digits = {tuple(i for i, c in enumerate(q) if c.isdigit()) for q in questions}
+    assert len(digits) == 1
+    assert all(len(answer) == 4 for _, _, answer in problems)  # 32 * 32 = 1024 and up
+    with pytest.raises(ValueError, match="fixed_layout=True words products only"):
+        ArithmeticConfig(fixed_layout=True)

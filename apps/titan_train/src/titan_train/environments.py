@@ -51,8 +51,11 @@ def _sorting() -> Any:
 def _tool_calc() -> Any:
     from titan_rl.envs import ArithmeticConfig, ArithmeticToolEnv
 
-    # Products of 2-digit numbers: 3-4 digit answers, more than a tiny model does in its head.
-    return ArithmeticToolEnv(ArithmeticConfig(max_operand=99, operations=("*",)))
+    # Products of 2-digit numbers (4-digit answers: more than a tiny model does in its head),
+    # worded alike so each number sits at a fixed place: a from-scratch tiny model learns to
+    # copy at fixed distances quickly, at variable ones not within a CPU budget.
+    config = ArithmeticConfig(min_operand=32, max_operand=99, operations=("*",), fixed_layout=True)
+    return ArithmeticToolEnv(config)
 
 
 def _search() -> Any:
