@@ -289,12 +289,14 @@ def hf_export(
             param_dtype = param_dtype or own
         target = own if dtype is None or fqn in buffers else dtype
         for ht in adapter.hf_tensors(fqn, ours, hf_config):
-            if ht.shape is not None:  # part i of a fused HF tensor: slice i of the stack
-                i = [f for f, _ in fused[ht.key]].index(fqn)
-                stacked[ht.key] += [((i, *o), c.unsqueeze(0)) for o, c in chunks]
-                n = len(fused[ht.key])
-                tensors[ht.key] = _Pieces((n, *ours.shape), target, stacked[ht.key])
-                transforms[ht.key] = functools.partial(_assemble_fused, parts=fused[ht.key])
+            if ht.shape is not None:  # part i of a fused HF tensor: rows of the stack
+                parts = fused[ht.key]
+                i = [f for f, _ in parts].index(fqn)
+                row = sum(h.ours.shape[0] for _, h in parts[:i])
+                stacked[ht.key] += [((row + o[0], *o[1:]), c) for o, c in chunks]
+                rows = sum(h.ours.shape[0] for _, h in parts)
+                tensors[ht.key] = _Pieces((rows, *ours.shape[1:]), target, stacked[ht.key])
+                transforms[ht.key] = functools.partial(_assemble_fused, parts=parts)
                 continue
             lead = _leading_index(ht.ours, ours)
             if lead is None:
@@ -318,10 +320,11 @@ def _fused_tensors(
     """Every fused HF tensor (one that holds several of our tensors, as gpt-oss's
     ``gate_up_proj`` holds ``w_gate`` and ``w_up``) and its parts, in the model's FQN order.
 
-    A fused tensor is exported in a stacked layout: part i is slice i of an ``(n, *part)``
-    tensor, so each rank's pieces of a part are plain boxes of it, whatever the sharding
-    (experts split over ranks, rows over flexshard shards); the transform assembles the HF
-    tensor from the whole stack (``_assemble_fused``), on the one rank that rewrites it.
+    A fused tensor is exported in a stacked layout: the parts concatenated along their first
+    dim (they share the others; parts of one shape make an ``(n * rows, ...)`` stack), so
+    each rank's pieces of a part are plain boxes of it, whatever the sharding (experts split
+    over ranks, rows over flexshard shards); the transform assembles the HF tensor from the
+    whole stack (``_assemble_fused``), on the one rank that rewrites it.
     """
     fused: dict[str, list[tuple[str, HFTensor]]] = defaultdict(list)
     for fqn, ours in whole.items():
@@ -329,11 +332,12 @@ def _fused_tensors(
             if ht.shape is not None:
                 fused[ht.key].append((fqn, ht))
     for key, parts in fused.items():
-        shapes = {tuple(ht.ours.shape) for _, ht in parts}
-        if any(ht.put is None for _, ht in parts) or len(shapes) != 1:
+        trailing = {tuple(ht.ours.shape[1:]) for _, ht in parts}
+        if any(ht.put is None or ht.ours.dim() == 0 for _, ht in parts) or len(trailing) != 1:
             raise ValueError(
                 f"hf_export: {key} is a fused HF tensor this adapter cannot write (every part "
-                f"needs a put and one shape; got {sorted(shapes)})"
+                f"needs a put and the same trailing dims; got "
+                f"{sorted(tuple(ht.ours.shape) for _, ht in parts)})"
             )
         assert all(ht.ours.shape == whole[f].shape for f, ht in parts), key  # whole parts
     return dict(fused)
@@ -342,8 +346,10 @@ def _fused_tensors(
 def _assemble_fused(stacked: torch.Tensor, *, parts: list[tuple[str, HFTensor]]) -> torch.Tensor:
     """The fused HF tensor from its parts stacked along dim 0 (see ``_fused_tensors``)."""
     full = stacked.new_empty(parts[0][1].shape)
-    for i, (_, ht) in enumerate(parts):
-        ht.put(full, stacked[i])
+    for (_, ht), rows in zip(
+        parts, stacked.split([h.ours.shape[0] for _, h in parts]), strict=True
+    ):
+        ht.put(full, rows)
     return full
 
 
