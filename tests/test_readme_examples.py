@@ -17,8 +17,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 READMES = sorted(
-    [ROOT / "README.md", *ROOT.glob("libs/*/README.md"), *ROOT.glob("apps/*/README.md")]
-    + list(ROOT.glob("tools/*/README.md"))
+    [
+        ROOT / "README.md",
+        *ROOT.glob("libs/*/README.md"),
+        *ROOT.glob("apps/*/README.md"),
+        *ROOT.glob("tools/*/README.md"),
+    ]
 )
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
@@ -48,7 +52,9 @@ def test_library_readme_starts_with_its_install_step(readme):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("readme", "index", "code"), BLOCKS, ids=[f"{b[0]}#{b[1]}" for b in BLOCKS])
+@pytest.mark.parametrize(
+    ("readme", "index", "code"), BLOCKS, ids=[f"{b[0]}#{b[1]}" for b in BLOCKS]
+)
 def test_readme_python_block_runs_as_pasted(readme, index, code, tmp_path):
     script = tmp_path / "block.py"
     script.write_text(code)
