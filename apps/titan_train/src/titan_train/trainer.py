@@ -464,6 +464,7 @@ def _train(
     end = cfg.training.steps if stop_after is None else min(stop_after, cfg.training.steps)
     watchdog = StepWatchdog(_watchdog_limit(cfg), rank=rank) if dims.world_size > 1 else None
     stop = run_report.StopRequest()
+    failed = True  # until the loop ends well: a failed peer never completes its last save
     try:
         with stop:
             try:
@@ -516,11 +517,12 @@ def _train(
             watchdog.pause()  # the last save and the export may take longer than a step
         if ckpt is not None:
             ckpt.wait()
+        failed = False
     finally:
         if watchdog is not None:
             watchdog.close()
         if ckpt is not None:
-            ckpt.close()
+            ckpt.close(abandon_retention=failed)
         logger.close()
     summary = {"losses": losses, "run_dir": run_dir, "model": pm.parts[0], "step": state.step}
     if cfg.checkpoint.export_hf and state.step == cfg.training.steps:

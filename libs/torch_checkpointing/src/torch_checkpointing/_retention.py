@@ -27,6 +27,8 @@ from . import _format as fmt
 from ._errors import CorruptCheckpointError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Callable
+
     from .storage import Storage
 
 COMPLETE, DAMAGED, INCOMPLETE = "complete", "damaged", "incomplete"
@@ -127,7 +129,12 @@ def delete_checkpoint(storage: Storage, folder: str) -> None:
     storage.delete(folder)
 
 
-def wait_complete(storage: Storage, folder: str, timeout: float) -> bool:
+def wait_complete(
+    storage: Storage,
+    folder: str,
+    timeout: float,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> bool:
     parsed = fmt.parse_step_dir(folder)
     assert parsed is not None, folder
     deadline = time.monotonic() + timeout
@@ -135,7 +142,7 @@ def wait_complete(storage: Storage, folder: str, timeout: float) -> bool:
     while True:
         if classify(storage, folder, *parsed).status == COMPLETE:
             return True
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= deadline or cancelled():
             return False
         time.sleep(delay)
         delay = min(delay * 2, 0.1)
@@ -182,9 +189,12 @@ def apply_retention(
     return RetentionResult(doomed, damaged)
 
 
-def run_retention(storage: Storage, spec: dict[str, Any]) -> RetentionResult:
-    """Wait (bounded) for the checkpoint just saved to be complete, then apply retention."""
-    if not wait_complete(storage, spec["dir"], spec["wait_s"]):
+def run_retention(
+    storage: Storage, spec: dict[str, Any], cancelled: Callable[[], bool] = lambda: False
+) -> RetentionResult:
+    """Wait (bounded, until ``cancelled()``) for the checkpoint just saved to be complete, then
+    apply retention; nothing is deleted when the wait ends first."""
+    if not wait_complete(storage, spec["dir"], spec["wait_s"], cancelled):
         return RetentionResult([], [])
     return apply_retention(
         storage, spec["keep_last"], spec["lineage"], spec["own_nonces"], spec["seq"]

@@ -326,6 +326,8 @@ class BackgroundWriter:
         self._registered: set[int] = set()
         self._stopping = False
         self._failed: set[str] = set()  # folders of this rank's failed jobs
+        self._abandon = threading.Event()  # retention stops waiting for peers
+        self._retaining = False  # the task running is a retention
 
     def submit(self, task: tuple) -> None:
         with self._cv:
@@ -342,7 +344,16 @@ class BackgroundWriter:
             while self._queue or self._busy:
                 self._cv.wait()
 
-    def close(self) -> None:
+    def close(self, *, abandon_retention: bool = False) -> None:
+        """Finish the queued tasks and stop. ``abandon_retention``: a retention still waiting
+        for other ranks to complete their parts stops waiting and deletes nothing (a peer
+        that died never completes its part; the next save's retention catches up)."""
+        if abandon_retention:
+            with self._cv:
+                self._abandon.set()
+                self._queue = collections.deque(t for t in self._queue if t[0] != "retain")
+                if self._retaining and self.mode == "process" and self._proc is not None:
+                    self._proc.kill()  # the writer process is only waiting or deleting
         self.wait_idle()
         with self._cv:
             self._stopping = True
@@ -388,11 +399,17 @@ class BackgroundWriter:
             if spec["dir"] in self._failed:  # it will never complete: nothing to wait for
                 return
             try:
+                with self._cv:
+                    if self._abandon.is_set():
+                        return
+                    self._retaining = True
                 if self.mode == "process":
                     damaged = self._call({"op": "retain", "spec": spec})["damaged"]
                 else:
-                    damaged = run_retention(self.storage, spec).damaged
+                    damaged = run_retention(self.storage, spec, self._abandon.is_set).damaged
             except BaseException as e:
+                if self._abandon.is_set():  # the writer process was stopped on purpose
+                    return
                 warnings.warn(
                     f"torch_checkpointing: keep_last retention failed (nothing more was "
                     f"deleted): {e}",
@@ -402,6 +419,8 @@ class BackgroundWriter:
             else:
                 if damaged:
                     self._on_damaged(damaged)
+            finally:
+                self._retaining = False
         elif kind == "free":
             _, buffer = task
             if buffer.id in self._registered and self._sock is not None:

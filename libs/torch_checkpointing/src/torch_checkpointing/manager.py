@@ -207,8 +207,8 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(abandon_retention=exc_type is not None)
 
     # ------------------------------------------------------------------------- errors
     def _raise_pending(self) -> None:
@@ -377,13 +377,19 @@ class CheckpointManager:
             self._writer.wait_idle()
         self._raise_pending()
 
-    def close(self) -> None:
-        """Wait for queued saves, stop the writer, free the staging buffers, drop the lock."""
+    def close(self, *, abandon_retention: bool = False) -> None:
+        """Wait for queued saves, stop the writer, free the staging buffers, drop the lock.
+
+        ``keep_last`` retention of the newest save waits (up to 120 s) for every rank to
+        complete it before deleting older checkpoints. ``abandon_retention=True`` (what the
+        context manager passes when an exception leaves it) skips that wait, for a job ending
+        on a failed peer: this rank's writes still finish, nothing more is deleted, and the
+        next save's retention catches up."""
         if self._closed:
             return
         try:
             if self._writer is not None:
-                self._writer.close()
+                self._writer.close(abandon_retention=abandon_retention)
         finally:
             self._closed = True
             _live.discard(self)
