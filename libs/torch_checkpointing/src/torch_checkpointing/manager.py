@@ -45,6 +45,7 @@ from ._errors import (
 from ._load import load_first_intact, load_folder
 from ._lock import RootLock
 from ._staging import Stager, StagingBuffer
+from ._stream import LoadStats, total_time
 from ._writer import BackgroundWriter, check_process_safe, execute_job
 from .policy import ASYNC_MODES, CheckpointPolicy
 from .storage import FileSystemStorage, PrefixedStorage, Storage
@@ -420,6 +421,7 @@ class CheckpointManager:
         strict: bool = True,
         verify: bool = True,
         fallback: bool = False,
+        stats: LoadStats | None = None,
     ) -> int:
         """Fill ``state`` in place from the checkpoint of ``step`` (default: the newest one).
 
@@ -437,10 +439,19 @@ class CheckpointManager:
         each one skipped and why; nothing is deleted. ``fallback=True`` is collective: every
         rank of the group calls it, and all ranks load the same step.
 
+        Tensors are read in place, verified as they arrive: damage raises (saying they were
+        partly overwritten) before anything else is applied. ``stats``: a ``LoadStats``.
+
         Returns the step loaded. Loading the newest checkpoint of a run continues that run's
         lineage (``keep_last`` retention goes on deleting its old checkpoints); loading any
         other starts a new lineage, which leaves every existing checkpoint alone.
         """
+        if stats is not None and not isinstance(stats, LoadStats):
+            raise TypeError(f"load: stats must be a LoadStats or None, got {type(stats).__name__}")
+        with total_time(stats):
+            return self._load(state, step, strict, verify, fallback, stats)
+
+    def _load(self, state, step, strict, verify, fallback, stats) -> int:
         self._check_open()
         self._raise_pending()
         _check_state(state, "load")
@@ -462,7 +473,7 @@ class CheckpointManager:
             self._not_found(step, attempts)
         if fallback:
             loaded, skipped = load_first_intact(
-                self._pg, candidates, lambda a: self._load_one(state, a, strict, verify)
+                self._pg, candidates, lambda a: self._load_one(state, a, strict, verify, stats)
             )
             if loaded is None:
                 detail = "; ".join(f"{a.name}: {r}" for a, r in skipped)
@@ -485,7 +496,7 @@ class CheckpointManager:
         else:
             loaded = candidates[0]
             try:
-                self._load_one(state, loaded, strict, verify)
+                self._load_one(state, loaded, strict, verify, stats)
             except CorruptCheckpointError as e:
                 older = [
                     a.step for a in readable[::-1] if a.status == ret.COMPLETE and a is not loaded
@@ -509,7 +520,9 @@ class CheckpointManager:
             f"steps: {complete}"
         )
 
-    def _load_one(self, state: dict[str, Any], a: ret.Attempt, strict: bool, verify: bool) -> None:
+    def _load_one(self, state: dict[str, Any], a: ret.Attempt, strict, verify, stats) -> None:
+        if stats is not None:
+            stats.add(attempts=1)
         if a.status == ret.DAMAGED:
             raise CorruptCheckpointError(
                 f"{a.name} (step {a.step}) is damaged: {a.reason}", f"{a.name}/{fmt.MANIFEST}"
@@ -527,6 +540,7 @@ class CheckpointManager:
                 verify=verify,
                 io_threads=self.policy.io_threads,
                 layout=self._layout,
+                stats=stats,
             )
         except FileNotFoundError as e:
             self._attempts_cache.pop(a.name, None)
