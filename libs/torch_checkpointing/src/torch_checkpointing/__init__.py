@@ -29,7 +29,7 @@ _EXPORTS = {
     "CheckpointWriteError": "_errors",
     "CorruptCheckpointError": "_errors",
     "StateMismatchError": "_errors",
-    "LoadStats": "_stream",
+    "LoadStats": "_stats",
 }
 
 __all__ = [
@@ -64,7 +64,7 @@ if TYPE_CHECKING:  # pragma: no cover
         CorruptCheckpointError,
         StateMismatchError,
     )
-    from ._stream import LoadStats
+    from ._stats import LoadStats
     from ._tree import PerRank
     from .hf import load_hf, save_hf
     from .manager import CheckpointManager, SaveHandle

@@ -21,7 +21,7 @@ from . import _tree as tr
 from ._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from ._exchange import LayoutCache, allgather_int64
 from ._retention import Attempt
-from ._stream import LoadStats
+from ._stats import LoadStats
 
 if TYPE_CHECKING:  # pragma: no cover
     from .storage import Storage
@@ -48,6 +48,7 @@ def load_folder(
     before any non-tensor state is applied.
     """
     stats = stats if stats is not None else LoadStats()
+    stats.add(attempts=1)
     t_start = time.perf_counter()
     world = manifest["world_size"]
     markers = []

@@ -21,7 +21,8 @@ import torch
 
 from . import _format as fmt
 from ._errors import CheckpointError
-from ._stream import CopyPiece, FilePlan, LoadStats, Streamer, split_copy
+from ._stats import LoadStats
+from ._stream import CopyPiece, FilePlan, Streamer, split_copy
 from ._tree import Leaf, display, torch_dtype
 
 if TYPE_CHECKING:  # pragma: no cover

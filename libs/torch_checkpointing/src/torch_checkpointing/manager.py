@@ -45,7 +45,7 @@ from ._errors import (
 from ._load import load_first_intact, load_folder
 from ._lock import RootLock
 from ._staging import Stager, StagingBuffer
-from ._stream import LoadStats, total_time
+from ._stats import LoadStats, total_time
 from ._writer import BackgroundWriter, check_process_safe, execute_job
 from .policy import ASYNC_MODES, CheckpointPolicy
 from .storage import FileSystemStorage, PrefixedStorage, Storage
@@ -439,15 +439,13 @@ class CheckpointManager:
         each one skipped and why; nothing is deleted. ``fallback=True`` is collective: every
         rank of the group calls it, and all ranks load the same step.
 
-        Tensors are read in place, verified as they arrive: damage raises (saying they were
-        partly overwritten) before anything else is applied. ``stats``: a ``LoadStats``.
+        Tensors are read in place and verified as they arrive (damage: see above); ``stats``
+        (a ``LoadStats``) gets where the time went.
 
         Returns the step loaded. Loading the newest checkpoint of a run continues that run's
         lineage (``keep_last`` retention goes on deleting its old checkpoints); loading any
         other starts a new lineage, which leaves every existing checkpoint alone.
         """
-        if stats is not None and not isinstance(stats, LoadStats):
-            raise TypeError(f"load: stats must be a LoadStats or None, got {type(stats).__name__}")
         with total_time(stats):
             return self._load(state, step, strict, verify, fallback, stats)
 
@@ -491,7 +489,7 @@ class CheckpointManager:
                     f"step {skipped[0][0].step}, because newer checkpoints are damaged; they were "
                     f"left in place: {detail}",
                     CheckpointWarning,
-                    stacklevel=2,
+                    stacklevel=3,  # the caller of load()
                 )
         else:
             loaded = candidates[0]
@@ -521,8 +519,6 @@ class CheckpointManager:
         )
 
     def _load_one(self, state: dict[str, Any], a: ret.Attempt, strict, verify, stats) -> None:
-        if stats is not None:
-            stats.add(attempts=1)
         if a.status == ret.DAMAGED:
             raise CorruptCheckpointError(
                 f"{a.name} (step {a.step}) is damaged: {a.reason}", f"{a.name}/{fmt.MANIFEST}"
