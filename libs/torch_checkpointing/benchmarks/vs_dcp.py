@@ -239,7 +239,7 @@ def _timed(res: dict, name: str, fn, stats=None) -> None:
     t0 = time.perf_counter()
     fn()
     res.setdefault(name, []).append(_max(time.perf_counter() - t0))
-    extra = -1.0 if base is None else float(_proc_status("VmHWM") - base)
+    extra = -1.0 if base is None else float(max(0, _proc_status("VmHWM") - base))
     res.setdefault(name + "_mem", []).append(_max(extra))
     if stats is not None:
         for k in (*_PHASES, "total_s", "staging_peak_bytes", "bytes_direct", "bytes_copied"):
@@ -368,7 +368,8 @@ def reshard_worker(rank: int, world: int, port: int, args: argparse.Namespace, o
     ours_root, dcp_path = (os.path.join(args.dir, n + src) for n in ("ours", "dcp_keep"))
     tag = f"rs_{args.ranks}to1" if world == 1 else f"rs_1to{world}"
     res: dict[str, list[float]] = {}
-    mgr = CheckpointManager(ours_root, read_only=True)
+    extra = {} if args.io_threads is None else {"io_threads": args.io_threads}
+    mgr = CheckpointManager(ours_root, read_only=True, **extra)
     for _ in range(args.reps):
         _evict(ours_root)
         _evict(dcp_path)

@@ -181,3 +181,26 @@ def test_cuda_targets_stage_through_reused_pinned_buffers(tmp_path):
     nbytes = sum(v.numel() * 4 for v in full.values())
     assert stats.bytes_copied == nbytes and stats.staging_peak_bytes < nbytes
     mgr.close()
+
+
+def test_shard_box_matches_torch_for_even_and_uneven_splits():
+    import itertools
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    from torch_checkpointing._exchange import shard_box
+
+    cases = [
+        ((10,), (4,), [Shard(0)]),
+        ((3,), (4,), [Shard(0)]),
+        ((9, 7), (2, 3), [Shard(0), Shard(0)]),
+        ((9, 7), (2, 3), [Shard(1), Shard(0)]),
+        ((5, 11), (3, 2), [Replicate(), Shard(1)]),
+        ((8, 6, 5), (2, 2), [Shard(2), Shard(2)]),
+    ]
+    for shape, mesh, placements in cases:
+        for coord in itertools.product(*(range(n) for n in mesh)):
+            want = _compute_local_shape_and_global_offset(shape, mesh, list(coord), placements)
+            got = shard_box(shape, mesh, coord, placements)
+            assert got == (tuple(want[0]), tuple(want[1])), (shape, mesh, placements, coord)
