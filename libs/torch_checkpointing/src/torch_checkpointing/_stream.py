@@ -3,15 +3,15 @@
 A load's reads are, per file, *direct* requests (bytes landing in contiguous CPU target
 memory: a writable byte view of the tensor's storage) and *copy pieces* (bytes that must be
 copied into a strided view or another device's memory). Each file is read in chunks of about
-``CHUNK`` bytes, one ``preadv`` per chunk scattering the bytes straight to their places: direct
-bytes into the targets, everything else (copy pieces, headers, padding, parts of checksum
-blocks nobody needs) into a staging buffer. Every checksum block of the chunk is hashed
-right after the read, while it is in the CPU cache (no second pass); only then are the chunk's
-copy pieces copied from staging into their targets, on a copy thread (CPU) or a CUDA stream
-from pinned staging, while the same worker reads its next chunk into its other staging
-buffer. Staging buffers (two per I/O thread) are reused across tensors and files and sized
-by the largest chunk's staged bytes: a load through direct requests only stages headers and
-padding.
+``CHUNK`` bytes, one ``preadv`` per chunk (more only past ``SCRATCH`` dropped bytes or
+``_IOV_MAX`` buffers) scattering the bytes straight to their places: direct bytes into the
+targets, copy pieces into a staging buffer, bytes only needed for their checksum (headers,
+padding, parts of partly needed blocks) into a small per-thread scratch. Every checksum block
+is hashed right after its read, while it is in the CPU cache (no second pass); only then are
+the chunk's copy pieces copied from staging into their targets, on a copy thread (CPU) or a
+CUDA stream from pinned staging, while the same worker reads its next chunk into its other
+staging buffer. Staging buffers (two per I/O thread) are reused across tensors and files and
+sized by the largest chunk's staged bytes: a load of contiguous CPU targets stages nothing.
 
 Verified before used: a copy piece reaches its target only after its blocks are verified. A
 direct request lands in the target first and is verified right after; a mismatch raises
