@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything GPU-only in one command, for when a GPU is lent (<= 8 minutes on one GPU).
+# Everything GPU-only in one command, for when a GPU is lent (about 10 minutes on one GPU).
 #
 #   bash tools/gpu_check.sh [report-file]      (default: gpu_check_report.txt)
 #
@@ -11,11 +11,13 @@
 #      delta-rule Triton kernels (linear attention), the FP8 / MXFP8 device GEMMs;
 #   2. the debug recipe on one GPU (bf16), then a ~1B Llama (Llama 3.2 1B shape) for 50 steps
 #      with local compile: tok/s and MFU against the device's dense bf16 peak;
-#   3. the checkpoint benchmark with the state on the GPU (--device cuda);
+#   3. the checkpoint benchmark with the state on the GPU (--device cuda), and its load into
+#      GPU tensors on 2 ranks with resharding (pinned staging reused, H2D copies overlapping
+#      the next read; the breakdown and peak memory it prints);
 #   4. dist_moe's kernel benchmarks: CuTe grouped GEMM vs torch._grouped_mm, pack/combine
 #      bandwidth vs the device copy bandwidth (and symmetric-memory dispatch on >= 2 GPUs);
 #   5. FP8 / MXFP8 with the device kernels: loss vs fp32 on the debug recipe, a 1B step rate.
-# Steps 1-4 fit 8 minutes; step 5 adds about 5 (run it when the lease allows).
+# Steps 1-4 fit about 10 minutes; step 5 adds about 5 (run it when the lease allows).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 report=${1:-gpu_check_report.txt}
@@ -77,6 +79,9 @@ done
 
 step "checkpoint benchmark, state on the GPU" 120 uv run python \
   libs/torch_checkpointing/benchmarks/vs_dcp.py --device cuda --gib 1 --ranks 1 --reps 3
+step "checkpoint load into GPU tensors: pinned staging, H2D overlap, 2 -> 1 and 1 -> 2" 150 \
+  uv run python libs/torch_checkpointing/benchmarks/vs_dcp.py --device cuda --gib 0.25 \
+  --ranks 2 --reps 3 --layout 1d --shard-numel 4194304
 step "CuTe grouped GEMM vs torch._grouped_mm" 60 uv run python \
   libs/dist_moe/benchmarks/bench_cute_grouped_gemm.py
 step "pack / combine bandwidth" 60 uv run python libs/dist_moe/benchmarks/bench_pack_bandwidth.py

@@ -59,25 +59,33 @@ def _free_port() -> int:
 
 
 def build_state(
-    gib: float, mesh, layout: str = "2d", shard_numel: int = 16 << 20, cols: int = 4096
+    gib: float,
+    mesh,
+    layout: str = "2d",
+    shard_numel: int = 16 << 20,
+    cols: int = 4096,
+    ranks: int | None = None,
 ) -> dict:
-    """Local bytes ~= gib GiB per rank: params + exp_avg + exp_avg_sq, fp32, Shard(0), on the
-    mesh's device. ``layout="2d"``: 24 (rows, 4096) matrices; ``"1d"``: as many 1-D tensors
-    as fit, each rank's shard holding ``shard_numel`` elements (flat parameters, large
-    vectors: where torch's offset computation costs most)."""
+    """Local bytes ~= gib GiB per rank of ``ranks`` (default: the mesh's size): params +
+    exp_avg + exp_avg_sq, fp32, Shard(0) over the mesh, on its device. ``layout="2d"``: 24
+    (rows, 4096) matrices; ``"1d"``: as many 1-D tensors as fit, each of the ``ranks`` shards
+    holding ``shard_numel`` elements (flat parameters, large vectors: where torch's offset
+    computation costs most). A mesh of another size holds the same global tensors
+    (resharding)."""
     from torch.distributed.tensor import DTensor, Shard
 
     world = mesh.size()
+    ranks = ranks or world
     local_elems = int(gib * 2**30 / 4 / 3)
     if layout == "1d":
         n_tensors = max(1, local_elems // shard_numel)
-        local_shape, stride = (shard_numel,), (1,)
-        global_shape = (shard_numel * world,)
+        global_shape = (shard_numel * ranks,)
+        local_shape, stride = (global_shape[0] // world,), (1,)
     else:
         n_tensors = 24
         rows = max(1, local_elems // (n_tensors * cols))
-        local_shape, stride = (rows, cols), (cols, 1)
-        global_shape = (rows * world, cols)
+        global_shape = (rows * ranks, cols)
+        local_shape, stride = (global_shape[0] // world, cols), (cols, 1)
     g = torch.Generator().manual_seed(dist.get_rank())
 
     def dt(scale: float):
@@ -201,6 +209,43 @@ def _evict(path: str) -> None:
                 os.close(fd)
 
 
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _rss_reset() -> int | None:
+    """Reset this process's peak RSS (VmHWM) to its current RSS (Linux ``clear_refs`` 5, for
+    this benchmark process only) and return the current RSS; ``None`` where not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _proc_status("VmRSS")
+    except (OSError, KeyError):
+        return None
+
+
+_PHASES = ("metadata_s", "open_s", "deserialize_s", "read_s", "checksum_s", "copy_s", "wait_s")
+
+
+def _timed(res: dict, name: str, fn, stats=None) -> None:
+    """Run ``fn`` on every rank at once; record its time, the peak RSS above the RSS before
+    it (``name + "_mem"``) and, with a ``LoadStats``, each phase; all max over ranks."""
+    dist.barrier()
+    base = _rss_reset()
+    t0 = time.perf_counter()
+    fn()
+    res.setdefault(name, []).append(_max(time.perf_counter() - t0))
+    extra = -1.0 if base is None else float(max(0, _proc_status("VmHWM") - base))
+    res.setdefault(name + "_mem", []).append(_max(extra))
+    if stats is not None:
+        for k in (*_PHASES, "total_s", "staging_peak_bytes", "bytes_direct", "bytes_copied"):
+            res.setdefault(f"{name}.{k}", []).append(_max(float(getattr(stats, k))))
+
+
 def _rmtree(path: str) -> None:
     dist.barrier()
     if dist.get_rank() == 0:
@@ -215,7 +260,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_q) ->
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
-    from torch_checkpointing import CheckpointManager
+    from torch_checkpointing import CheckpointManager, LoadStats
 
     if args.device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -277,12 +322,17 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_q) ->
         res["dcp_save"].append(_max(time.perf_counter() - t0))
         _evict(ours_root)
         _evict(path)
-        res["ours_load"].append(timed(lambda: mgr.load(state)))
+        stats = LoadStats()
+        _timed(res, "ours_load", lambda s=stats: mgr.load(state, stats=s), stats)
         res["ours_load_warm"].append(timed(lambda: mgr.load(state)))
         _evict(ours_root)
         res["ours_load_noverify"].append(timed(lambda: mgr.load(state, verify=False)))
-        res["dcp_load"].append(timed(lambda p=path: dcp.load(state, checkpoint_id=p)))
+        _timed(res, "dcp_load", lambda p=path: dcp.load(state, checkpoint_id=p))
         res["dcp_load_warm"].append(timed(lambda p=path: dcp.load(state, checkpoint_id=p)))
+        if rep == args.reps:  # kept for the resharding loads
+            dist.barrier()
+            if rank == 0:
+                os.replace(path, os.path.join(base, "dcp_keep"))
         _rmtree(path)
         res["raw_stage"].append(timed(raw.stage))
         res["raw_write"].append(timed(raw.write))
@@ -290,10 +340,69 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_q) ->
         res["raw_read"].append(timed(raw.read))
         os.remove(raw.path)
     mgr.close()
+    largest = max(t.numel() * t.element_size() for t in local_tensors(state))
     if rank == 0:
-        out_q.put({"res": res, "bytes": nbytes})
+        out_q.put({"res": res, "bytes": nbytes, "largest": largest})
     dist.barrier()
     dist.destroy_process_group()
+
+
+def reshard_worker(rank: int, world: int, port: int, args: argparse.Namespace, out_q) -> None:
+    """Cold loads of the other world size's checkpoints, ours and DCP's, interleaved.
+
+    ``world == 1``: load the ``--ranks``-rank checkpoints of the main run (N -> 1), then save
+    this state for the next job. Otherwise: load those 1-rank checkpoints (1 -> N)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torch_checkpointing import CheckpointManager, LoadStats
+
+    if args.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    mesh = init_device_mesh(args.device, (world,))
+    state = build_state(args.gib, mesh, args.layout, args.shard_numel, ranks=args.ranks)
+    src = "" if world == 1 else "_1"
+    ours_root, dcp_path = (os.path.join(args.dir, n + src) for n in ("ours", "dcp_keep"))
+    tag = f"rs_{args.ranks}to1" if world == 1 else f"rs_1to{world}"
+    res: dict[str, list[float]] = {}
+    extra = {} if args.io_threads is None else {"io_threads": args.io_threads}
+    mgr = CheckpointManager(ours_root, read_only=True, **extra)
+    for _ in range(args.reps):
+        _evict(ours_root)
+        _evict(dcp_path)
+        stats = LoadStats()
+        _timed(res, f"{tag}_ours", lambda s=stats: mgr.load(state, stats=s), stats)
+        _timed(res, f"{tag}_dcp", lambda: dcp.load(state, checkpoint_id=dcp_path))
+    mgr.close()
+    if world == 1:
+        with CheckpointManager(ours_root + "_1", async_mode="off") as m1:
+            m1.save(1, state)
+        dcp.save(state, checkpoint_id=dcp_path + "_1")
+    if rank == 0:
+        out_q.put(res)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _spawn(ctx, target, world: int, args: argparse.Namespace):
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, args, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = q.get()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        sys.exit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+    return out
+
+
+def _mib(x: float) -> str:
+    return "n/a" if x < 0 else f"{x / 2**20:.1f} MiB"
 
 
 def main() -> None:
@@ -317,6 +426,12 @@ def main() -> None:
         help="2d: 24 (rows, 4096) matrices; 1d: 1-D tensors of --shard-numel local elements",
     )
     ap.add_argument("--shard-numel", type=int, default=16 << 20, help="1d: elements per shard")
+    ap.add_argument(
+        "--no-reshard",
+        dest="reshard",
+        action="store_false",
+        help="skip the resharding loads (N -> 1 and 1 -> N ranks)",
+    )
     args = ap.parse_args()
     if args.reps < 3:
         ap.error("--reps must be >= 3 (medians of at least 3)")
@@ -331,18 +446,11 @@ def main() -> None:
     base = tempfile.mkdtemp(prefix="tcp_vs_dcp_", dir=args.dir)
     args.dir = base
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
     try:
-        procs = [ctx.Process(target=worker, args=(r, args.ranks, port, args, q))
-                 for r in range(args.ranks)]  # fmt: skip
-        for p in procs:
-            p.start()
-        out = q.get()
-        for p in procs:
-            p.join()
-        if any(p.exitcode for p in procs):
-            sys.exit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+        out = _spawn(ctx, worker, args.ranks, args)
+        if args.reshard and args.ranks > 1:
+            out["res"].update(_spawn(ctx, reshard_worker, 1, args))
+            out["res"].update(_spawn(ctx, reshard_worker, args.ranks, args))
     finally:
         shutil.rmtree(base, ignore_errors=True)
     res = {k: statistics.median(v) for k, v in out["res"].items()}
@@ -357,12 +465,17 @@ def main() -> None:
         ("trainer blocking, async save", "ours_block", "dcp.async_save", "dcp_async_block",
          0.2, "raw_stage"),
         ("total write (until durable)", "ours_write", "dcp.save", "dcp_save", 0.7, "raw_write"),
-        ("load (in place, cold cache)", "ours_load", "dcp.load", "dcp_load", 0.7, "raw_read"),
-        ("load, checks off (DCP has none)", "ours_load_noverify", "dcp.load", "dcp_load", 0.7,
+        ("load (in place, cold cache)", "ours_load", "dcp.load", "dcp_load", 0.5, "raw_read"),
+        ("load, checks off (DCP has none)", "ours_load_noverify", "dcp.load", "dcp_load", 0.5,
          "raw_read"),
-        ("load (in place, warm cache)", "ours_load_warm", "dcp.load", "dcp_load_warm", 0.7,
+        ("load (in place, warm cache)", "ours_load_warm", "dcp.load", "dcp_load_warm", 0.5,
          None),
     ]  # fmt: skip
+    n = args.ranks
+    for tag, what in ((f"rs_{n}to1", f"{n} -> 1 ranks"), (f"rs_1to{n}", f"1 -> {n} ranks")):
+        if f"{tag}_ours" in res:
+            rows.append((f"load resharding {what} (cold)", f"{tag}_ours", "dcp.load",
+                         f"{tag}_dcp", 0.8, None))  # fmt: skip
     print(
         "| metric | torch_checkpointing | DCP | DCP call | ratio | goal | raw floor | floor / DCP |"
     )
@@ -383,9 +496,38 @@ def main() -> None:
         f"dcp.async_save {res['dcp_first_async_block']:.3f} s; dcp.async_save until done: "
         f"{res['dcp_async_total']:.3f} s"
     )
+    largest = out["largest"]
+    print(
+        "\nour cold load, where the time went (LoadStats, median of the max over ranks; I/O "
+        "phases summed over I/O threads):"
+    )
+    for _, ours, _, _, _, _ in rows:
+        if f"{ours}.total_s" not in res:
+            continue
+        parts = ", ".join(f"{k[:-2]} {res[f'{ours}.{k}']:.3f}" for k in _PHASES)
+        print(
+            f"  {ours}: total {res[f'{ours}.total_s']:.3f} s = {parts} s; "
+            f"{_mib(res[f'{ours}.bytes_direct'])} straight into targets, "
+            f"{_mib(res[f'{ours}.bytes_copied'])} copied"
+        )
+    print(
+        f"\npeak extra memory during a load (RSS high-water above the RSS before it, reset "
+        f"with /proc/self/clear_refs; max over ranks; median), largest local tensor "
+        f"{_mib(largest)}:"
+    )
+    for _, ours, _, theirs, _, _ in rows:
+        if f"{ours}_mem" not in res:
+            continue
+        mine, dcps = res[f"{ours}_mem"], res[f"{theirs}_mem"]
+        ratio = "n/a" if mine < 0 else f"{mine / largest:.2f}x"
+        print(
+            f"  {ours}: ours {_mib(mine)} ({ratio} the largest tensor; loader buffers "
+            f"{_mib(res[f'{ours}.staging_peak_bytes'])}), DCP {_mib(dcps)}"
+        )
     print("raw (max over ranks, per rep):")
     for k, v in out["res"].items():
-        print(f"  {k}: {[round(x, 3) for x in v]}")
+        if "." not in k:
+            print(f"  {k}: {[round(x, 3) for x in v]}")
 
 
 if __name__ == "__main__":

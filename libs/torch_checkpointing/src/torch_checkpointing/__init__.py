@@ -29,6 +29,7 @@ _EXPORTS = {
     "CheckpointWriteError": "_errors",
     "CorruptCheckpointError": "_errors",
     "StateMismatchError": "_errors",
+    "LoadStats": "_stats",
 }
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "CorruptCheckpointError",
     "FileSystemStorage",
     "FsspecStorage",
+    "LoadStats",
     "PerRank",
     "SaveHandle",
     "StateMismatchError",
@@ -62,6 +64,7 @@ if TYPE_CHECKING:  # pragma: no cover
         CorruptCheckpointError,
         StateMismatchError,
     )
+    from ._stats import LoadStats
     from ._tree import PerRank
     from .hf import load_hf, save_hf
     from .manager import CheckpointManager, SaveHandle

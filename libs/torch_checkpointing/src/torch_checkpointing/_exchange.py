@@ -53,6 +53,30 @@ class GlobalPlan:
     manifest_items: dict[str, Any]
 
 
+_ARITH_ROWS = 1 << 20
+
+
+def shard_box(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: Any, placements: Any
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offsets) of the shard at mesh ``coord`` of a tensor placed with
+    ``Shard`` / ``Replicate``: each ``Shard(d)``, left to right, splits the current extent of
+    dim ``d`` as ``torch.chunk`` does. Arithmetic only (torch's own computation allocates an
+    index tensor the size of the sharded dimension)."""
+    local, off = list(shape), [0] * len(shape)
+    for m, p in enumerate(placements):
+        d = getattr(p, "dim", None)
+        if d is None:  # Replicate
+            continue
+        d %= len(shape)
+        size, n = local[d], mesh_shape[m]
+        chunk = -(-size // n)
+        start = min(int(coord[m]) * chunk, size)
+        local[d] = min(size, start + chunk) - start
+        off[d] += start
+    return tuple(local), tuple(off)
+
+
 class LayoutCache:
     """DTensor facts that depend only on (mesh, placements, global shape), per manager."""
 
@@ -68,12 +92,19 @@ class LayoutCache:
             return self._offsets[key]
         except KeyError:
             pass
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         rs.check_placements(dt, name)
         offsets = None
-        if mesh.get_coordinate() is not None:
-            _, off = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
+        coord = mesh.get_coordinate()
+        if coord is not None:
+            # torch's computation is the reference, but allocates an int64 index over each
+            # sharded dim (64 MiB for 8 M rows, on the first save or load of a layout): past
+            # _ARITH_ROWS rows, the same split by arithmetic, checked against the local shape.
+            local, off = shard_box(tuple(dt.shape), tuple(mesh.shape), coord, dt.placements)
+            rows = max((dt.shape[p.dim] for p in dt.placements if hasattr(p, "dim")), default=0)
+            if rows <= _ARITH_ROWS or local != tuple(dt._local_tensor.shape):
+                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+                _, off = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
             offsets = tuple(int(o) for o in off)
         self._offsets[key] = offsets
         return offsets

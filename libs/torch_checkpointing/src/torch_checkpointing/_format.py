@@ -176,6 +176,11 @@ def block_digest(data: memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def block_hasher() -> Any:
+    """A streaming hasher giving ``block_digest`` of the bytes fed to it."""
+    return xxhash.xxh3_64()
+
+
 def _block_digests(pieces: Sequence[memoryview], block_size: int) -> list[int]:
     digests: list[int] = []
     hasher = xxhash.xxh3_64()

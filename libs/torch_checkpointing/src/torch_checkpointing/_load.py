@@ -9,6 +9,7 @@ touched), file sizes next; then every target box is filled from the overlapping 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from . import _tree as tr
 from ._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from ._exchange import LayoutCache, allgather_int64
 from ._retention import Attempt
+from ._stats import LoadStats
 
 if TYPE_CHECKING:  # pragma: no cover
     from .storage import Storage
@@ -37,8 +39,17 @@ def load_folder(
     verify: bool,
     io_threads: int,
     layout: LayoutCache,
+    stats: LoadStats | None = None,
 ) -> int:
-    """Fill ``state`` from the checkpoint in ``folder``; returns its step."""
+    """Fill ``state`` from the checkpoint in ``folder``; returns its step.
+
+    Tensor bytes land in the targets before their checksums are checked (``_stream``); a
+    mismatch then raises ``CorruptCheckpointError`` saying the state was partly overwritten,
+    before any non-tensor state is applied.
+    """
+    stats = stats if stats is not None else LoadStats()
+    stats.add(attempts=1)
+    t_start = time.perf_counter()
     world = manifest["world_size"]
     markers = []
     for r in range(world):
@@ -106,7 +117,9 @@ def load_folder(
                 if (item, key) in stored:
                     targets = layout.local_chunks(leaf)
                     rs.plan_leaf(plan, item, leaf, stored[(item, key)], targets)
-        for path in sorted(set(plan.requests) | {p for p, _ in tree_files.values()}):
+        t_open = time.perf_counter()
+        stats.add(metadata_s=t_open - t_start)
+        for path in sorted(plan.paths() | {p for p, _ in tree_files.values()}):
             try:
                 size = storage.size(path)
             except FileNotFoundError as e:
@@ -119,6 +132,8 @@ def load_folder(
                     "it is truncated or was replaced",
                     path,
                 )
+        t_tree = time.perf_counter()
+        stats.add(open_s=t_tree - t_open)
         trees = {}
         for item in flats:
             if item not in tree_files:
@@ -126,16 +141,27 @@ def load_folder(
                     f"{folder}: no file holds the non-tensor state of item {item!r}"
                 )
             path, data_start = tree_files[item]
-            trees[item] = _read_tree(storage, path, data_start, files[path])
+            trees[item] = _read_tree(storage, path, data_start, files[path], stats)
+        stats.add(deserialize_s=time.perf_counter() - t_tree)
         if not verify:
             files = {p: rs.FileInfo(p, f.size, None, None) for p, f in files.items()}
-        rs.execute(storage, plan, files, threads=io_threads)
+        try:
+            rs.execute(storage, plan, files, threads=io_threads, stats=stats)
+        except CorruptCheckpointError as e:
+            e.args = (
+                f"{e.args[0]}; the tensors of the state were partly overwritten by this load: "
+                "do not use them (load(..., fallback=True) loads an older checkpoint over them)",
+                *e.args[1:],
+            )
+            raise
+        t_fill = time.perf_counter()
         for item, flat in flats.items():
             value = state[item]
             if isinstance(value, tr.PerRank):
                 value.value = tr.fill(value.value, trees[item], flat)
             else:
                 state[item] = tr.fill(value, trees[item], flat)
+        stats.add(deserialize_s=time.perf_counter() - t_fill)
     return int(manifest["step"])
 
 
@@ -216,8 +242,13 @@ def _check_entries(
         )
 
 
-def _read_tree(storage: Storage, path: str, data_start: int, info: rs.FileInfo) -> Any:
+def _read_tree(
+    storage: Storage, path: str, data_start: int, info: rs.FileInfo, stats: LoadStats
+) -> Any:
     buf = bytearray(data_start)
+    scratch = -(-data_start // info.block_size) * info.block_size if info.block_size else 0
+    stats.buffer(data_start + scratch)  # the header and read_verified's block scratch
+    stats.buffer(-(data_start + scratch))
     fmt.read_verified(
         storage,
         path,

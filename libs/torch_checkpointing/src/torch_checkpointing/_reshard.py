@@ -3,9 +3,10 @@
 Every stored chunk is a contiguous row-major box of a global tensor at known offsets; every
 target (a plain tensor, a DTensor's local shard, a sharded-protocol chunk) is another box.
 For each pair that overlaps, the overlap is a set of contiguous *runs* inside the stored
-chunk's bytes. Runs are read straight into the target's memory when the overlap is one
-contiguous slab on both sides, else into a compact scratch buffer that is then copied into
-the target view. Reads go through ``_format.read_verified`` (checksum blocks).
+chunk's bytes. The overlap is read straight into the target's memory when it is one
+contiguous slab on both sides (and the target is on the CPU), else it becomes copy pieces
+(``_stream.split_copy``): staged, verified, then copied into the target view. ``_stream``
+runs the reads, batched per file, reading only the checksum blocks the overlaps touch.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import itertools
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,8 @@ import torch
 
 from . import _format as fmt
 from ._errors import CheckpointError
+from ._stats import LoadStats
+from ._stream import CopyPiece, FilePlan, Streamer, split_copy
 from ._tree import Leaf, display, torch_dtype
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -48,12 +50,21 @@ class FileInfo:
 
 @dataclass(slots=True)
 class ReadPlan:
+    """Per file: direct requests (bytes straight into contiguous CPU targets) and copy pieces
+    (bytes staged, then copied into strided or device targets)."""
+
     requests: dict[str, list[fmt.ReadRequest]] = field(default_factory=dict)
-    post: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    pieces: dict[str, list[CopyPiece]] = field(default_factory=dict)
     keep: list[Any] = field(default_factory=list)
 
     def add(self, path: str, req: fmt.ReadRequest) -> None:
         self.requests.setdefault(path, []).append(req)
+
+    def add_copy(self, path: str, pieces: list[CopyPiece]) -> None:
+        self.pieces.setdefault(path, []).extend(pieces)
+
+    def paths(self) -> set[str]:
+        return set(self.requests) | set(self.pieces)
 
 
 def bytes_view(t: torch.Tensor) -> memoryview:
@@ -209,6 +220,7 @@ def _plan_overlap(
         and t.is_contiguous()
         and _count_runs(tuple(t.shape), n) == 1
     ):
+        # Straight into the target's memory: no scratch buffer, no second copy.
         (s_start,), _ = _runs(c.shape, s_lo, n)
         (t_start,), _ = _runs(tuple(t.shape), t_lo, n)
         dst = bytes_view(t)[t_start * isz : t_start * isz + nbytes]
@@ -216,62 +228,12 @@ def _plan_overlap(
         start = c.start + s_start * isz
         plan.add(c.file, fmt.ReadRequest(start, start + nbytes, dst))
         return
+    # Through staging: the overlap's source is a row-major box inside the stored chunk.
     view = t[tuple(slice(a, a + k) for a, k in zip(t_lo, n, strict=True))]
-    if s_runs == 1:
-        (s_start,), _ = _runs(c.shape, s_lo, n)
-        temp = torch.empty(nbytes, dtype=torch.uint8)
-        start = c.start + s_start * isz
-        plan.add(c.file, fmt.ReadRequest(start, start + nbytes, bytes_view(temp)))
-        plan.post.append((view, temp.view(dtype).view(n)))
-        return
-    starts, run = _runs(c.shape, s_lo, n)
-    hull = (starts[-1] + run - starts[0]) * isz
-    if len(starts) > _MAX_RUNS or hull <= 2 * nbytes:
-        # One read of the span from the first run to the last, then a strided view of it.
-        temp = torch.empty(hull, dtype=torch.uint8)
-        start = c.start + starts[0] * isz
-        plan.add(c.file, fmt.ReadRequest(start, start + hull, bytes_view(temp)))
-        src = temp.view(dtype).as_strided(n, _strides(c.shape), 0)
-        plan.post.append((view, src))
-        return
-    temp = torch.empty(nbytes, dtype=torch.uint8)
-    mv = bytes_view(temp)
-    rb = run * isz
-    for i, s in enumerate(starts):
-        start = c.start + s * isz
-        plan.add(c.file, fmt.ReadRequest(start, start + rb, mv[i * rb : (i + 1) * rb]))
-    plan.post.append((view, temp.view(dtype).view(n)))
-
-
-def _units(
-    reqs: list[fmt.ReadRequest], block_size: int | None, unit: int
-) -> list[list[fmt.ReadRequest]]:
-    """Cut a file's requests into independent work units of about ``unit`` bytes.
-
-    Large requests are split at multiples of a block-aligned step, so no checksum block is
-    split between two pieces of one request; a block shared by two requests that land in
-    different units is simply read (and verified) by both.
-    """
-    step = unit if block_size is None else max(block_size, unit // block_size * block_size)
-    pieces: list[fmt.ReadRequest] = []
-    for r in sorted(reqs, key=lambda r: r.start):
-        a = r.start
-        while a < r.end:
-            b = min(r.end, (a // step + 1) * step)
-            pieces.append(fmt.ReadRequest(a, b, r.dst[a - r.start : b - r.start]))
-            a = b
-    units: list[list[fmt.ReadRequest]] = []
-    cur: list[fmt.ReadRequest] = []
-    size = 0
-    for p in pieces:
-        cur.append(p)
-        size += p.end - p.start
-        if size >= unit:
-            units.append(cur)
-            cur, size = [], 0
-    if cur:
-        units.append(cur)
-    return units
+    st = _strides(c.shape)
+    first = sum(a * k for a, k in zip(s_lo, st, strict=True))
+    pieces = split_copy(c.start + first * isz, view, st, isz, sparse=s_runs <= _MAX_RUNS)
+    plan.add_copy(c.file, pieces)
 
 
 def execute(
@@ -280,40 +242,21 @@ def execute(
     files: dict[str, FileInfo],
     *,
     threads: int = 8,
-    unit: int = 16 << 20,
-    on_read: Any = None,
+    stats: LoadStats | None = None,
 ) -> None:
-    """Run every planned read, then copy scratch buffers into targets.
-
-    Reads run as ~16 MiB units on ``threads`` threads (files and ranges within a file in
-    parallel): a cold load is bound by storage latency and queue depth, not bandwidth.
-    """
-    work = [
-        (path, u)
-        for path in sorted(plan.requests)
-        for u in _units(plan.requests[path], files[path].block_size, unit)
-    ]
-
-    def one(path: str, reqs: list[fmt.ReadRequest]) -> None:
+    """Run every planned read (``_stream``): each file's needed checksum blocks in large
+    sequential chunks, verified as they arrive, on ``threads`` I/O threads."""
+    plans = []
+    for path in sorted(plan.paths()):
         info = files[path]
-        fmt.read_verified(
-            storage,
-            path,
-            reqs,
-            size=info.size,
-            block_size=info.block_size,
-            crcs=info.crcs,
-            max_segment=unit,
-            on_read=on_read,
+        plans.append(
+            FilePlan(
+                path,
+                info.size,
+                info.block_size,
+                info.crcs,
+                list(plan.requests.get(path, [])),
+                list(plan.pieces.get(path, [])),
+            )
         )
-
-    if threads > 1 and len(work) > 1:
-        with ThreadPoolExecutor(max_workers=min(threads, len(work))) as pool:
-            for f in [pool.submit(one, p, u) for p, u in work]:
-                f.result()
-    else:
-        for p, u in work:
-            one(p, u)
-    with torch.no_grad():
-        for view, src in plan.post:
-            view.copy_(src)
+    Streamer(storage, plans, threads=threads, stats=stats).run()

@@ -45,6 +45,7 @@ from ._errors import (
 from ._load import load_first_intact, load_folder
 from ._lock import RootLock
 from ._staging import Stager, StagingBuffer
+from ._stats import LoadStats, total_time
 from ._writer import BackgroundWriter, check_process_safe, execute_job
 from .policy import ASYNC_MODES, CheckpointPolicy
 from .storage import FileSystemStorage, PrefixedStorage, Storage
@@ -426,6 +427,7 @@ class CheckpointManager:
         strict: bool = True,
         verify: bool = True,
         fallback: bool = False,
+        stats: LoadStats | None = None,
     ) -> int:
         """Fill ``state`` in place from the checkpoint of ``step`` (default: the newest one).
 
@@ -443,10 +445,17 @@ class CheckpointManager:
         each one skipped and why; nothing is deleted. ``fallback=True`` is collective: every
         rank of the group calls it, and all ranks load the same step.
 
+        Tensors are read in place and verified as they arrive (damage: see above); ``stats``
+        (a ``LoadStats``) gets where the time went.
+
         Returns the step loaded. Loading the newest checkpoint of a run continues that run's
         lineage (``keep_last`` retention goes on deleting its old checkpoints); loading any
         other starts a new lineage, which leaves every existing checkpoint alone.
         """
+        with total_time(stats):
+            return self._load(state, step, strict, verify, fallback, stats)
+
+    def _load(self, state, step, strict, verify, fallback, stats) -> int:
         self._check_open()
         self._raise_pending()
         _check_state(state, "load")
@@ -468,7 +477,7 @@ class CheckpointManager:
             self._not_found(step, attempts)
         if fallback:
             loaded, skipped = load_first_intact(
-                self._pg, candidates, lambda a: self._load_one(state, a, strict, verify)
+                self._pg, candidates, lambda a: self._load_one(state, a, strict, verify, stats)
             )
             if loaded is None:
                 detail = "; ".join(f"{a.name}: {r}" for a, r in skipped)
@@ -486,12 +495,12 @@ class CheckpointManager:
                     f"step {skipped[0][0].step}, because newer checkpoints are damaged; they were "
                     f"left in place: {detail}",
                     CheckpointWarning,
-                    stacklevel=2,
+                    stacklevel=3,  # the caller of load()
                 )
         else:
             loaded = candidates[0]
             try:
-                self._load_one(state, loaded, strict, verify)
+                self._load_one(state, loaded, strict, verify, stats)
             except CorruptCheckpointError as e:
                 older = [
                     a.step for a in readable[::-1] if a.status == ret.COMPLETE and a is not loaded
@@ -515,7 +524,7 @@ class CheckpointManager:
             f"steps: {complete}"
         )
 
-    def _load_one(self, state: dict[str, Any], a: ret.Attempt, strict: bool, verify: bool) -> None:
+    def _load_one(self, state: dict[str, Any], a: ret.Attempt, strict, verify, stats) -> None:
         if a.status == ret.DAMAGED:
             raise CorruptCheckpointError(
                 f"{a.name} (step {a.step}) is damaged: {a.reason}", f"{a.name}/{fmt.MANIFEST}"
@@ -533,6 +542,7 @@ class CheckpointManager:
                 verify=verify,
                 io_threads=self.policy.io_threads,
                 layout=self._layout,
+                stats=stats,
             )
         except FileNotFoundError as e:
             self._attempts_cache.pop(a.name, None)
