@@ -83,7 +83,7 @@ def test_starting_run_is_named_for_its_corpus():
     assert slip.data.arithmetic_slip_rate == 0.6 and slip.data.arithmetic_reverse_answer
     tool = starting_job(get_rl_recipe("tool_grpo"))
     assert tool.data.source == "chat" and tool.data.chat_environment == "tool_calc"
-    assert tool.name == "llama3_debug_tool_calc_1500"
+    assert tool.name == "llama3_debug_tool_calc_3500"
 
 
 def test_shapes_prompts_carry_their_images_laid_out_as_the_training_samples():

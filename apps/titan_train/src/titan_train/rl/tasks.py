@@ -256,7 +256,7 @@ TASKS: dict[str, TaskSpec] = {
         _shapes_build,
     ),
 }
-for _name, _steps in (("sorting", 1500), ("tool_calc", 1500), ("search", 1500), ("code", 1500)):
+for _name, _steps in (("sorting", 1500), ("tool_calc", 3500), ("search", 1500), ("code", 1500)):
     _env = _Environment(_name)
     TASKS[_name] = TaskSpec(
         f"multi-turn environment {_name} (titan_train.environments)",
