@@ -185,6 +185,12 @@ def test_context_parallel_composes_with_pipeline_and_expert_parallelism(composed
             "parallel.cp=2 does not compose with remat.policy='selective' yet",
         ),
         (
+            ["--model.family", "deepseek_v4", "--parallel.cp", "2"],
+            2,
+            "parallel.cp=2 does not compose with model.family='deepseek_v4' (its plan: no "
+            "context parallelism) yet",
+        ),
+        (
             ["--model.family", "qwen3_5", "--parallel.cp", "4", "--training.seq-len", "16"],
             4,
             "parallel.cp=4 splits training.seq_len=16 into chunks of 2 tokens, shorter than "

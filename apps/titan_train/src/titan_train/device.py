@@ -41,6 +41,15 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def replica_device(index: int) -> torch.device:
+    """Device of generator replica ``index``: the accelerator's device ``index`` modulo the
+    visible ones (any accelerator type), else the CPU."""
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if accelerator is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.type, index % torch.accelerator.device_count())
+
+
 def device_type(name: str) -> str:
     """The device type a job's mesh uses (``auto`` resolved on this machine)."""
     return resolve_device(name).type if name == "auto" else name

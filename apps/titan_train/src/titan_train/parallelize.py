@@ -224,7 +224,7 @@ def check_plan(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:
             "not supported under pipelining yet"
         )
     if dims.cp > 1:
-        _check_context_parallel(cfg, dims, model_config)
+        _check_context_parallel(cfg, dims, model_config, plan.context_parallel)
     if dims.cp > 1 and getattr(model_config, "num_mtp_modules", 0):
         raise ValueError(
             f"parallel.cp={dims.cp}: multi-token prediction (num_mtp_modules="
@@ -243,14 +243,15 @@ def check_plan(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:
             raise ValueError("parallel.ep > 1 together with parallel.tp > 1 is not supported yet")
 
 
-def _check_context_parallel(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:
+def _check_context_parallel(
+    cfg: JobConfig, dims: ParallelDims, model_config: Any, plan_allows: bool
+) -> None:
     """What context parallelism does not compose with yet: one error naming it."""
     not_yet = {
         # selective remat likely caches every score tile's matmul of the attention's forward
         # (measured: 2,333 GiB of activations per rank, Llama 3 8B at 128K over CP 8)
         "remat.policy='selective'": cfg.remat.policy == "selective",
-        f"model.family={cfg.model.family!r} (compressed attention)": cfg.model.family
-        == "deepseek_v4",
+        f"model.family={cfg.model.family!r} (its plan: no context parallelism)": not plan_allows,
     }
     for feature, used in not_yet.items():
         if used:

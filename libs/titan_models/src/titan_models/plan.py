@@ -78,6 +78,9 @@ class ModelPlan:
     stage_inputs: tuple[str, ...] = ()
     """Forward keyword arguments every pipeline stage needs from the batch besides positions and
     documents: ``token_ids`` (the input ids, ``(B, S)``) for hash-routed MoE layers."""
+    context_parallel: bool = True
+    """Whether the attention can be split over a context-parallel group (DeepSeek-V4's
+    compressed attention cannot yet)."""
 
 
 def decoder_plan(

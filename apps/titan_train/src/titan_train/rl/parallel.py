@@ -14,6 +14,7 @@ from torch import nn
 import flexshard
 import titan_models
 import titan_rl
+from titan_train.device import replica_device
 
 
 class StartingModel:
@@ -39,17 +40,14 @@ class AdamW:
 
 class Generators:
     """``generator_factory(index)``: a ``TorchGenerator`` over the starting model on the
-    replica's device (CUDA device ``index`` modulo the visible ones, else CPU)."""
+    replica's device (``titan_train.device.replica_device``)."""
 
     def __init__(self, model: StartingModel, *, batch_invariant: bool) -> None:
         self.model, self.batch_invariant = model, batch_invariant
 
     def __call__(self, index: int) -> titan_rl.TorchGenerator:
-        device = torch.device("cpu")
-        if torch.cuda.is_available():
-            device = torch.device("cuda", index % torch.cuda.device_count())
         return titan_rl.TorchGenerator(
-            self.model(device).eval(), batch_invariant=self.batch_invariant
+            self.model(replica_device(index)).eval(), batch_invariant=self.batch_invariant
         )
 
 

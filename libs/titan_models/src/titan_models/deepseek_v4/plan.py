@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..plan import ModelPlan, decoder_plan
 from .config import HASH_MOE, DeepSeekV4Config
 from .model import DeepSeekV4
@@ -23,7 +25,7 @@ def plan(config: DeepSeekV4Config) -> ModelPlan:
     if "compressed_sparse_attention" in c.layer_types:
         replicated += ["indexer.wq_b", "indexer.weights_proj"]
         replicated += [f"indexer.compressor.{n}" for n in ("wkv", "wgate", "norm")]
-    return decoder_plan(
+    layout = decoder_plan(
         DeepSeekV4,
         config,
         colwise=(f"{attention}.wq_b", f"{attention}.sinks", f"{attention}.wo_a"),
@@ -33,3 +35,4 @@ def plan(config: DeepSeekV4Config) -> ModelPlan:
         stage_width=c.hc_mult * c.dim,
         stage_inputs=("token_ids",) if HASH_MOE in c.mlp_layer_types else (),
     )
+    return dataclasses.replace(layout, context_parallel=False)  # compressed attention
