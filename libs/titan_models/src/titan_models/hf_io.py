@@ -18,7 +18,6 @@ import functools
 import json
 import math
 import os
-import re
 import shutil
 import uuid
 from collections import defaultdict
@@ -28,16 +27,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from .components import Transformer, TransformerConfig, local_chunks
 from .hf_adapter import HFAdapter, HFTensor
+from .hf_files import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    _read_json,
+    _safe_open,
+    checkpoint_files,
+    parse_size,
+)
 from .registry import family_for_hf, family_of
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
 _DTYPES = {
     "F64": torch.float64,
@@ -440,78 +443,6 @@ def _standalone(export: HFExport, key: str) -> torch.Tensor:
     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
         tensor = tensor.clone()
     return tensor
-
-
-def checkpoint_files(root: Path) -> dict[str, Path]:
-    """Every tensor key of the checkpoint in ``root`` and the file holding it."""
-    index = root / INDEX_FILE
-    if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index} has no weight_map object")
-        inside = root.resolve()
-        files = {}
-        for key, name in weight_map.items():
-            file = root / str(name)
-            if Path(str(name)).is_absolute() or not file.resolve().is_relative_to(inside):
-                raise ValueError(
-                    f"{index}: weight_map[{key!r}] = {name!r} is outside the checkpoint folder"
-                )
-            files[key] = file
-        for file in sorted(set(files.values())):
-            if not file.is_file():
-                raise FileNotFoundError(f"{file}, named in {index}, does not exist")
-        return files
-    paths = (
-        [root / SINGLE_FILE]
-        if (root / SINGLE_FILE).is_file()
-        else sorted(root.glob("*.safetensors"))
-    )
-    if not paths:
-        raise FileNotFoundError(f"{root} holds no *.safetensors file")
-    files: dict[str, Path] = {}
-    for file in paths:
-        with _safe_open(file) as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if key in files:
-                    raise ValueError(f"tensor {key!r} is in both {files[key].name} and {file.name}")
-                files[key] = file
-    return files
-
-
-def _read_json(file: Path) -> dict:
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{file} is not a readable JSON file ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{file} must hold a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _safe_open(file: Path) -> Any:
-    """``safe_open`` whose failure (a truncated or corrupt file) names the file."""
-    try:
-        return safe_open(file, framework="pt")
-    except Exception as e:  # safetensors raises its own SafetensorError
-        raise ValueError(f"{file} is not a readable safetensors file ({e})") from None
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes in ``size``: an int, or a number with B/KB/MB/GB/TB (powers of 1000) or
-    KiB/MiB/GiB/TiB (powers of 1024)."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(size), re.IGNORECASE)
-        if not match:
-            raise ValueError(f"max_shard_size={size!r} is not a size like 5GB, 512MiB or 1000000")
-        unit = (match.group(2) or "B").upper()
-        power = "BKMGT".index(unit[0])
-        value = int(float(match.group(1)) * (1024 if "I" in unit else 1000) ** power)
-    if value < 1:
-        raise ValueError(f"max_shard_size must be at least one byte, got {size!r}")
-    return value
 
 
 def _declared_dtype(hf_config: dict) -> torch.dtype | None:
