@@ -51,7 +51,7 @@ class TrainState:
             torch.cuda.set_rng_state(state["device_rng"], self.device)
 
 
-class _ModelState:
+class ModelState:
     """The model's checkpoint item: sharded pieces (flexshard's protocol objects, DTensors)
     of every local part under the unsplit model's FQNs. ``per_rank``: this rank's pieces as
     plain tensors (what a ``PerRank`` item holds), keyed ``fqn@offset``; they alias the live
@@ -82,7 +82,7 @@ class _ModelState:
         pass
 
 
-class _OptimizerState:
+class OptimizerState:
     """The optimizer's checkpoint item under flexshard: state keyed by parameter FQN, moments
     as sharded pieces with their parameter's layout (filled in place on load)."""
 
@@ -118,9 +118,9 @@ def checkpoint_state(
 
     # Stages and experts differ per rank; HSDP replicas hold duplicate shards.
     per_rank = pm.dims.pp > 1 or bool(pm.experts) or pm.dims.dp_replicate > 1
-    model = PerRank(_ModelState(pm, per_rank=True)) if per_rank else _ModelState(pm)
+    model = PerRank(ModelState(pm, per_rank=True)) if per_rank else ModelState(pm)
     if pm.sharded and not per_rank:  # reshardable, like the parameters
-        optim = _OptimizerState(pm.parts[0], optimizer)
+        optim = OptimizerState(pm.parts[0], optimizer)
     else:
         optim = PerRank(optimizer)
     return {

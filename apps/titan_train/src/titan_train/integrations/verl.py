@@ -437,17 +437,22 @@ class TitanEngine(BaseEngine):
             manager.load(state)
 
     def _checkpoint_state(self, contents: list[str], step: int) -> dict[str, Any]:
-        from titan_train.checkpointing import TrainState
+        import flexshard
+        from titan_train.checkpointing import ModelState, OptimizerState, TrainState
         from torch_checkpointing import PerRank
 
         # HSDP replicas hold the same shards, so their pieces are saved per rank (as the app does).
         per_rank = self.dims.dp_replicate > 1
         state: dict[str, Any] = {}
         if "model" in contents:
-            model = _ModelItem(self.pm)
+            model = ModelState(self.pm)
             state["model"] = PerRank(model) if per_rank else model
         if "optimizer" in contents and self.optimizer is not None:
-            optim = _OptimizerItem(self.pm, self.optimizer)
+            if self.pm.sharded:  # moments with their parameter's layout: reshardable
+                optim = OptimizerState(self.pm.parts[0], self.optimizer)
+            else:
+                flexshard.init_optim_state(self.optimizer)  # a fresh one: targets to load into
+                optim = self.optimizer
             state["optim"] = PerRank(optim) if per_rank else optim
         if "extra" in contents:
             if self.lr_scheduler is not None:
@@ -456,47 +461,6 @@ class TitanEngine(BaseEngine):
             train.step = step
             state["train"] = PerRank(train)
         return state
-
-
-class _ModelItem:
-    """The model's checkpoint item: flexshard's sharded pieces (or whole tensors on one rank)
-    under the model's FQNs; loading fills them in place."""
-
-    def __init__(self, pm: ParallelModel) -> None:
-        self.pm = pm
-
-    def state_dict(self) -> dict[str, Any]:
-        import flexshard
-
-        part = self.pm.parts[0]
-        return flexshard.sharded_state_dict(part) if self.pm.sharded else part.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass  # torch_checkpointing filled the pieces in place
-
-
-class _OptimizerItem:
-    """The optimizer's checkpoint item: its moments with their parameter's layout (flexshard),
-    so a checkpoint loads into another world size."""
-
-    def __init__(self, pm: ParallelModel, optimizer: torch.optim.Optimizer) -> None:
-        self.pm, self.optimizer = pm, optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        import flexshard
-
-        flexshard.init_optim_state(self.optimizer)  # a fresh optimizer: targets to load into
-        if not self.pm.sharded:
-            return self.optimizer.state_dict()
-        return flexshard.sharded_optim_state_dict(self.pm.parts[0], self.optimizer)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not self.pm.sharded:
-            self.optimizer.load_state_dict(state)
-            return
-        import flexshard
-
-        flexshard.load_sharded_optim_state_dict(self.pm.parts[0], self.optimizer, state)
 
 
 class _ModeCtx(BaseEngineCtx):
