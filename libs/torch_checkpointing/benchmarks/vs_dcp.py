@@ -35,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -253,18 +254,24 @@ def _rmtree(path: str) -> None:
     dist.barrier()
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_q) -> None:
+def _join(rank: int, world: int, port: int, args: argparse.Namespace) -> Any:
+    """This rank in the gloo group of ``world`` ranks; its 1-D device mesh."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
-
-    from torch_checkpointing import CheckpointManager, LoadStats
 
     if args.device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    mesh = init_device_mesh(args.device, (world,))
+    return init_device_mesh(args.device, (world,))
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_q) -> None:
+    mesh = _join(rank, world, port, args)
+    import torch.distributed.checkpoint as dcp
+
+    from torch_checkpointing import CheckpointManager, LoadStats
+
     state = build_state(args.gib, mesh, args.layout, args.shard_numel)
     nbytes = local_bytes(state)
     base = args.dir
@@ -352,17 +359,11 @@ def reshard_worker(rank: int, world: int, port: int, args: argparse.Namespace, o
 
     ``world == 1``: load the ``--ranks``-rank checkpoints of the main run (N -> 1), then save
     this state for the next job. Otherwise: load those 1-rank checkpoints (1 -> N)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = _join(rank, world, port, args)
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
 
     from torch_checkpointing import CheckpointManager, LoadStats
 
-    if args.device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    mesh = init_device_mesh(args.device, (world,))
     state = build_state(args.gib, mesh, args.layout, args.shard_numel, ranks=args.ranks)
     src = "" if world == 1 else "_1"
     ours_root, dcp_path = (os.path.join(args.dir, n + src) for n in ("ours", "dcp_keep"))
