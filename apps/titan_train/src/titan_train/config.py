@@ -22,6 +22,11 @@ class ModelConfig:
     from the tokenizer for debug models)."""
     num_mtp_modules: int = -1
     """Multi-token-prediction modules (DeepSeek-V3); -1 keeps the flavour's."""
+    config: tuple[str, ...] = ()
+    """Fields of the family's model config, ``"field=value"`` (nested ones dotted), e.g.
+    ``max_seq_len=16384 rope.theta=1e6 num_layers=2 dim=128``. Values are JSON (``null``,
+    ``true``, ``[0, 2]``) or plain strings; each is checked against the field's type and the
+    config class's own validation."""
     overrides: tuple[str, ...] = ()
     """Component overrides, ``"module-glob=replacement"`` (see titan_train.components), e.g.
     ``output=chunked_cross_entropy``."""

@@ -25,6 +25,7 @@ from .deepseek_v4 import DeepSeekV4, DeepSeekV4Config
 from .flops import flops_per_token, matmul_params, vision_flops
 from .fqn import fqn_matches
 from .gpt_oss import GptOss, GptOssConfig
+from .config_fields import config_field_types, replace_config
 from .hf_io import HFExport, from_hf, hf_export, hf_model_config, load_hf_state, to_hf
 from .kimi_linear import KimiLinear, KimiLinearConfig
 from .llama3 import Llama3, Llama3Config
@@ -82,6 +83,7 @@ __all__ = [
     "attend",
     "attention_backends",
     "check_tensor_parallel",
+    "config_field_types",
     "flops_per_token",
     "fqn_matches",
     "from_hf",
@@ -97,6 +99,7 @@ __all__ = [
     "mtp_loss",
     "quantize_modules",
     "register_attention_backend",
+    "replace_config",
     "resolve_attention_backend",
     "to_hf",
     "vision_flops",
