@@ -19,13 +19,13 @@ from .components import (
     register_attention_backend,
     resolve_attention_backend,
 )
+from .config_fields import config_field_types, replace_config
 from .decoding import greedy_generate
 from .deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from .deepseek_v4 import DeepSeekV4, DeepSeekV4Config
 from .flops import flops_per_token, matmul_params, vision_flops
 from .fqn import fqn_matches
 from .gpt_oss import GptOss, GptOssConfig
-from .config_fields import config_field_types, replace_config
 from .hf_io import HFExport, from_hf, hf_export, hf_model_config, load_hf_state, to_hf
 from .kimi_linear import KimiLinear, KimiLinearConfig
 from .llama3 import Llama3, Llama3Config
