@@ -131,15 +131,25 @@ class FileRecords:
         except (ValueError, OSError) as e:  # a file that does not parse as its suffix says
             raise ValueError(f"data.paths={list(self.paths)} as {self.format}: {e}") from None
         assert whole.num_shards == len(self.paths), (whole.num_shards, self.paths)
+        # Declared features, or concatenating would read the head of every file to infer
+        # them (for json, datasets infers them from the first file's head, as it would).
+        features = (whole.features or self._read_features(whole)).copy()
+        features[_FILE] = features[_ROW] = datasets.Value("int64")
         # One single-file stream per file: its row count restarts at 0 and follows the file
         # wherever a shuffle of the file order puts it.
         files = [
             whole.shard(num_shards=len(self.paths), index=f).map(
-                _name_rows, with_indices=True, fn_kwargs={"file": f}
+                _name_rows, with_indices=True, fn_kwargs={"file": f}, features=features
             )
             for f in range(len(self.paths))
         ]
         return datasets.concatenate_datasets(files)
+
+    def _read_features(self, whole: Any) -> Any:
+        try:
+            return whole._resolve_features().features
+        except (ValueError, OSError) as e:
+            raise ValueError(f"data.paths={list(self.paths)} as {self.format}: {e}") from None
 
     def _epoch(self, epoch: int) -> Iterator[dict[str, Any]]:
         import numpy as np
