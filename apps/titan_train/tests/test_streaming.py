@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from titan_testing import DistributedTestError, run_distributed
+from titan_train.cli import main
 from titan_train.config import JobConfig, validate
 from titan_train.data.file_records import FileRecords
 from titan_train.data.packing import PackedLoader
@@ -64,8 +65,8 @@ def test_each_rank_opens_only_its_own_files_every_epoch(tmp_path, monkeypatch):
             opened.append(str(file))
         return real_open(file, *args, **kwargs)
 
-    # (Building a rank's stream reads the first file's schema and first record, to check the
-    # fields; the records it trains on are read from its own files only.)
+    # (Building a rank's stream checks 8 bytes of every file and reads the first file's schema
+    # and first record, to check formats and fields; records come from its own files only.)
     for epoch in (0, 1, 2):
         seen = []
         for rank in (0, 1):
@@ -135,6 +136,58 @@ def test_validation_records_stay_out_of_every_epoch_on_every_rank(tmp_path):
         assert len(train) == len(set(train)) == FILES * ROWS - len(val) and not set(train) & val
 
 
+def test_without_streaming_validation_records_stay_out_of_shuffled_epochs_of_several_files(
+    tmp_path,
+):
+    # Guards: a record's split index was its position in the epoch's stream, which moved with
+    # the shuffled file order, so validation records of one epoch were trained on in another.
+    paths = _shards(tmp_path)
+
+    def docs(split: str, epoch: int) -> list[str]:
+        src = DocumentSource(
+            kind="files",
+            split=split,
+            paths=paths,
+            validation_fraction=0.25,
+            shuffle_buffer=8,
+            seed=1,
+        )
+        return [d.split()[0] for d in src.documents(epoch=epoch)]
+
+    val = set(docs("validation", 0))
+    assert len(val) == FILES * ROWS // 4
+    for epoch in (1, 2):
+        train = docs("train", epoch)
+        assert sorted(train) == sorted(docs("train", 0)) and not set(train) & val
+
+
+STREAM = ["--data.source", "files", "--data.streaming", "--data.paths"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--data.streaming"], "data.streaming needs local files to stream"),
+        ([*STREAM, "{one}", "--data.shuffle-buffer", "-1"], "data.shuffle_buffer=-1 must be >= 0"),
+        ([*STREAM, "{one}"], "data.paths has 1 file(s) for 2 data-parallel ranks"),
+        ([*STREAM, "{fake}", "{one}"], "fake.parquet' is not a parquet file, but its suffix"),
+    ],
+)
+def test_a_bad_streaming_setting_is_one_error_line_before_any_process(
+    tmp_path, capsys, argv, message
+):
+    (one,) = _shards(tmp_path, files=1)
+    fake = tmp_path / "fake.parquet"
+    fake.write_text('{"text": "json, not parquet"}\n')
+    argv = [a.format(one=one, fake=fake) for a in argv]
+    runs = tmp_path / "runs"
+    assert main(["--output-dir", str(runs), "--training.steps", "1", "--nproc", "2", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("titan-train: error: ") and len(err.splitlines()) == 1, err
+    assert message in err, err
+    assert not runs.exists()
+
+
 def _streaming_loader(paths, rank=0, world=2) -> PackedLoader:
     src = DocumentSource(
         kind="files",
@@ -172,8 +225,18 @@ def test_bad_streaming_inputs_name_the_field_value_and_what_is_allowed(tmp_path)
         _docs((*paths[:1], str(tmp_path / "nope.parquet")))
     fake = tmp_path / "fake.parquet"
     fake.write_text('{"text": "json, not parquet"}\n')
-    with pytest.raises(ValueError, match=r"data.paths=.*fake.parquet.* as parquet: .*magic bytes"):
+    with pytest.raises(ValueError, match=r"data.paths: .*fake.parquet' is not a parquet file"):
         _docs((*paths[:1], str(fake)), world=1)
+    renamed = tmp_path / "parquet.jsonl"
+    renamed.write_bytes(Path(paths[1]).read_bytes())
+    with pytest.raises(
+        ValueError, match=r"parquet.jsonl' is a parquet file, but its suffix says json"
+    ):
+        _docs((str(renamed),), world=1)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "fine"}\n{"text": \n')
+    with pytest.raises(ValueError, match=r"data.paths=.*broken.jsonl.* as json: "):
+        _docs((str(broken),), world=1)
     mixed = tmp_path / "more.jsonl"
     mixed.write_text('{"text": "a"}\n')
     with pytest.raises(ValueError, match=r"data.paths mixes formats \['json', 'parquet'\]"):

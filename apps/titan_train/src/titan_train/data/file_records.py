@@ -14,7 +14,9 @@ Two ways to deal records to the ``world_size`` data-parallel ranks:
   rank whole files (file ``i`` of the epoch's order goes to rank ``i % world_size``), so a
   rank opens only its own files; every epoch, the first one included, shuffles the file
   order and the records (through a buffer) with a generator seeded by ``(seed, epoch)``.
-  Fewer files than ranks is an error: a rank would get nothing.
+  Fewer files than ranks is an error: a rank would get nothing. (At start every rank checks
+  every file's first and last 4 bytes, and reads the first file's schema and first record
+  to check the fields; records come only from its own files.)
 
 Either way an epoch's order is a pure function of ``(seed, epoch, rank, world_size)``, so a
 position is a count of records consumed in an epoch and resuming re-reads (without
@@ -46,7 +48,8 @@ def in_validation(index: int, fraction: float) -> bool:
 
 def check_files(paths: tuple[str, ...]) -> str:
     """The one HF builder (``json``, ``parquet``, ``text``) that reads every file of ``paths``
-    (``ValueError`` naming a missing file, an unknown suffix, or mixed formats)."""
+    (``ValueError`` naming a missing file, an unknown suffix, a file whose content is not what
+    its suffix says (parquet or not: 8 bytes read), or mixed formats)."""
     formats = set()
     for p in paths:
         path = Path(p)
@@ -57,9 +60,30 @@ def check_files(paths: tuple[str, ...]) -> str:
                 f"data.paths: {p!r} has suffix {path.suffix!r}; allowed: {sorted(FORMATS)}"
             )
         formats.add(FORMATS[path.suffix])
+        _check_magic(path)
     if len(formats) != 1:
         raise ValueError(f"data.paths mixes formats {sorted(formats)}; use one format per run")
     return formats.pop()
+
+
+_PARQUET_MAGIC = b"PAR1"
+"""The first and last bytes of every parquet file."""
+
+
+def _check_magic(path: Path) -> None:
+    """A parquet file named otherwise, or another file named ``.parquet``, is an error naming
+    it (``datasets`` would fail later, naming no file)."""
+    with path.open("rb") as f:
+        head = f.read(4)
+        f.seek(max(0, path.stat().st_size - 4))
+        tail = f.read(4)
+    is_parquet = head == tail == _PARQUET_MAGIC
+    if (path.suffix == ".parquet") != is_parquet:
+        what = "is not a parquet file" if path.suffix == ".parquet" else "is a parquet file"
+        raise ValueError(
+            f"data.paths: {str(path)!r} {what}, but its suffix says {FORMATS[path.suffix]}; "
+            f"name each file for its format: {sorted(FORMATS)}"
+        )
 
 
 class FileRecords:
