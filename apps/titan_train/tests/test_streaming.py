@@ -16,9 +16,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+import titan_rl
 from titan_testing import DistributedTestError, run_distributed
 from titan_train.cli import main
 from titan_train.config import JobConfig, validate
+from titan_train.data.chat import ChatSource
 from titan_train.data.file_records import FileRecords
 from titan_train.data.packing import PackedLoader
 from titan_train.data.sources import DocumentSource
@@ -134,6 +136,41 @@ def test_validation_records_stay_out_of_every_epoch_on_every_rank(tmp_path):
     for epoch in (0, 1, 2):
         train = [d for r in (0, 1) for d in _docs(paths, rank=r, epoch=epoch, **common)]
         assert len(train) == len(set(train)) == FILES * ROWS - len(val) and not set(train) & val
+
+
+def test_chat_files_stream_per_rank_too(tmp_path):
+    paths = []
+    for f in range(2):
+        path = tmp_path / f"chat-{f}.jsonl"
+        lines = [
+            {
+                "messages": [
+                    {"role": "user", "content": f"f{f}r{r}"},
+                    {"role": "assistant", "content": "ok"},
+                ]
+            }
+            for r in range(5)
+        ]
+        path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        paths.append(str(path))
+    tok = ByteTokenizer()
+    seen = []
+    for rank in (0, 1):
+        src = ChatSource(
+            split="train",
+            renderer=titan_rl.SimpleChatRenderer(tok),
+            max_tokens=64,
+            rank=rank,
+            world_size=2,
+            validation_fraction=0.0,
+            paths=tuple(paths),
+            streaming=True,
+            shuffle_buffer=4,
+        )
+        texts = [tok.decode(ids) for ids, _ in src.documents()]
+        seen.append({f for f in ("f0", "f1") for t in texts if f"{f}r" in t})
+        assert len(texts) == 5
+    assert seen[0] | seen[1] == {"f0", "f1"} and not seen[0] & seen[1]
 
 
 def test_without_streaming_validation_records_stay_out_of_shuffled_epochs_of_several_files(
