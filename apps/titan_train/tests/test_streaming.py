@@ -204,7 +204,7 @@ STREAM = ["--data.source", "files", "--data.streaming", "--data.paths"]
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--data.streaming"], "data.streaming needs local files to stream"),
+        (["--data.streaming"], "data.streaming needs data.source='files', or 'chat' with"),
         ([*STREAM, "{one}", "--data.shuffle-buffer", "-1"], "data.shuffle_buffer=-1 must be >= 0"),
         ([*STREAM, "{one}"], "data.paths has 1 file(s) for 2 data-parallel ranks"),
         ([*STREAM, "{fake}", "{one}"], "fake.parquet' is not a parquet file, but its suffix"),
@@ -282,12 +282,17 @@ def test_bad_streaming_inputs_name_the_field_value_and_what_is_allowed(tmp_path)
         _docs(paths, shuffle_buffer=-1)
     with pytest.raises(ValueError, match="data.streaming needs files to stream"):
         DocumentSource(kind="arithmetic", split="train", streaming=True)
-    for source, extra in (("arithmetic", {}), ("shapes", {}), ("chat", {"chat_environment": "x"})):
+    for source, extra in (
+        ("arithmetic", {}),
+        ("shapes", {}),
+        ("image_files", {"paths": paths}),
+        ("chat", {"chat_environment": "x"}),
+    ):
         cfg = JobConfig()
         cfg.data.source, cfg.data.streaming = source, True
         for k, v in extra.items():
             setattr(cfg.data, k, v)
-        with pytest.raises(ValueError, match="data.streaming needs local files to stream"):
+        with pytest.raises(ValueError, match=f"data.streaming needs .* got data.source='{source}"):
             validate(cfg)
     cfg = JobConfig()
     cfg.data.shuffle_buffer = -3

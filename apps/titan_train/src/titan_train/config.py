@@ -380,11 +380,11 @@ def validate(cfg: JobConfig) -> None:
     if d.shuffle_buffer < 0:
         raise ValueError(f"data.shuffle_buffer={d.shuffle_buffer} must be >= 0 (0: no shuffle)")
     if d.streaming and (d.source not in ("files", "chat") or not d.paths):
-        what = "data.chat_environment" if d.source == "chat" else f"data.source={d.source!r}"
+        got = "'chat' with data.chat_environment" if d.source == "chat" else repr(d.source)
         raise ValueError(
-            f"data.streaming needs local files to stream, and {what} is not read from "
-            "data.paths; use data.source='files' or 'chat' with data.paths (json/jsonl/"
-            "parquet/txt), or drop --data.streaming"
+            "data.streaming needs data.source='files', or 'chat' with data.paths (local "
+            f"json/jsonl/parquet/txt files, dealt to ranks), got data.source={got}; drop "
+            "--data.streaming"
         )
     if not 0.0 <= d.validation_fraction < 1.0:
         raise ValueError(f"data.validation_fraction={d.validation_fraction} must be in [0, 1)")
