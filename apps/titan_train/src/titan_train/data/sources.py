@@ -11,9 +11,7 @@ from collections.abc import Iterator
 from typing import Literal
 
 from titan_train.data.arithmetic import arithmetic_problem
-from titan_train.data.file_records import FORMATS, FileRecords, Split, check_files, in_validation
-
-__all__ = ["FORMATS", "DocumentSource", "Split", "check_files", "in_validation"]
+from titan_train.data.file_records import FileRecords, Split, in_validation
 
 
 class DocumentSource:
