@@ -14,9 +14,11 @@ Two ways to deal records to the ``world_size`` data-parallel ranks:
   rank whole files (file ``i`` of the epoch's order goes to rank ``i % world_size``), so a
   rank opens only its own files; every epoch, the first one included, shuffles the file
   order and the records (through a buffer) with a generator seeded by ``(seed, epoch)``.
-  Fewer files than ranks is an error: a rank would get nothing. (At start every rank checks
-  every file's first and last 4 bytes, and reads the first file's schema and first record
-  to check the fields; records come only from its own files.)
+  Fewer files than ranks is an error: a rank would get nothing. A rank's epoch is as long as
+  its files (each rank starts its next epoch on its own; packing keeps the steps in
+  lockstep): files of similar sizes, a multiple of the ranks, keep the ranks even. At start
+  every rank checks every file's first and last 4 bytes, and reads the first file's schema
+  and first record to check the fields; the records it trains on come from its own files.
 
 Either way an epoch's order is a pure function of ``(seed, epoch, rank, world_size)``, so a
 position is a count of records consumed in an epoch and resuming re-reads (without
