@@ -171,6 +171,13 @@ class DataConfig:
     """byte (built in), or a path to an HF tokenizer.json."""
     validation_fraction: float = 0.01
     """Fraction of documents held out for validation (by document index)."""
+    streaming: bool = False
+    """source=files / chat with data.paths: each data-parallel rank streams only its own files
+    (HF split_dataset_by_node; needs >= dp files), every epoch shuffled through
+    data.shuffle_buffer. Off: every rank reads every file and keeps every dp-th record."""
+    shuffle_buffer: int = 10_000
+    """Records in the seeded shuffle buffer (HF IterableDataset.shuffle), reshuffled every
+    epoch (without data.streaming: from the second epoch on); 0 keeps the files' order."""
     arithmetic_slip_rate: float = 0.0
     """source=arithmetic: chance that a + / - document's answer is written with a systematic
     slip (carry-less +, borrow-less -; titan_train.data.arithmetic.slip_answer) instead of the true one. 0: the
@@ -375,6 +382,15 @@ def validate(cfg: JobConfig) -> None:
         raise ValueError(
             f"data.image_min_pixels={d.image_min_pixels} must be in (0, data.image_max_pixels="
             f"{d.image_max_pixels}]"
+        )
+    if d.shuffle_buffer < 0:
+        raise ValueError(f"data.shuffle_buffer={d.shuffle_buffer} must be >= 0 (0: no shuffle)")
+    if d.streaming and (d.source not in ("files", "chat") or not d.paths):
+        got = "'chat' with data.chat_environment" if d.source == "chat" else repr(d.source)
+        raise ValueError(
+            "data.streaming needs data.source='files', or 'chat' with data.paths (local "
+            f"json/jsonl/parquet/txt files, dealt to ranks), got data.source={got}; drop "
+            "--data.streaming"
         )
     if not 0.0 <= d.validation_fraction < 1.0:
         raise ValueError(f"data.validation_fraction={d.validation_fraction} must be in [0, 1)")

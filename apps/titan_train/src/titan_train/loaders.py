@@ -73,8 +73,8 @@ def _image_text_sources(
 def loaders(
     cfg: JobConfig, tokenizer: Tokenizer, *, dp_rank: int = 0, dp_size: int = 1
 ) -> tuple[Any, Any]:
-    """This data-parallel rank's training stream (every ``dp_size``-th document) and its
-    validation source."""
+    """This data-parallel rank's training stream (every ``dp_size``-th document, or its own
+    files with ``data.streaming``) and its validation source."""
     d, t = cfg.data, cfg.training
     if d.source in IMAGE_TEXT:
         return _image_text_sources(cfg, tokenizer, dp_rank, dp_size)
@@ -92,6 +92,8 @@ def loaders(
         reverse_answer=d.arithmetic_reverse_answer,
         rank=dp_rank,
         world_size=dp_size,
+        streaming=d.streaming,
+        shuffle_buffer=d.shuffle_buffer,
     )
     train_src = DocumentSource(split="train", **common)
     val_src = DocumentSource(split="validation", **common)

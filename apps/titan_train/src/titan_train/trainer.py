@@ -334,7 +334,7 @@ def prepare(
             meta_model = model_cls(config)
             apply_overrides(meta_model, cfg.model.overrides)
             check_low_precision(meta_model, cfg, dims)
-        _loaders(cfg, tokenizer)  # checks data files and fields
+        _loaders(cfg, tokenizer, dp_size=dims.dp)  # checks data files and fields
         if not fake:
             resolve_device(cfg.training.device)
             # resume / overwrite rules, config changes (torchrun's ranks: see train)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from titan_train.data.sources import INDEX, check_files, in_validation, stream_records
+from titan_train.data.file_records import FileRecords, in_validation
 
 Document = tuple[list[int], list[bool]]
 """A rendered sample: token ids and, per token, whether it carries a loss."""
@@ -49,9 +49,13 @@ class ChatSource:
         conversations: Callable[[int], Sequence[Any]] | None = None,
         train_on: Literal["assistant", "all"] = "assistant",
         overlong: Literal["truncate", "drop"] = "truncate",
+        streaming: bool = False,
+        shuffle_buffer: int = 10_000,
     ) -> None:
         """``renderer``: a ``titan_rl.Renderer``. Either ``paths`` (files of records with a
-        ``messages_field`` list) or ``conversations`` (index -> messages, endless) is given."""
+        ``messages_field`` list) or ``conversations`` (index -> messages, endless) is given.
+        ``streaming``, ``shuffle_buffer``: how files are dealt to ranks and shuffled (see
+        ``file_records``)."""
         if (not paths) == (conversations is None):
             raise ValueError("ChatSource: give data.paths or a built-in conversation source")
         if not 0 <= rank < world_size:
@@ -60,6 +64,11 @@ class ChatSource:
             raise ValueError(f"data.chat_train_on={train_on!r} must be 'assistant' or 'all'")
         if overlong not in ("truncate", "drop"):
             raise ValueError(f"data.chat_overlong={overlong!r} must be 'truncate' or 'drop'")
+        if streaming and not paths:
+            raise ValueError(
+                "data.streaming needs files to stream: data.chat_environment's demonstrations "
+                "are generated; give data.paths instead"
+            )
         self.split, self.renderer, self.max_tokens = split, renderer, max_tokens
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.validation_fraction, self.paths = validation_fraction, paths
@@ -67,31 +76,44 @@ class ChatSource:
         self.train_on, self.overlong = train_on, overlong
         self.overlong_count = 0
         """Samples over ``max_tokens`` met so far (truncated or dropped)."""
+        self.files: FileRecords | None = None
+        """The files' records (with ``paths``)."""
         if paths:
-            self._format = check_files(paths)
-            first = next(self._records(0), None)
+            self.files = FileRecords(
+                paths,
+                seed=seed,
+                shuffle_buffer=shuffle_buffer,
+                rank=rank,
+                world_size=world_size,
+                streaming=streaming,
+            )
+            first = self.files.first()
             if first is None:
                 raise ValueError(f"data.paths={list(paths)}: the files hold no records")
             self._messages(first)
 
     def documents(self, *, start: int = 0, epoch: int = 0) -> Iterator[Document]:
         """This rank's rendered samples of ``epoch`` from its ``start``-th one on."""
-        in_split = (
-            (i, messages)
-            for i, messages in self._all(epoch)
-            if in_validation(i, self.validation_fraction) == (self.split == "validation")
-        )
-        mine = itertools.islice(in_split, self.rank, None, self.world_size)
-        for i, messages in itertools.islice(mine, start, None):
-            doc = self._render(i, messages)
+        if self.files is not None:
+            records = self.files.split(self.split, self.validation_fraction, epoch=epoch)
+            mine = ((self.files.name(rec), self._messages(rec)) for rec in records)
+        else:  # endless and deterministic: epochs never end
+            in_split = (
+                (f"conversation {i}", self.conversations(i))
+                for i in itertools.count()
+                if in_validation(i, self.validation_fraction) == (self.split == "validation")
+            )
+            mine = itertools.islice(in_split, self.rank, None, self.world_size)
+        for name, messages in itertools.islice(mine, start, None):
+            doc = self._render(name, messages)
             # A dropped sample still counts as consumed: a resume skips it again.
             yield doc if doc is not None else ([], [])
 
-    def _render(self, index: int, messages: Sequence[Any]) -> Document | None:
+    def _render(self, name: str, messages: Sequence[Any]) -> Document | None:
         try:
             rendered = self.renderer.render(messages)
         except (ValueError, TypeError, KeyError) as e:
-            raise ValueError(f"data: conversation {index} cannot be rendered: {e}") from None
+            raise ValueError(f"data: {name} cannot be rendered: {e}") from None
         ids, mask = list(rendered.ids), list(rendered.mask)
         if self.train_on == "all":
             mask = [True] * len(ids)
@@ -102,20 +124,12 @@ class ChatSource:
             ids, mask = ids[: self.max_tokens], mask[: self.max_tokens]
         return ids, mask
 
-    def _all(self, epoch: int) -> Iterator[tuple[int, Sequence[Any]]]:
-        if self.conversations is not None:  # endless and deterministic: epochs never end
-            return ((i, self.conversations(i)) for i in itertools.count())
-        return ((rec.pop(INDEX), self._messages(rec)) for rec in self._records(epoch))
-
-    def _records(self, epoch: int) -> Iterator[dict]:
-        return stream_records(self._format, self.paths, seed=self.seed, epoch=epoch)
-
     def _messages(self, record: Mapping[str, Any]) -> Sequence[Any]:
         value = record.get(self.messages_field)
         if not isinstance(value, list) or not all(isinstance(m, Mapping) for m in value):
             raise ValueError(
                 f"data.messages_field={self.messages_field!r}: a record holds no list of "
-                f"messages there (fields: {sorted(k for k in record if k != INDEX)})"
+                f"messages there (fields: {FileRecords.fields(record)})"
             )
         return value
 
@@ -143,6 +157,8 @@ def chat_sources(
         conversations=conversations,
         train_on=d.chat_train_on,
         overlong=d.chat_overlong,
+        streaming=d.streaming,
+        shuffle_buffer=d.shuffle_buffer,
     )
     return ChatSource(split="train", **common), ChatSource(split="validation", **common)
 

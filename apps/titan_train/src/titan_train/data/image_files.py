@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from titan_train.data.sources import FORMATS, in_validation
+from titan_train.data.file_records import FORMATS, in_validation
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,9 +28,9 @@ from typing import Any, Literal
 
 import torch
 
+from titan_train.data.file_records import in_validation
 from titan_train.data.packing import IGNORE_INDEX, Batch, ImageInputs
 from titan_train.data.shapes import ShapesSample, shapes_sample
-from titan_train.data.sources import in_validation
 from titan_train.data.tokenizers import Tokenizer
 
 
