@@ -34,6 +34,41 @@ def _caller_env(temp: Path) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# limits
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("wall_time_s", float("inf")),
+        ("wall_time_s", float("nan")),
+        ("wall_time_s", 1e300),
+        ("wall_time_s", "5"),
+        ("memory_bytes", float("inf")),
+        ("memory_bytes", 2**64),
+        ("memory_bytes", 512.5 * 2**20),
+        ("output_bytes", 1 << 62),
+        ("output_bytes", True),
+        ("max_processes", 10**9),
+        ("disk_bytes", float("nan")),
+    ],
+)
+def test_limits_outside_their_range_are_one_value_error_at_construction(field, value):
+    with pytest.raises(ValueError) as error:
+        SandboxLimits(**{field: value})
+    message = str(error.value)
+    assert message.startswith(f"SandboxLimits.{field}={value!r} must be ")
+    assert ("finite number in (" if field == "wall_time_s" else "an int in [") in message
+
+
+def test_limits_at_the_ends_of_their_ranges_run():
+    SandboxLimits(wall_time_s=sandbox._MAX_WALL_TIME_S, memory_bytes=sandbox._MAX_BYTES)
+    SandboxLimits(max_processes=sandbox._MAX_PROCESSES, output_bytes=1024, disk_bytes=1 << 20)
+    result = run_sandboxed("print(2)", limits=SandboxLimits(wall_time_s=1, memory_bytes=2**40))
+    assert (result.status, result.stdout) == ("ok", "2\n")
+
+
+# ---------------------------------------------------------------------------------------------
 # the memory status on a loaded host
 
 

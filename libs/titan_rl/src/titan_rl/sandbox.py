@@ -13,6 +13,8 @@ import errno
 import functools
 import itertools
 import marshal
+import math
+import numbers
 import os
 import select
 import signal
@@ -32,6 +34,9 @@ _PROGRAM_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": 
 _ISOLATIONS = ("namespaces", "none")
 _SUPERVISOR_TASKS = 2  # the supervisor and init share the run's process budget
 _BACKSTOP_S = 5.0  # the supervisor enforces the wall limit; this only guards the supervisor
+_MAX_WALL_TIME_S = 86_400.0  # one day: beyond it select() and RLIMIT_CPU stop meaning anything
+_MAX_BYTES = 1 << 48  # far above any machine, far below the kernel's 64-bit limits
+_MAX_PROCESSES = 1 << 22  # the kernel's largest pid_max
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -54,19 +59,31 @@ class SandboxLimits:
     """Size of the run's only writable folder, ``/tmp`` (a tmpfs; ``/dev/shm`` is the same)."""
 
     def __post_init__(self) -> None:
-        if not self.wall_time_s > 0:
-            raise ValueError(f"SandboxLimits.wall_time_s={self.wall_time_s!r} must be > 0")
-        if self.memory_bytes < 32 * 2**20:
-            raise ValueError(
-                f"SandboxLimits.memory_bytes={self.memory_bytes} must be >= 32 MiB "
-                "(the Python interpreter itself needs about 20 MiB)"
-            )
-        if self.output_bytes < 1024:
-            raise ValueError(f"SandboxLimits.output_bytes={self.output_bytes} must be >= 1024")
-        if self.max_processes < 1:
-            raise ValueError(f"SandboxLimits.max_processes={self.max_processes} must be >= 1")
-        if self.disk_bytes < 1 << 20:
-            raise ValueError(f"SandboxLimits.disk_bytes={self.disk_bytes} must be >= 1 MiB")
+        _check_limit("wall_time_s", self.wall_time_s, 0.0, _MAX_WALL_TIME_S, integer=False)
+        _check_limit(
+            "memory_bytes",
+            self.memory_bytes,
+            32 * 2**20,
+            _MAX_BYTES,
+            why=" (the Python interpreter itself needs about 20 MiB)",
+        )
+        _check_limit("output_bytes", self.output_bytes, 1024, _MAX_BYTES)
+        _check_limit("max_processes", self.max_processes, 1, _MAX_PROCESSES)
+        _check_limit("disk_bytes", self.disk_bytes, 1 << 20, _MAX_BYTES)
+
+
+def _check_limit(
+    name: str, value: object, low: float, high: float, *, integer: bool = True, why: str = ""
+) -> None:
+    """One ``ValueError`` naming the field, its value and what is allowed; ``wall_time_s``'s
+    lower bound is exclusive (a time of 0 s runs nothing)."""
+    kind = numbers.Integral if integer else numbers.Real
+    ok = isinstance(value, kind) and not isinstance(value, bool)
+    if ok:
+        ok = math.isfinite(value) and (low <= value if integer else low < value) and value <= high
+    if not ok:
+        allowed = f"an int in [{low}, {high}]" if integer else f"a finite number in ({low}, {high}]"
+        raise ValueError(f"SandboxLimits.{name}={value!r} must be {allowed}{why}")
 
 
 @dataclass(frozen=True, slots=True)
