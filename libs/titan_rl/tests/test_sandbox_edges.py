@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_rl import SandboxLimits, run_sandboxed, sandbox
+from titan_rl import CodeToolEnv, Message, SandboxLimits, code_reward, run_sandboxed, sandbox
 
 LIMITS = SandboxLimits(wall_time_s=3.0)
 _LOADER = (  # the sandbox module alone (no torch) as ``sb``: a caller that starts in ~50 ms
@@ -31,6 +31,31 @@ def _caller(script: str) -> list[str]:
 
 def _caller_env(temp: Path) -> dict[str, str]:
     return {"PATH": os.environ["PATH"], "TMPDIR": str(temp)}
+
+
+# ---------------------------------------------------------------------------------------------
+# text that UTF-8 cannot hold
+
+
+def test_code_or_stdin_with_a_lone_surrogate_is_an_error_result_not_an_exception():
+    cases = {"code": ("print('\ud800')", ""), "stdin": ("print(input())", "x\udcff\n")}
+    for field, (code, stdin) in cases.items():
+        result = run_sandboxed(code, stdin=stdin, limits=LIMITS)
+        assert (result.status, result.returncode, result.stdout) == ("error", None, "")
+        assert f"{field} is not valid UTF-8 text" in result.stderr
+        assert "nothing ran" in result.stderr
+    reward = code_reward("print('\ud800')", [("", "")], limits=LIMITS)
+    assert (reward.score, reward.status) == (0.0, "error")
+
+
+def test_code_tool_env_replies_with_the_error_to_a_lone_surrogate():
+    env = CodeToolEnv([("What is 6*7?", "42")], limits=LIMITS)
+    env.reset(0)
+    step = env.step(Message("assistant", "```python\nprint('\ud800')\n```"))
+    assert (step.done, step.info) == (False, {"tool": "error"})
+    (reply,) = step.messages
+    assert reply.role == "tool" and "not valid UTF-8 text" in reply.content
+    reply.content.encode()  # the reply itself is text the tokenizer can take
 
 
 # ---------------------------------------------------------------------------------------------

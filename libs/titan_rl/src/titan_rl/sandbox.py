@@ -91,11 +91,12 @@ class SandboxResult:
     """What a sandboxed run did, as the supervisor and the kernel saw it."""
 
     status: str
-    """``ok`` (exit 0), ``error`` (non-zero exit), ``timeout`` (wall or CPU limit), ``memory``
-    (the cgroup's OOM killer ended a process of the run, even one that then also ran out of
-    time), ``output_limit`` (``RLIMIT_FSIZE``), ``crashed`` (killed by another signal)."""
+    """``ok`` (exit 0), ``error`` (non-zero exit; or nothing ran: code or stdin not UTF-8
+    text, said in ``stderr``), ``timeout`` (wall or CPU limit), ``memory`` (the cgroup's OOM
+    killer ended a process of the run, even one that then also ran out of time),
+    ``output_limit`` (``RLIMIT_FSIZE``), ``crashed`` (killed by another signal)."""
     returncode: int | None
-    """Exit code, ``-signal`` when killed by one, ``None`` on timeout."""
+    """Exit code, ``-signal`` when killed by one, ``None`` on timeout or when nothing ran."""
     stdout: str
     stderr: str
     wall_s: float
@@ -128,25 +129,49 @@ def run_sandboxed(
     if not isinstance(code, str) or not isinstance(stdin, str):
         raise TypeError("run_sandboxed: code and stdin must be str")
     limits = limits or SandboxLimits()
+    encoded = []
+    for name, text in (("code", code), ("stdin", stdin)):
+        try:
+            encoded.append(text.encode())
+        except UnicodeEncodeError as e:  # a lone surrogate: no file, no program can hold it
+            return _not_run(
+                f"run_sandboxed: {name} is not valid UTF-8 text ({e.reason}: "
+                f"{text[e.start : e.end]!r} at index {e.start}); nothing ran",
+                isolation,
+            )
     cgroup = _Cgroup.create(limits)
     try:
         with tempfile.TemporaryDirectory(prefix="titan_rl_sandbox_") as tmp:
-            return _run(code, stdin, limits, isolation, cgroup, Path(tmp))
+            return _run(*encoded, limits, isolation, cgroup, Path(tmp))
     finally:
         if cgroup is not None:
             cgroup.remove()
 
 
+def _not_run(message: str, isolation: str) -> SandboxResult:
+    """The ``error`` result of a run refused before any process started."""
+    parents = _writable_cgroup_parents()
+    return SandboxResult(
+        status="error",
+        returncode=None,
+        stdout="",
+        stderr=message + "\n",
+        wall_s=0.0,
+        isolation=isolation,
+        memory_limit="rlimit" if parents is None else parents[0],
+    )
+
+
 def _run(
-    code: str,
-    stdin: str,
+    code: bytes,
+    stdin: bytes,
     limits: SandboxLimits,
     isolation: str,
     cgroup: _Cgroup | None,
     folder: Path,
 ) -> SandboxResult:
-    (folder / "main.py").write_text(code)
-    (folder / "stdin.txt").write_text(stdin)
+    (folder / "main.py").write_bytes(code)
+    (folder / "stdin.txt").write_bytes(stdin)
     binds, symlinks = _system_view()
     rlimits = {
         "RLIMIT_CPU": int(limits.wall_time_s) + 1,
