@@ -6,8 +6,12 @@ reproduction; every one of them failed before the fix.
 from __future__ import annotations
 
 import os
+import secrets
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -91,6 +95,89 @@ def test_limits_at_the_ends_of_their_ranges_run():
     SandboxLimits(max_processes=sandbox._MAX_PROCESSES, output_bytes=1024, disk_bytes=1 << 20)
     result = run_sandboxed("print(2)", limits=SandboxLimits(wall_time_s=1, memory_bytes=2**40))
     assert (result.status, result.stdout) == ("ok", "2\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# files on the host
+
+
+def _files_holding(temp: Path, token: str) -> list[Path]:
+    """The run files under ``temp`` whose text holds ``token`` (the code, its output)."""
+    found = []
+    for path in temp.rglob("*"):
+        try:
+            if path.is_file() and token in path.read_text(errors="replace"):
+                found.append(path)
+        except OSError:  # removed while we looked
+            continue
+    return found
+
+
+def test_files_of_a_caller_killed_with_kill_9_are_removed_by_the_next_call(tmp_path):
+    token = f"titan-rl-{secrets.token_hex(8)}"
+    code = f"print({token!r}, flush=True)\nimport time\ntime.sleep(30)\n"
+    script = f"sb.run_sandboxed({code!r}, limits=sb.SandboxLimits(wall_time_s=30))"
+    caller = subprocess.Popen(_caller(script), env=_caller_env(tmp_path))
+    try:
+        deadline = time.monotonic() + 10
+        while len(_files_holding(tmp_path, token)) < 2:  # the code and its output
+            assert caller.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        caller.send_signal(signal.SIGKILL)
+        caller.wait()
+    assert _files_holding(tmp_path, token)  # a killed caller cleans nothing up itself
+    next_call = subprocess.run(
+        _caller("print(sb.run_sandboxed('print(1)').stdout, end='')"),
+        env=_caller_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert (next_call.returncode, next_call.stdout) == (0, "1\n"), next_call.stderr
+    assert _files_holding(tmp_path, token) == []
+    assert list(tmp_path.iterdir()) == []  # and the next caller's own folder went at its exit
+
+
+def test_the_sweep_removes_only_our_folders_of_processes_that_are_gone(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    namespace = sandbox._pid_namespace()
+    live = subprocess.Popen(["sleep", "30"])
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    try:
+        start = sandbox._start_time(live.pid)
+        name = "titan_rl_sandbox_{}_{}_{}_abcd_123"
+        folders = {
+            "live": name.format(namespace, live.pid, start),
+            "gone": name.format(namespace, gone.pid, 1),
+            "pid_reused": name.format(namespace, live.pid, start + 1),
+            "other_pid_namespace": name.format(namespace + 1, gone.pid, 1),
+            "other_pattern": name.format(namespace, gone.pid, 1) + ".bak",
+            "old_pattern": "titan_rl_sandbox_x1y2z3w4",
+            "other_owner": name.format(namespace, gone.pid, 2),
+        }
+        for folder in folders.values():
+            (tmp_path / folder).mkdir()
+            (tmp_path / folder / "main.py").write_text("secret")
+        if os.geteuid() == 0:
+            os.chown(tmp_path / folders["other_owner"], 65534, 65534)
+        else:
+            folders.pop("other_owner")  # only root can make another user's folder
+        (tmp_path / "target").mkdir()
+        (tmp_path / "target" / "keep.txt").write_text("keep")
+        link = name.format(namespace, gone.pid, 3)
+        (tmp_path / link).symlink_to(tmp_path / "target")
+        assert run_sandboxed("print(3)", limits=LIMITS).stdout == "3\n"
+        left = {p.name for p in tmp_path.iterdir()}
+        removed = {"gone", "pid_reused"}
+        assert {k for k, v in folders.items() if v not in left} == removed
+        assert link in left and (tmp_path / "target" / "keep.txt").read_text() == "keep"
+        (own,) = left - set(folders.values()) - {link, "target"}  # this process's: alive
+        assert own.startswith(f"titan_rl_sandbox_{namespace}_{os.getpid()}_")
+    finally:
+        live.kill()
+        live.wait()
 
 
 # ---------------------------------------------------------------------------------------------

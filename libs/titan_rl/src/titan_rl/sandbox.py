@@ -8,6 +8,7 @@ from the program's output. docs/titan_rl_sandbox.md says what is and is not isol
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import functools
@@ -16,11 +17,15 @@ import marshal
 import math
 import numbers
 import os
+import re
 import select
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,6 +128,11 @@ def run_sandboxed(
     interpreter, a size-limited ``/tmp``, no host ``/proc``, sockets or processes. Raises
     ``SandboxUnavailableError`` where the kernel refuses that. ``isolation="none"`` runs the
     program as a plain child with the same limits and no isolation at all: only for trusted code.
+
+    Code or stdin that UTF-8 cannot hold (a lone surrogate) is an ``error`` result; nothing
+    runs. The run's files on the host (code, stdin, output) are in this process's folder in
+    the temp dir and go with the run; those of a caller killed with ``kill -9`` go at the next
+    call of any process.
     """
     if isolation not in _ISOLATIONS:
         raise ValueError(f"isolation={isolation!r} must be one of {_ISOLATIONS}")
@@ -141,7 +151,7 @@ def run_sandboxed(
             )
     cgroup = _Cgroup.create(limits)
     try:
-        with tempfile.TemporaryDirectory(prefix="titan_rl_sandbox_") as tmp:
+        with tempfile.TemporaryDirectory(dir=_process_folder()) as tmp:
             return _run(*encoded, limits, isolation, cgroup, Path(tmp))
     finally:
         if cgroup is not None:
@@ -310,6 +320,70 @@ def _system_view() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
 def _read_capped(path: Path, limit: int) -> str:
     with open(path, "rb") as f:
         return f.read(limit).decode("utf-8", errors="replace")
+
+
+# ---------------------------------------------------------------------------------------------
+# the runs' files on the host: in a folder of the calling process that outlives it only until
+# the next call of any process (a caller killed with kill -9 cannot clean up after itself)
+
+# titan_rl_sandbox_<PID namespace>_<pid>_<start time>_<mkdtemp's 8 characters>
+_PROCESS_FOLDER = re.compile(r"titan_rl_sandbox_(\d+)_(\d+)_(\d+)_[a-z0-9_]{8}")
+_process_folders: dict[tuple[int, str], Path] = {}  # (pid, temp dir) -> folder
+_process_folders_lock = threading.Lock()
+
+
+def _process_folder() -> Path:
+    """This process's folder in the temp dir (made on first use); first removes the folders of
+    processes that are gone."""
+    temp = tempfile.gettempdir()
+    with _process_folders_lock:
+        _remove_folders_of_dead_processes(temp)
+        pid = os.getpid()
+        folder = _process_folders.get((pid, temp))
+        if folder is None or not folder.is_dir():
+            prefix = f"titan_rl_sandbox_{_pid_namespace()}_{pid}_{_start_time(pid)}_"
+            folder = Path(tempfile.mkdtemp(prefix=prefix, dir=temp))  # 0700, never existed
+            _process_folders[pid, temp] = folder
+            atexit.register(_remove_own_folder, folder, pid)
+    return folder
+
+
+def _remove_own_folder(folder: Path, pid: int) -> None:
+    if os.getpid() == pid:  # not in a forked child, which inherits the atexit hook
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _remove_folders_of_dead_processes(temp: str) -> None:
+    """Remove our folders in ``temp`` whose process has exited: exactly our name pattern, our
+    PID namespace (other namespaces' pids mean nothing here), owned by us, a real folder (not
+    a link), and no live process with that pid and start time (a reused pid is not the owner)."""
+    own_namespace = _pid_namespace()
+    with os.scandir(temp) as entries:
+        for entry in entries:
+            match = _PROCESS_FOLDER.fullmatch(entry.name)
+            if match is None or int(match[1]) != own_namespace:
+                continue
+            if _start_time(int(match[2])) == int(match[3]):
+                continue  # the owner is alive
+            with contextlib.suppress(OSError):
+                info = entry.stat(follow_symlinks=False)
+                if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid():
+                    shutil.rmtree(entry.path, ignore_errors=True)  # never follows links
+
+
+def _start_time(pid: int) -> int | None:
+    """Start time of process ``pid`` (clock ticks after boot), ``None`` if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+    return int(fields[19])  # field 22 of proc(5); the name before ")" may hold spaces
+
+
+@functools.cache
+def _pid_namespace() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
 
 
 # ---------------------------------------------------------------------------------------------
