@@ -8,17 +8,24 @@ from the program's output. docs/titan_rl_sandbox.md says what is and is not isol
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import functools
 import itertools
 import marshal
+import math
+import numbers
 import os
+import re
 import select
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +39,9 @@ _PROGRAM_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": 
 _ISOLATIONS = ("namespaces", "none")
 _SUPERVISOR_TASKS = 2  # the supervisor and init share the run's process budget
 _BACKSTOP_S = 5.0  # the supervisor enforces the wall limit; this only guards the supervisor
+_MAX_WALL_TIME_S = 86_400.0  # one day: beyond it select() and RLIMIT_CPU stop meaning anything
+_MAX_BYTES = 1 << 48  # far above any machine, far below the kernel's 64-bit limits
+_MAX_PROCESSES = 1 << 22  # the kernel's largest pid_max
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -54,19 +64,31 @@ class SandboxLimits:
     """Size of the run's only writable folder, ``/tmp`` (a tmpfs; ``/dev/shm`` is the same)."""
 
     def __post_init__(self) -> None:
-        if not self.wall_time_s > 0:
-            raise ValueError(f"SandboxLimits.wall_time_s={self.wall_time_s!r} must be > 0")
-        if self.memory_bytes < 32 * 2**20:
-            raise ValueError(
-                f"SandboxLimits.memory_bytes={self.memory_bytes} must be >= 32 MiB "
-                "(the Python interpreter itself needs about 20 MiB)"
-            )
-        if self.output_bytes < 1024:
-            raise ValueError(f"SandboxLimits.output_bytes={self.output_bytes} must be >= 1024")
-        if self.max_processes < 1:
-            raise ValueError(f"SandboxLimits.max_processes={self.max_processes} must be >= 1")
-        if self.disk_bytes < 1 << 20:
-            raise ValueError(f"SandboxLimits.disk_bytes={self.disk_bytes} must be >= 1 MiB")
+        _check_limit("wall_time_s", self.wall_time_s, 0.0, _MAX_WALL_TIME_S, integer=False)
+        _check_limit(
+            "memory_bytes",
+            self.memory_bytes,
+            32 * 2**20,
+            _MAX_BYTES,
+            why=" (the Python interpreter itself needs about 20 MiB)",
+        )
+        _check_limit("output_bytes", self.output_bytes, 1024, _MAX_BYTES)
+        _check_limit("max_processes", self.max_processes, 1, _MAX_PROCESSES)
+        _check_limit("disk_bytes", self.disk_bytes, 1 << 20, _MAX_BYTES)
+
+
+def _check_limit(
+    name: str, value: object, low: float, high: float, *, integer: bool = True, why: str = ""
+) -> None:
+    """One ``ValueError`` naming the field, its value and what is allowed; ``wall_time_s``'s
+    lower bound is exclusive (a time of 0 s runs nothing)."""
+    kind = numbers.Integral if integer else numbers.Real
+    ok = isinstance(value, kind) and not isinstance(value, bool)
+    if ok:
+        ok = math.isfinite(value) and (low <= value if integer else low < value) and value <= high
+    if not ok:
+        allowed = f"an int in [{low}, {high}]" if integer else f"a finite number in ({low}, {high}]"
+        raise ValueError(f"SandboxLimits.{name}={value!r} must be {allowed}{why}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,11 +96,12 @@ class SandboxResult:
     """What a sandboxed run did, as the supervisor and the kernel saw it."""
 
     status: str
-    """``ok`` (exit 0), ``error`` (non-zero exit), ``timeout`` (wall or CPU limit), ``memory``
-    (the cgroup's OOM killer ended a process of the run), ``output_limit`` (``RLIMIT_FSIZE``),
-    ``crashed`` (killed by another signal)."""
+    """``ok`` (exit 0), ``error`` (non-zero exit; or nothing ran: code or stdin not UTF-8
+    text, said in ``stderr``), ``timeout`` (wall or CPU limit), ``memory`` (the cgroup's OOM
+    killer ended a process of the run, even one that then also ran out of time),
+    ``output_limit`` (``RLIMIT_FSIZE``), ``crashed`` (killed by another signal)."""
     returncode: int | None
-    """Exit code, ``-signal`` when killed by one, ``None`` on timeout."""
+    """Exit code, ``-signal`` when killed by one, ``None`` on timeout or when nothing ran."""
     stdout: str
     stderr: str
     wall_s: float
@@ -105,31 +128,60 @@ def run_sandboxed(
     interpreter, a size-limited ``/tmp``, no host ``/proc``, sockets or processes. Raises
     ``SandboxUnavailableError`` where the kernel refuses that. ``isolation="none"`` runs the
     program as a plain child with the same limits and no isolation at all: only for trusted code.
+
+    Code or stdin that UTF-8 cannot hold (a lone surrogate) is an ``error`` result; nothing
+    runs. The run's files on the host (code, stdin, output) are in this process's folder in
+    the temp dir and go with the run; those of a caller killed with ``kill -9`` go at the next
+    call of any process.
     """
     if isolation not in _ISOLATIONS:
         raise ValueError(f"isolation={isolation!r} must be one of {_ISOLATIONS}")
     if not isinstance(code, str) or not isinstance(stdin, str):
         raise TypeError("run_sandboxed: code and stdin must be str")
     limits = limits or SandboxLimits()
+    encoded = []
+    for name, text in (("code", code), ("stdin", stdin)):
+        try:
+            encoded.append(text.encode())
+        except UnicodeEncodeError as e:  # a lone surrogate: no file, no program can hold it
+            return _not_run(
+                f"run_sandboxed: {name} is not valid UTF-8 text ({e.reason}: "
+                f"{text[e.start : e.end]!r} at index {e.start}); nothing ran",
+                isolation,
+            )
     cgroup = _Cgroup.create(limits)
     try:
-        with tempfile.TemporaryDirectory(prefix="titan_rl_sandbox_") as tmp:
-            return _run(code, stdin, limits, isolation, cgroup, Path(tmp))
+        with tempfile.TemporaryDirectory(dir=_process_folder()) as tmp:
+            return _run(*encoded, limits, isolation, cgroup, Path(tmp))
     finally:
         if cgroup is not None:
             cgroup.remove()
 
 
+def _not_run(message: str, isolation: str) -> SandboxResult:
+    """The ``error`` result of a run refused before any process started."""
+    parents = _writable_cgroup_parents()
+    return SandboxResult(
+        status="error",
+        returncode=None,
+        stdout="",
+        stderr=message + "\n",
+        wall_s=0.0,
+        isolation=isolation,
+        memory_limit="rlimit" if parents is None else parents[0],
+    )
+
+
 def _run(
-    code: str,
-    stdin: str,
+    code: bytes,
+    stdin: bytes,
     limits: SandboxLimits,
     isolation: str,
     cgroup: _Cgroup | None,
     folder: Path,
 ) -> SandboxResult:
-    (folder / "main.py").write_text(code)
-    (folder / "stdin.txt").write_text(stdin)
+    (folder / "main.py").write_bytes(code)
+    (folder / "stdin.txt").write_bytes(stdin)
     binds, symlinks = _system_view()
     rlimits = {
         "RLIMIT_CPU": int(limits.wall_time_s) + 1,
@@ -231,12 +283,14 @@ def _run(
 
 def _status(report: dict, oom_kills: int) -> tuple[str, int | None]:
     """The run's status from the supervisor's report and the cgroup's OOM count only."""
-    if report.get("timed_out"):
-        return "timeout", None
     wait_status = report.get("wait_status")
     rc = None if wait_status is None else os.waitstatus_to_exitcode(wait_status)
+    # Before the timeout: under load the OOM kill of a bomb can land just as the wall limit
+    # passes, and a run whose child the OOM killer ended can still run into the limit.
     if oom_kills:
         return "memory", rc
+    if report.get("timed_out"):
+        return "timeout", None
     if rc is None or rc == -signal.SIGXCPU:
         return "timeout", rc
     if rc == -signal.SIGXFSZ:
@@ -266,6 +320,70 @@ def _system_view() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
 def _read_capped(path: Path, limit: int) -> str:
     with open(path, "rb") as f:
         return f.read(limit).decode("utf-8", errors="replace")
+
+
+# ---------------------------------------------------------------------------------------------
+# the runs' files on the host: in a folder of the calling process that outlives it only until
+# the next call of any process (a caller killed with kill -9 cannot clean up after itself)
+
+# titan_rl_sandbox_<PID namespace>_<pid>_<start time>_<mkdtemp's 8 characters>
+_PROCESS_FOLDER = re.compile(r"titan_rl_sandbox_(\d+)_(\d+)_(\d+)_[a-z0-9_]{8}")
+_process_folders: dict[tuple[int, str], Path] = {}  # (pid, temp dir) -> folder
+_process_folders_lock = threading.Lock()
+
+
+def _process_folder() -> Path:
+    """This process's folder in the temp dir (made on first use); first removes the folders of
+    processes that are gone."""
+    temp = tempfile.gettempdir()
+    with _process_folders_lock:
+        _remove_folders_of_dead_processes(temp)
+        pid = os.getpid()
+        folder = _process_folders.get((pid, temp))
+        if folder is None or not folder.is_dir():
+            prefix = f"titan_rl_sandbox_{_pid_namespace()}_{pid}_{_start_time(pid)}_"
+            folder = Path(tempfile.mkdtemp(prefix=prefix, dir=temp))  # 0700, never existed
+            _process_folders[pid, temp] = folder
+            atexit.register(_remove_own_folder, folder, pid)
+    return folder
+
+
+def _remove_own_folder(folder: Path, pid: int) -> None:
+    if os.getpid() == pid:  # not in a forked child, which inherits the atexit hook
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _remove_folders_of_dead_processes(temp: str) -> None:
+    """Remove our folders in ``temp`` whose process has exited: exactly our name pattern, our
+    PID namespace (other namespaces' pids mean nothing here), owned by us, a real folder (not
+    a link), and no live process with that pid and start time (a reused pid is not the owner)."""
+    own_namespace = _pid_namespace()
+    with os.scandir(temp) as entries:
+        for entry in entries:
+            match = _PROCESS_FOLDER.fullmatch(entry.name)
+            if match is None or int(match[1]) != own_namespace:
+                continue
+            if _start_time(int(match[2])) == int(match[3]):
+                continue  # the owner is alive
+            with contextlib.suppress(OSError):
+                info = entry.stat(follow_symlinks=False)
+                if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid():
+                    shutil.rmtree(entry.path, ignore_errors=True)  # never follows links
+
+
+def _start_time(pid: int) -> int | None:
+    """Start time of process ``pid`` (clock ticks after boot), ``None`` if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+    return int(fields[19])  # field 22 of proc(5); the name before ")" may hold spaces
+
+
+@functools.cache
+def _pid_namespace() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
 
 
 # ---------------------------------------------------------------------------------------------
