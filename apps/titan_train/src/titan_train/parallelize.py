@@ -326,11 +326,14 @@ def parallelize(
     model: nn.Module, cfg: JobConfig, dims: ParallelDims, meshes: dict[str, Any]
 ) -> ParallelModel:
     """Split, shard and wrap ``model`` (on the meta device) for this rank; nothing is
-    allocated (``materialize`` does that). ``quantize.*`` swaps in the FP8 / MXFP8 GEMMs first,
-    on the whole model, so every layout below shards the swapped modules."""
+    allocated (``materialize`` does that). ``quantize.*`` swaps in the FP8 / MXFP8 GEMMs and
+    ``lora.*`` the adapters first, on the whole model, so every layout below shards the
+    swapped modules."""
+    from titan_train.lora import apply_lora_config
     from titan_train.low_precision import apply_quantize
 
     apply_quantize(model, cfg)
+    apply_lora_config(model, cfg)
     plan = titan_models.get_plan(model.config)
     pm = ParallelModel(parts=[model], dims=dims, meshes=meshes)
     if dims.pp > 1:
