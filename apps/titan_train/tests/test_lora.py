@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -166,10 +167,10 @@ def _adapters_in_checkpoint(run_dir: Path, step: int) -> dict[str, torch.Tensor]
     return _whole(_checkpoint_tensors(run_dir, step)["model"], shapes)
 
 
-def _assert_adapters_only(run_dir: Path, model: torch.nn.Module) -> None:
+def _assert_adapters_only(run_dir: Path, model: torch.nn.Module, step: int = STEPS) -> None:
     base = {n for n, _ in model.named_parameters() if not titan_models.is_lora_param(n)}
     lora = {n for n, _ in model.named_parameters() if titan_models.is_lora_param(n)}
-    files = _checkpoint_tensors(run_dir, STEPS)
+    files = _checkpoint_tensors(run_dir, step)
     saved = {k.partition("@")[0] for k in files["model"]}  # pieces are saved as fqn@offset
     assert lora <= saved, sorted(lora - saved)[:3]
     for item, tensors in files.items():
@@ -178,27 +179,45 @@ def _assert_adapters_only(run_dir: Path, model: torch.nn.Module) -> None:
 
 
 def test_one_process_adapter_only_checkpoints_resume_bitwise_and_export_merged(tmp_path):
-    out = str(tmp_path)
-    full = train(_cfg(out, "full", "--checkpoint.export-hf"))
-    _assert_adapters_only(tmp_path / "full", full["model"])
+    out, short = str(tmp_path), ["--training.steps", "4", "--checkpoint.interval", "2"]
+    full = train(_cfg(out, "full", *short, "--checkpoint.export-hf"))
+    _assert_adapters_only(tmp_path / "full", full["model"], step=4)
     with torch.no_grad():  # the export merges W + s·B·A: a plain model transformers loads
         want = full["model"](TOKENS)
     diff = (_hf_logits(tmp_path / "full" / "hf") - want).abs().max().item()
     print(f"max |transformers logits of the merged export - adapted model| = {diff:.2e}")
     assert diff <= 1e-5
-    first = train(_cfg(out, "resumed"), stop_after=4)["losses"]
-    resumed = train(_cfg(out, "resumed"))
-    assert first[:4] == full["losses"][:4]
-    assert resumed["losses"] == full["losses"][3:]  # resumed from step 3: steps 4-6 again, bitwise
+    first = train(_cfg(out, "resumed", *short), stop_after=3)["losses"]
+    resumed = train(_cfg(out, "resumed", *short))
+    assert first == full["losses"][:3]
+    assert resumed["losses"] == full["losses"][2:]  # resumed from step 2: steps 3-4 again, bitwise
     assert full["losses"][-1] < full["losses"][0] - 0.3
     # The base is rebuilt from the config (training.seed): the models agree bitwise.
     got, want = dict(resumed["model"].named_parameters()), dict(full["model"].named_parameters())
     for name, value in want.items():
         assert torch.equal(got[name], value), name
-    # A LoRA run's HF base is part of what it trains: it may not change on resume.
+    # The run's config names the base the adapters belong to.
     config = json.loads((tmp_path / "full" / "config.json").read_text())
     assert (config["model"]["family"], config["training"]["seed"]) == ("llama3", 0)
     assert config["lora"]["rank"] == 4 and config["checkpoint"]["init_from_hf"] == ""
+
+
+def test_lora_on_an_hf_base_trains_the_adapters_and_pins_that_base(tmp_path):
+    out = str(tmp_path)
+    base = build_model(_cfg(out, "base", "--lora.rank", "0"), build_tokenizer("byte"), "cpu")
+    titan_models.to_hf(base, tmp_path / "base_hf")
+    argv = ["--checkpoint.init-from-hf", str(tmp_path / "base_hf"), "--training.steps", "3"]
+    result = train(_cfg(out, "on_hf", *argv))
+    trained = dict(result["model"].named_parameters())
+    for name, value in base.named_parameters():  # the base as read from HF, frozen
+        assert torch.equal(trained[name], value), name
+    b = trained["layers.0.attention.wq.lora_b"]
+    assert b.abs().max() > 0  # zero at the start, trained since
+    # The adapters of a step-3 checkpoint belong to that base: another one is refused.
+    shutil.copytree(tmp_path / "base_hf", tmp_path / "other_hf")
+    other = [argv[0], str(tmp_path / "other_hf"), "--training.steps", "6"]
+    with pytest.raises(ConfigError, match=r"checkpoint\.init_from_hf.*cannot change"):
+        train(_cfg(out, "on_hf", *other, "--allow-config-change"))
 
 
 # --- two processes against one --------------------------------------------------------------
