@@ -27,7 +27,7 @@ import titan_models
 from titan_train.config import JobConfig
 from titan_train.materialize import Chunks
 
-__all__ = ["apply_lora_config", "check_lora", "merged_state"]
+__all__ = ["apply_lora_config", "check_lora", "lora_tensor_parallel", "merged_state"]
 
 
 def apply_lora_config(model: nn.Module, cfg: JobConfig) -> list[str]:
@@ -53,10 +53,10 @@ def check_lora(cfg: JobConfig, dims: Any) -> None:
     """Reject what LoRA does not support yet, naming the fields."""
     if cfg.lora.rank == 0:
         return
-    if dims.tp > 1:
+    if dims.tp > 1 and cfg.lora.dropout > 0:
         raise ValueError(
-            f"lora.rank={cfg.lora.rank} with parallel.tp={dims.tp} is not supported yet (the "
-            "adapters would need their own tensor-parallel layout): use parallel.tp=1"
+            f"lora.dropout={cfg.lora.dropout} with parallel.tp={dims.tp} is not supported yet "
+            "(a dropout mask on tensor-parallel activations): use lora.dropout=0 or parallel.tp=1"
         )
     if cfg.quantize.linear != "none" or cfg.quantize.experts != "none":
         raise ValueError(
@@ -68,6 +68,39 @@ def check_lora(cfg: JobConfig, dims: Any) -> None:
             f"lora.rank={cfg.lora.rank} with optimizer.name={cfg.optimizer.name!r} is not "
             "supported yet: use 'adamw'"
         )
+
+
+def lora_tensor_parallel(style: Any) -> Any:
+    """The tensor-parallel style of a ``LoRALinear`` whose base gets ``style``: column-wise
+    (base rows split) splits ``B``'s rows and replicates ``A``; row-wise (base columns split)
+    splits ``A``'s columns and replicates ``B``, whose input is then a partial sum, reduced
+    with the base's output. ``x Aᵀ Bᵀ`` is computed by DTensor on those layouts."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    colwise = isinstance(style, ColwiseParallel)
+    if not colwise and not isinstance(style, RowwiseParallel):
+        raise TypeError(f"no LoRA form of tensor-parallel style {type(style).__name__}")
+    adapters = (
+        {"lora_a": Replicate(), "lora_b": Shard(0)}
+        if colwise
+        else {
+            "lora_a": Shard(1),
+            "lora_b": Replicate(),
+        }
+    )
+
+    def partition(name: str, module: nn.Module, mesh: Any) -> None:
+        if "lora_a" not in module._parameters:  # called for every submodule (the dropout)
+            return
+        base = {n: module._parameters.pop(n) for n in list(adapters)}
+        type(style)._partition_linear_fn(style, name, module, mesh)  # weight and bias
+        for n, p in base.items():
+            dist = distribute_tensor(p, mesh, [adapters[n]], src_data_rank=style.src_data_rank)
+            module.register_parameter(n, nn.Parameter(dist, requires_grad=p.requires_grad))
+
+    style._partition_linear_fn = partition
+    return style
 
 
 def merged_state(pm: Any, state: dict[str, Any], cfg: JobConfig) -> dict[str, Any]:

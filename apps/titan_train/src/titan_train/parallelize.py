@@ -393,6 +393,11 @@ def _apply_tensor_parallel(module: nn.Module, tp_plan: Any, tp_mesh: Any) -> Non
     for pattern in tp_plan.replicated:
         for n in _matching(modules, pattern):
             layout[n] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    for n, style in layout.items():
+        if isinstance(modules[n], titan_models.LoRALinear):
+            from titan_train.lora import lora_tensor_parallel
+
+            layout[n] = lora_tensor_parallel(style)
     if layout:
         parallelize_module(module, tp_mesh, layout)
 
