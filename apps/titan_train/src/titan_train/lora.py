@@ -114,7 +114,8 @@ def merged_state(pm: Any, state: dict[str, Any], cfg: JobConfig) -> dict[str, An
     for part in pm.parts:
         pairs |= titan_models.lora_weights(part)
     adapters = {k: v for k, v in state.items() if titan_models.is_lora_param(k)}
-    full = _whole(adapters, pm.dims.world_size > 1)
+    device = next(p.device for part in pm.parts for p in part.parameters())
+    full = _whole(adapters, device, pm.dims.world_size > 1)
     out = {k: v for k, v in state.items() if k not in adapters}
     for weight, (a, b, scale) in pairs.items():
         entry = state[weight]
@@ -138,12 +139,13 @@ def _merged_piece(
     return w.detach() + titan_models.lora_delta(a_piece, b_piece, scale).to(w.dtype)
 
 
-def _whole(adapters: dict[str, Any], distributed: bool) -> dict[str, torch.Tensor]:
+def _whole(
+    adapters: dict[str, Any], device: torch.device, distributed: bool
+) -> dict[str, torch.Tensor]:
     """Every adapter of the whole model as one full fp32 tensor on every rank: each rank adds
     the pieces it holds into zeros, and the sum over ranks is divided by how many ranks hold
     each element (replicas of a piece count once)."""
     local = {k: (tuple(v.global_shape), v.local_chunks()) for k, v in adapters.items()}
-    device = next((t.device for _, cs in local.values() for _, t in cs), torch.device("cpu"))
     shapes = {k: s for k, (s, _) in local.items()}
     if distributed:
         everyone: list[Any] = [None] * dist.get_world_size()

@@ -184,7 +184,11 @@ def apply_lora(
     for glob in targets:
         matched = [f for f in modules if f and fqn_matches(glob, f)]
         if not matched:
-            raise ValueError(f"apply_lora: targets glob {glob!r} matches no module of the model")
+            names = [f for f in candidates if "." in f][:6]
+            raise ValueError(
+                f"apply_lora: targets glob {glob!r} matches no module of the model ('*' within "
+                f"a segment, '**' a run of them; linears and experts: {', '.join(names)}, ...)"
+            )
         hits = [f for f in matched if f in candidates]
         if len(hits) != len(matched):
             bad = next(f for f in matched if f not in candidates)
