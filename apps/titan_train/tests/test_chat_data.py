@@ -150,3 +150,58 @@ def test_a_chat_sample_never_straddles_two_rows():
         assert TOK.decode(labels[trained].tolist()) == "46", row
         assert int((docs == docs[0]).sum()) in (n, seq_len)  # a whole sample or padding
     assert (batch.input_ids == TOK.pad_id).any()
+
+
+def test_digits_corpus_answers_are_right_and_held_out_conversations_differ():
+    from titan_train.data.chat_corpus import builtin_conversations
+
+    train = builtin_conversations("digits", 0)
+    for i in range(200):
+        convo = train(i)
+        assert convo == train(i) and len(convo) in (2, 4)
+        for user, reply in zip(convo[::2], convo[1::2], strict=True):
+            task, digits = user.content.split(": ")
+            ds = digits.split()
+            want = {
+                "reverse": " ".join(ds[::-1]),
+                "sort": " ".join(sorted(ds)),
+                "max": max(ds),
+            }[task]
+            assert reply.role == "assistant" and reply.content == want
+    assert train(0) != builtin_conversations("digits", 1)(0)
+    with pytest.raises(ValueError, match="not a built-in chat corpus; known: code, digits"):
+        builtin_conversations("nope", 0)
+
+
+def test_exact_match_counts_a_sample_right_only_when_every_trained_token_is():
+    import torch
+
+    from titan_train.evaluation import evaluate
+
+    source = _source(
+        conversations=lambda i: [
+            {"role": "user", "content": f"q{i}"},
+            {"role": "assistant", "content": f"a{i % 7}"},
+        ]
+    )
+    loader = PackedLoader(source, TOK, seq_len=64, batch_size=2)
+    batch = next(PackedLoader(source, TOK, seq_len=64, batch_size=2))
+    samples = len(set(batch.document_ids[batch.labels != IGNORE_INDEX].tolist()))
+
+    class Oracle(torch.nn.Module):  # logits that predict the labels, but for one token
+        def __init__(self, wrong: int) -> None:
+            super().__init__()
+            self.wrong = wrong
+
+        def forward(self, ids, **_):
+            labels = batch.labels.clamp(min=0).clone()
+            trained = (batch.labels != IGNORE_INDEX).flatten().nonzero().flatten()
+            if self.wrong >= 0:
+                labels.view(-1)[trained[self.wrong]] += 1
+            return torch.nn.functional.one_hot(labels, TOK.vocab_size + 2).float() * 9
+
+    _, _, right, answers = evaluate(Oracle(-1), loader, 1, torch.device("cpu"), exact_match=True)
+    assert (right, answers) == (samples, samples) and samples > 3
+    loader = PackedLoader(source, TOK, seq_len=64, batch_size=2)
+    _, _, right, answers = evaluate(Oracle(0), loader, 1, torch.device("cpu"), exact_match=True)
+    assert (right, answers) == (samples - 1, samples)

@@ -89,3 +89,32 @@ def test_debug_flavor_builds_and_runs_on_cpu():
     cls, config = titan_models.get_model("llama3", "debug")
     logits = cls(config)(torch.zeros(2, 8, dtype=torch.long))
     assert logits.shape == (2, 8, config.vocab_size)
+
+
+def test_replace_config_sets_dotted_fields_validated_by_the_config_classes():
+    _, config = titan_models.get_model("llama3", "debug")
+    fields = titan_models.config_field_types(config)
+    assert fields["max_seq_len"] is int and fields["rope.theta"] is float
+    new = titan_models.replace_config(config, {"max_seq_len": 16384, "rope.theta": 1e6})
+    assert (new.max_seq_len, new.rope.theta) == (16384, 1e6)
+    assert (config.max_seq_len, config.rope.theta) == (2048, 500000.0)  # untouched
+    assert new.rope.scaling == config.rope.scaling  # siblings of a nested change are kept
+    with pytest.raises(ValueError, match=r"unknown Llama3Config field\(s\) \['rope_theta'\]"):
+        titan_models.replace_config(config, {"rope_theta": 1e6})
+    with pytest.raises(ValueError, match=r"RopeConfig.theta must be > 0, got -1"):
+        titan_models.replace_config(config, {"rope.theta": -1})
+    with pytest.raises(ValueError, match=r"num_heads=4 must be a multiple of num_kv_heads=3"):
+        titan_models.replace_config(config, {"num_heads": 4, "num_kv_heads": 3})
+
+
+def test_from_hf_with_config_changes(tmp_path):
+    model_cls, config = titan_models.get_model("llama3", "debug", vocab_size=256)
+    with torch.device("meta"):
+        model = model_cls(config)
+    model.init_weights(device="cpu", seed=0)
+    path = titan_models.to_hf(model, tmp_path / "hf")
+    longer = titan_models.from_hf(path, config_changes={"max_seq_len": 8192})
+    assert longer.config.max_seq_len == 8192
+    assert torch.equal(longer.tok_embeddings.weight, model.tok_embeddings.weight)
+    with pytest.raises(ValueError, match="shape"):  # a change of a weight's shape
+        titan_models.from_hf(path, config_changes={"ffn_hidden_dim": 64})

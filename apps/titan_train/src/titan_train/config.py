@@ -22,6 +22,11 @@ class ModelConfig:
     from the tokenizer for debug models)."""
     num_mtp_modules: int = -1
     """Multi-token-prediction modules (DeepSeek-V3); -1 keeps the flavour's."""
+    config: tuple[str, ...] = ()
+    """Fields of the family's model config, ``"field=value"`` (nested ones dotted), e.g.
+    ``max_seq_len=16384 rope.theta=1e6 num_layers=2 dim=128``. Values are JSON (``null``,
+    ``true``, ``[0, 2]``) or plain strings; each is checked against the field's type and the
+    config class's own validation."""
     overrides: tuple[str, ...] = ()
     """Component overrides, ``"module-glob=replacement"`` (see titan_train.components), e.g.
     ``output=chunked_cross_entropy``."""
@@ -142,8 +147,8 @@ class DataConfig:
 
     source: Literal["arithmetic", "files", "chat", "shapes", "image_files"] = "arithmetic"
     """arithmetic: the built-in generated corpus; files: local json/jsonl/parquet/text;
-    chat: conversations (chat SFT: the loss on the assistant turns), from data.paths or an RL
-    environment's demonstrations (data.chat_environment); shapes: the built-in image-text
+    chat: conversations (chat SFT: the loss on the assistant turns), from data.paths or a
+    built-in corpus (data.chat_environment); shapes: the built-in image-text
     corpus (pictures of shapes, questions with checkable answers) for vision-language models;
     image_files: a local image-text dataset (HF ``datasets``: an imagefolder, or
     json/jsonl/parquet with image paths)."""
@@ -154,8 +159,9 @@ class DataConfig:
     messages_field: str = "messages"
     """source=chat: field holding a record's list of messages (role, content, tool_calls)."""
     chat_environment: str = ""
-    """source=chat without paths: the built-in RL environment whose demonstrations (correct
-    transcripts of its scripted solver) are the corpus (see titan-train rl --list-recipes)."""
+    """source=chat without paths: a built-in corpus: ``digits`` (generated tasks on digits:
+    reverse, sort, max) or an RL environment's demonstrations (sorting, tool_calc, search,
+    code: correct transcripts of its scripted solver)."""
     chat_train_on: Literal["assistant", "all"] = "assistant"
     """source=chat: the tokens that carry a loss: the assistant turns, or every token."""
     chat_overlong: Literal["truncate", "drop"] = "truncate"

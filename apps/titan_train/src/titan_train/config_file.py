@@ -61,18 +61,48 @@ def _merge(obj: Any, data: dict[str, Any], *, prefix: str, path: Path) -> Any:
                 )
             changes[key] = _merge(current, value, prefix=f"{name}.", path=path)
         else:
-            changes[key] = _coerce(value, hints[key], name, path)
+            try:
+                changes[key] = coerce(value, hints[key], name)
+            except ValueError as e:
+                raise ValueError(f"--config {path}: {e}") from None
     return dataclasses.replace(obj, **changes)
 
 
-def _coerce(value: Any, hint: Any, name: str, path: Path) -> Any:
+def model_config_changes(config: Any, entries: tuple[str, ...]) -> dict[str, Any]:
+    """``model.config`` entries (``"max_seq_len=16384"``, ``"rope.theta=1e6"``) as typed
+    values for ``titan_models.replace_config``. A value is read as JSON when it parses
+    (``16384``, ``1e6``, ``true``, ``null``, ``[1, 2]``), else as a string; each is checked
+    against the field's type. ``ValueError`` naming the entry."""
+    import titan_models
+
+    fields = titan_models.config_field_types(config)
+    changes: dict[str, Any] = {}
+    for entry in entries:
+        key, sep, text = entry.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"model.config entry {entry!r} must read 'field=value'")
+        if key not in fields:
+            raise ValueError(
+                f"model.config {key!r} is not a field of {type(config).__name__}; fields: "
+                f"{', '.join(sorted(fields))}"
+            )
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        changes[key] = coerce(value, fields[key], f"model.config {key}")
+    return changes
+
+
+def coerce(value: Any, hint: Any, name: str) -> Any:
     """``value`` as the field type ``hint`` (lists become tuples; ints are floats where a
     float is wanted), or a ``ValueError`` naming the field."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         for option in args:
             try:
-                return _coerce(value, option, name, path)
+                return coerce(value, option, name)
             except ValueError:
                 continue
     elif origin is Literal:
@@ -81,9 +111,9 @@ def _coerce(value: Any, hint: Any, name: str, path: Path) -> Any:
     elif origin is tuple:
         if isinstance(value, (list, tuple)):
             if len(args) == 2 and args[1] is Ellipsis:
-                return tuple(_coerce(v, args[0], name, path) for v in value)
+                return tuple(coerce(v, args[0], name) for v in value)
             if len(value) == len(args):
-                return tuple(_coerce(v, t, name, path) for v, t in zip(value, args, strict=True))
+                return tuple(coerce(v, t, name) for v, t in zip(value, args, strict=True))
     elif hint is type(None):
         if value is None:
             return None
@@ -98,7 +128,7 @@ def _coerce(value: Any, hint: Any, name: str, path: Path) -> Any:
             return float(value)
     elif hint is str and isinstance(value, str):
         return value
-    raise ValueError(f"--config {path}: {name}={value!r} must be {_describe(hint)}")
+    raise ValueError(f"{name}={value!r} must be {_describe(hint)}")
 
 
 def _describe(hint: Any) -> str:

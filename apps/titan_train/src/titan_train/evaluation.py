@@ -3,6 +3,7 @@ cross-entropy, target tokens, and for image-text batches the answers predicted r
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 from titan_train.config import JobConfig
 from titan_train.data.image_files import ImageFilesSource
 from titan_train.data.image_text import ShapesSource
-from titan_train.data.packing import PackedLoader
+from titan_train.data.packing import IGNORE_INDEX, Batch, PackedLoader
 from titan_train.data.tokenizers import Tokenizer
 from titan_train.loaders import image_text_loader
 from titan_train.losses import cross_entropy_sum, loss_sum
@@ -26,16 +27,23 @@ def evaluate(
     num_batches: int,
     device: torch.device,
     shard: Any = None,
+    *,
+    exact_match: bool = False,
 ) -> tuple[float, int, int, int]:
-    """Summed cross-entropy, target-token count, and (image-text batches) answers right and
-    answers seen over ``num_batches`` batches of ``loader`` (``shard``: this rank's part of a
-    batch, under context parallelism)."""
+    """Summed cross-entropy, target-token count, and answers right and answers seen over
+    ``num_batches`` batches of ``loader`` (``shard``: this rank's part of a batch, under
+    context parallelism). Answers are the image-text batches' marked spans, or with
+    ``exact_match`` (chat data) each sample's trained tokens: right when every one of them is
+    the greedy prediction, which is exactly when greedy decoding from the sample's prompt and
+    history reproduces its replies and their stop tokens."""
     model.eval()
     total, tokens = torch.zeros((), dtype=torch.float64, device=device), 0
     right, answers = torch.zeros((), dtype=torch.long, device=device), 0
     for _ in range(num_batches):
         batch = next(loader) if shard is None else shard(next(loader))
         tokens += batch.num_target_tokens
+        if batch.answers is None and exact_match:
+            batch = dataclasses.replace(batch, answers=sample_answers(batch))
         if batch.answers is None:
             total += loss_sum(model, batch.to(device)).double()
             continue
@@ -46,6 +54,16 @@ def evaluate(
         right += answers_right(logits, batch.labels, batch.answers)
     model.train()
     return float(total), tokens, int(right), answers
+
+
+def sample_answers(batch: Batch) -> torch.Tensor:
+    """Per target token, the index (0, 1, ...) of its sample in the batch, -1 where there is
+    no loss: a packed chat batch's samples as answers (samples never straddle rows)."""
+    trained = batch.labels != IGNORE_INDEX
+    answers = torch.full_like(batch.labels, -1)
+    _, index = torch.unique(batch.document_ids[trained], return_inverse=True)
+    answers[trained] = index
+    return answers
 
 
 def answers_right(
@@ -77,7 +95,11 @@ def validate_run(
     right = answers = 0
     if pm.schedule is None:
         n = cfg.metrics.validation_batches
-        total, tokens, right, answers = evaluate(pm.parts[0], val_loader, n, device, pm.shard_batch)
+        # Exact match needs whole samples and logits: not under CP or the chunked-CE head.
+        chat = cfg.data.source == "chat" and pm.dims.cp == 1 and not _chunked_head(cfg)
+        total, tokens, right, answers = evaluate(
+            pm.parts[0], val_loader, n, device, pm.shard_batch, exact_match=chat
+        )
     else:
         total, tokens = evaluate_pipeline(pm, val_loader, cfg, device)
     if pm.dims.world_size > 1:
@@ -89,3 +111,9 @@ def validate_run(
     if answers:
         out["answer_accuracy"] = right / answers
     return out
+
+
+def _chunked_head(cfg: JobConfig) -> bool:
+    from titan_train.components import parse_overrides
+
+    return any(name == "chunked_cross_entropy" for _, name in parse_overrides(cfg.model.overrides))

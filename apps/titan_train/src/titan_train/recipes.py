@@ -52,6 +52,20 @@ def llama3_debug() -> JobConfig:
 
 
 @recipe
+def llama3_debug_sft() -> JobConfig:
+    """Tiny Llama 3, chat SFT on the built-in ``digits`` conversations (reverse / sort / max
+    five digits): the loss on the assistant turns only; validation reports the exact-match
+    rate of held-out conversations (``answer_accuracy``)."""
+    cfg = llama3_debug()
+    cfg.name = "llama3_debug_sft"
+    cfg.data = DataConfig(source="chat", chat_environment="digits")
+    cfg.training = TrainingConfig(steps=600, batch_size=16, seq_len=128)
+    cfg.metrics.validate_every = 100
+    cfg.metrics.validation_batches = 8
+    return cfg
+
+
+@recipe
 def qwen3_debug() -> JobConfig:
     """Tiny Qwen3 (QK-norm, tied head) on the built-in arithmetic corpus."""
     cfg = llama3_debug()

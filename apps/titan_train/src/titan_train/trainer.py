@@ -38,6 +38,7 @@ from titan_train.checkpointing import (
 )
 from titan_train.components import apply_overrides, parse_overrides
 from titan_train.config import JobConfig, check_paths, validate
+from titan_train.config_file import model_config_changes
 from titan_train.data.packing import IGNORE_INDEX, Batch
 from titan_train.data.tokenizers import Tokenizer, build_tokenizer
 from titan_train.device import (
@@ -113,30 +114,45 @@ def check_supported(cfg: JobConfig, dims: ParallelDims) -> None:
 
 def model_config(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[type, Any]:
     """The model class and config: from the HF folder when initialising from one, else the
-    family's flavour (vocabulary from the tokenizer unless set)."""
+    family's flavour (vocabulary from the tokenizer unless set); ``model.config`` fields set
+    last."""
     if cfg.checkpoint.init_from_hf:
         model_cls, config = titan_models.hf_model_config(cfg.checkpoint.init_from_hf)
         config = dataclasses.replace(config, attention_backend=cfg.model.attention_backend)
-        if config.vocab_size < tokenizer.vocab_size:
-            raise ValueError(
-                f"checkpoint.init_from_hf model has vocab_size={config.vocab_size}, smaller than "
-                f"the tokenizer's {tokenizer.vocab_size} (data.tokenizer={cfg.data.tokenizer!r})"
-            )
-        return model_cls, config
-    overrides = {
-        "vocab_size": cfg.model.vocab_size or tokenizer.vocab_size,
-        "attention_backend": cfg.model.attention_backend,
-    }
-    if cfg.model.num_mtp_modules >= 0:
-        overrides["num_mtp_modules"] = cfg.model.num_mtp_modules
-    return titan_models.get_model(cfg.model.family, cfg.model.flavor, **overrides)
+        source = f"checkpoint.init_from_hf={cfg.checkpoint.init_from_hf!r}"
+    else:
+        overrides = {
+            "vocab_size": cfg.model.vocab_size or tokenizer.vocab_size,
+            "attention_backend": cfg.model.attention_backend,
+        }
+        if cfg.model.num_mtp_modules >= 0:
+            overrides["num_mtp_modules"] = cfg.model.num_mtp_modules
+        model_cls, config = titan_models.get_model(cfg.model.family, cfg.model.flavor, **overrides)
+        source = f"{cfg.model.family} {cfg.model.flavor}"
+    config = _set_fields(config, cfg)
+    if config.vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"the model ({source}) has vocab_size={config.vocab_size}, smaller than the "
+            f"tokenizer's {tokenizer.vocab_size} (data.tokenizer={cfg.data.tokenizer!r})"
+        )
+    return model_cls, config
+
+
+def _set_fields(config: Any, cfg: JobConfig) -> Any:
+    if not cfg.model.config:
+        return config
+    return titan_models.replace_config(config, model_config_changes(config, cfg.model.config))
 
 
 def build_model(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device) -> nn.Module:
     """The whole model on one device, as one process would train it (the reference the
     parallel layouts are compared with: they hold pieces of exactly these weights)."""
     if cfg.checkpoint.init_from_hf:
-        model = titan_models.from_hf(cfg.checkpoint.init_from_hf, device=device)
+        _, config = model_config(cfg, tokenizer)
+        changes = model_config_changes(config, cfg.model.config)
+        model = titan_models.from_hf(
+            cfg.checkpoint.init_from_hf, device=device, config_changes=changes
+        )
         backend = cfg.model.attention_backend
         model.config = dataclasses.replace(model.config, attention_backend=backend)
     else:

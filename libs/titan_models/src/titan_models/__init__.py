@@ -26,6 +26,7 @@ from .components import (
     register_attention_backend,
     resolve_attention_backend,
 )
+from .config_fields import config_field_types, replace_config
 from .decoding import greedy_generate
 from .deepseek_v3 import DeepSeekV3, DeepSeekV3Config
 from .deepseek_v4 import DeepSeekV4, DeepSeekV4Config
@@ -92,6 +93,7 @@ __all__ = [
     "attend",
     "attention_backends",
     "check_tensor_parallel",
+    "config_field_types",
     "flops_per_token",
     "fqn_matches",
     "from_hf",
@@ -111,6 +113,7 @@ __all__ = [
     "mtp_loss",
     "quantize_modules",
     "register_attention_backend",
+    "replace_config",
     "resolve_attention_backend",
     "to_hf",
     "vision_flops",

@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from .components import Transformer, TransformerConfig, local_chunks
+from .config_fields import replace_config
 from .hf_adapter import HFAdapter, HFTensor
 from .hf_files import (
     INDEX_FILE,
@@ -79,6 +80,7 @@ def from_hf(
     *,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
+    config_changes: Mapping[str, Any] | None = None,
 ) -> Transformer:
     """Our model with the weights of the HF checkpoint folder ``path``.
 
@@ -89,6 +91,9 @@ def from_hf(
             the checkpoint's own (``config.json``'s ``dtype``/``torch_dtype``, else that of its
             tensors), and every tensor must already have it.
         device: where the weights are materialised.
+        config_changes: fields of the model config to set (``titan_models.replace_config``:
+            dotted names, e.g. ``{"max_seq_len": 16384}``); a change of a weight's shape
+            fails the checkpoint's validation, naming the tensor.
 
     Raises:
         ValueError: an HF config feature we do not model (naming the field); missing,
@@ -98,6 +103,8 @@ def from_hf(
     root, hf_config, adapter, files = _open_checkpoint(path)
     family = family_for_hf(hf_config.get("model_type"))
     config = adapter.config_from_hf(hf_config)
+    if config_changes:
+        config = replace_config(config, config_changes)
     with torch.device("meta"):
         model = family.model_cls(config)
     declared = _declared_dtype(hf_config)

@@ -8,9 +8,8 @@ through that template; the built-in byte tokenizer through ``titan_rl.SimpleChat
 Only the assistant turns carry a loss unless ``train_on="all"``.
 
 Conversations come from local json / jsonl / parquet files (HF ``datasets``, streamed), or
-from a built-in RL environment's demonstrations (``titan_train.rl.environments``): correct
-transcripts written by the environment's scripted solver, an offline corpus whose answers are
-learnable.
+from a built-in corpus (``titan_train.data.chat_corpus``: generated ``digits`` tasks, or an RL
+environment's demonstrations), offline, with answers that are learnable.
 
 A sample longer than ``max_tokens`` (the sequence length) is truncated or dropped
 (``overlong``) and counted (``ChatSource.overlong_count``).
@@ -129,9 +128,9 @@ def chat_sources(
     d = cfg.data
     conversations = None
     if d.chat_environment:
-        from titan_train.environments import get_environment
+        from titan_train.data.chat_corpus import builtin_conversations
 
-        conversations = get_environment(d.chat_environment).demonstrations(cfg.training.seed)
+        conversations = builtin_conversations(d.chat_environment, cfg.training.seed)
     common = dict(
         renderer=chat_renderer(tokenizer, d.tokenizer if d.tokenizer != "byte" else ""),
         max_tokens=cfg.training.seq_len,
