@@ -55,17 +55,25 @@ class ModelState:
     """The model's checkpoint item: sharded pieces (flexshard's protocol objects, DTensors)
     of every local part under the unsplit model's FQNs. ``per_rank``: this rank's pieces as
     plain tensors (what a ``PerRank`` item holds), keyed ``fqn@offset``; they alias the live
-    shards, so loading fills them in place too."""
+    shards, so loading fills them in place too. ``adapters_only``: the LoRA adapters and the
+    buffers, no base weight (the base is rebuilt from the run's config)."""
 
-    def __init__(self, pm: ParallelModel, *, per_rank: bool = False) -> None:
-        self.pm, self.per_rank = pm, per_rank
+    def __init__(
+        self, pm: ParallelModel, *, per_rank: bool = False, adapters_only: bool = False
+    ) -> None:
+        self.pm, self.per_rank, self.adapters_only = pm, per_rank, adapters_only
 
     def state_dict(self) -> dict[str, Any]:
         import flexshard
 
         out: dict[str, Any] = {}
         for part in self.pm.parts:
-            out.update(flexshard.sharded_state_dict(part) if self.pm.sharded else part.state_dict())
+            state = flexshard.sharded_state_dict(part) if self.pm.sharded else part.state_dict()
+            if self.adapters_only:
+                base = {n for n, _ in part.named_parameters(remove_duplicate=False)}
+                base = {n for n in base if not titan_models.is_lora_param(n)}
+                state = {k: v for k, v in state.items() if k not in base}
+            out.update(state)
         if not self.per_rank:
             return out
         plain: dict[str, Any] = {}
@@ -102,13 +110,21 @@ class OptimizerState:
 
 
 def checkpoint_state(
-    pm: ParallelModel, optimizer: Any, scheduler: Any, loader: Any, state: TrainState
+    pm: ParallelModel,
+    optimizer: Any,
+    scheduler: Any,
+    loader: Any,
+    state: TrainState,
+    *,
+    adapters_only: bool = False,
 ) -> dict[str, Any]:
     """What a checkpoint holds. On several ranks, what differs per rank (data position, RNG,
-    optimizer state of local shards, pipeline stages' weights) is saved per rank."""
+    optimizer state of local shards, pipeline stages' weights) is saved per rank.
+    ``adapters_only`` (LoRA): the model item holds the adapters and buffers, no base weight
+    (the optimizer holds the adapters' state only anyway)."""
     if pm.dims.world_size == 1:
         return {
-            "model": pm.parts[0],
+            "model": ModelState(pm, adapters_only=True) if adapters_only else pm.parts[0],
             "optim": optimizer,
             "lr": scheduler,
             "data": loader,
@@ -118,7 +134,10 @@ def checkpoint_state(
 
     # Stages and experts differ per rank; HSDP replicas hold duplicate shards.
     per_rank = pm.dims.pp > 1 or bool(pm.experts) or pm.dims.dp_replicate > 1
-    model = PerRank(ModelState(pm, per_rank=True)) if per_rank else ModelState(pm)
+    if per_rank:
+        model = PerRank(ModelState(pm, per_rank=True, adapters_only=adapters_only))
+    else:
+        model = ModelState(pm, adapters_only=adapters_only)
     if pm.sharded and not per_rank:  # reshardable, like the parameters
         optim = OptimizerState(pm.parts[0], optimizer)
     else:
@@ -178,10 +197,18 @@ def resume(cfg: JobConfig, plan: RunFolderPlan, stateful: dict[str, Any]) -> Any
     return ckpt
 
 
-def export_hf(pm: ParallelModel, model_config: Any, path: Path) -> None:
+def export_hf(
+    pm: ParallelModel, model_config: Any, path: Path, cfg: JobConfig | None = None
+) -> None:
     """HF safetensors of the final weights, written by every rank at once from the pieces it
-    holds (flexshard shards, tensor-parallel slices); see ``write_hf``."""
-    write_hf(global_state(pm), model_config, path)
+    holds (flexshard shards, tensor-parallel slices); see ``write_hf``. With ``cfg.lora`` on,
+    the adapters are merged into their weights first (a plain model)."""
+    state = global_state(pm)
+    if cfg is not None:
+        from titan_train.lora import merged_state
+
+        state = merged_state(pm, state, cfg)
+    write_hf(state, model_config, path)
 
 
 def write_hf(state: Mapping[str, Any], model_config: Any, path: Path) -> None:

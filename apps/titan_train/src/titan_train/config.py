@@ -263,6 +263,22 @@ class QuantizeConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class LoRAConfig:
+    """LoRA fine-tuning (titan_models.apply_lora): the base model frozen, low-rank adapters on
+    the targeted linears / routed experts trained; checkpoints hold the adapters only."""
+
+    rank: int = 0
+    """Adapter rank r; 0 turns LoRA off."""
+    alpha: float = 16.0
+    """Adapter scale numerator: the update is (alpha / rank) * B @ A."""
+    targets: tuple[str, ...] = ("layers.*.attention.w*", "layers.*.feed_forward.w*")
+    """Module globs of the linears (or routed ``experts`` modules) to adapt ('*' within a
+    segment, '**' a run of them); each must match at least one."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (linears only)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class FlexShardConfig:
     """Options of flexshard's data-parallel sharding."""
 
@@ -316,6 +332,7 @@ class JobConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     flexshard: FlexShardConfig = field(default_factory=FlexShardConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     overwrite: bool = False
     """With --checkpoint.no-resume in a run folder that holds checkpoints: move the old run's
     outputs to <run>/archive/<time>/ and start over (nothing is deleted)."""
@@ -457,8 +474,23 @@ def validate(cfg: JobConfig) -> None:
             "flexshard.fp8_gather with optimizer.name='muon' is not supported (Muon keeps the "
             "matrices Owned, whole on one rank: there is nothing to gather in tiles)"
         )
+    _validate_lora(cfg.lora)
     if not cfg.name or "/" in cfg.name or cfg.name in (".", ".."):
         raise ValueError(f"name={cfg.name!r} must be a non-empty folder name without '/'")
+
+
+def _validate_lora(lora: LoRAConfig) -> None:
+    if isinstance(lora.rank, bool) or not isinstance(lora.rank, int) or lora.rank < 0:
+        raise ValueError(f"lora.rank={lora.rank!r} must be an int >= 0 (0: LoRA off)")
+    if not (math.isfinite(lora.alpha) and lora.alpha > 0):
+        raise ValueError(f"lora.alpha={lora.alpha} must be a finite number > 0")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ValueError(f"lora.dropout={lora.dropout} must be in [0, 1)")
+    if lora.rank > 0 and not lora.targets:
+        raise ValueError(
+            f"lora.targets={list(lora.targets)} must name at least one module glob when "
+            f"lora.rank={lora.rank} > 0 (e.g. 'layers.*.attention.w*')"
+        )
 
 
 def check_paths(cfg: JobConfig) -> None:

@@ -104,28 +104,32 @@ def materialize(
     if not fill:
         return
     state = global_state(pm)
+    inits: dict[str, titan_models.Init] = {}
+    for part in pm.parts:
+        inits |= part.param_inits()
     if hf_path:
         for part in pm.parts:
             for buffer in part.buffers():
                 buffer.zero_()  # those the checkpoint holds are overwritten next
-        titan_models.load_hf_state(state, hf_path)
+        adapters = {k: v for k, v in state.items() if titan_models.is_lora_param(k)}
+        titan_models.load_hf_state({k: v for k, v in state.items() if k not in adapters}, hf_path)
+        titan_models.init_state(adapters, inits, seed=seed)  # LoRA adapters on the HF base
         return
-    inits: dict[str, titan_models.Init] = {}
-    for part in pm.parts:
-        inits |= part.param_inits()
     titan_models.init_state(state, inits, seed=seed)
 
 
 def local_bytes(pm: ParallelModel, *, optimizer: str, bf16: bool) -> dict[str, int]:
     """What this rank will hold before the first activation: its parameters and gradients
     (the local shards, plus the largest bucket gathered for compute) and its optimizer state
-    (AdamW: two fp32 moments per element; Muon: one). Read off the meta model."""
+    (AdamW: two fp32 moments per element; Muon: one), for the parameters that train. Read off
+    the meta model."""
     params = sum(_local_numel(p) * p.element_size() for p in pm.parameters())
+    trained = [p for p in pm.parameters() if p.requires_grad]
     states = 2 if optimizer == "adamw" else 1
-    elements = sum(_local_numel(p) for p in pm.parameters())
+    elements = sum(_local_numel(p) for p in trained)
     return {
         "params": params,
-        "grads": params,
+        "grads": sum(_local_numel(p) * p.element_size() for p in trained),
         "optimizer": states * 4 * elements,
         "gathered": _largest_gathered(pm) * (2 if bf16 else 4),
     }

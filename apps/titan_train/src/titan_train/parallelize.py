@@ -326,11 +326,14 @@ def parallelize(
     model: nn.Module, cfg: JobConfig, dims: ParallelDims, meshes: dict[str, Any]
 ) -> ParallelModel:
     """Split, shard and wrap ``model`` (on the meta device) for this rank; nothing is
-    allocated (``materialize`` does that). ``quantize.*`` swaps in the FP8 / MXFP8 GEMMs first,
-    on the whole model, so every layout below shards the swapped modules."""
+    allocated (``materialize`` does that). ``quantize.*`` swaps in the FP8 / MXFP8 GEMMs and
+    ``lora.*`` the adapters first, on the whole model, so every layout below shards the
+    swapped modules."""
+    from titan_train.lora import apply_lora_config
     from titan_train.low_precision import apply_quantize
 
     apply_quantize(model, cfg)
+    apply_lora_config(model, cfg)
     plan = titan_models.get_plan(model.config)
     pm = ParallelModel(parts=[model], dims=dims, meshes=meshes)
     if dims.pp > 1:
@@ -390,6 +393,11 @@ def _apply_tensor_parallel(module: nn.Module, tp_plan: Any, tp_mesh: Any) -> Non
     for pattern in tp_plan.replicated:
         for n in _matching(modules, pattern):
             layout[n] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    for n, style in layout.items():
+        if isinstance(modules[n], titan_models.LoRALinear):
+            from titan_train.lora import lora_tensor_parallel
+
+            layout[n] = lora_tensor_parallel(style)
     if layout:
         parallelize_module(module, tp_mesh, layout)
 

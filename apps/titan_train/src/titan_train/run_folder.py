@@ -168,11 +168,15 @@ def _in_use(run_dir: Path, holder: str) -> str:
 
 def config_changes(saved: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """Fields of two configs (``dataclasses.asdict`` form) that differ, by dotted name,
-    leaving out ``FREE_FIELDS``."""
+    leaving out ``FREE_FIELDS`` (with LoRA on, a changed ``checkpoint.init_from_hf`` counts:
+    the checkpoints hold the adapters of that base only)."""
     a, b = _flatten(saved), _flatten(new)
+    free = FREE_FIELDS
+    if b.get("lora.rank"):  # adapter-only checkpoints: the HF base is part of what is trained
+        free = tuple(f for f in FREE_FIELDS if f != "checkpoint.init_from_hf")
     out = {}
     for key in sorted(set(a) | set(b)):
-        if key != "history" and not _matches(key, FREE_FIELDS) and a.get(key) != b.get(key):
+        if key != "history" and not _matches(key, free) and a.get(key) != b.get(key):
             out[key] = (a.get(key), b.get(key))
     return out
 

@@ -51,6 +51,7 @@ from titan_train.errors import ConfigError, ExportError, NonFiniteError
 from titan_train.evaluation import validate_run
 from titan_train.loaders import IMAGE_TEXT
 from titan_train.loaders import loaders as _loaders
+from titan_train.lora import apply_lora_config, check_lora
 from titan_train.losses import autocast, loss_sum
 from titan_train.low_precision import apply_quantize, check_low_precision
 from titan_train.lr_schedule import build_lr_scheduler
@@ -161,6 +162,7 @@ def build_model(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device) -> n
         model.init_weights(device=device, seed=cfg.training.seed)
     apply_overrides(model, cfg.model.overrides)
     apply_quantize(model, cfg)
+    apply_lora_config(model, cfg)  # adapters start from training.seed, the base is frozen
     return model
 
 
@@ -333,7 +335,9 @@ def prepare(
         with torch.device("meta"):  # overrides checked on a model that allocates nothing
             meta_model = model_cls(config)
             apply_overrides(meta_model, cfg.model.overrides)
+            check_lora(cfg, dims)
             check_low_precision(meta_model, cfg, dims)
+            apply_lora_config(meta_model, cfg)
         _loaders(cfg, tokenizer, dp_size=dims.dp)  # checks data files and fields
         if not fake:
             resolve_device(cfg.training.device)
@@ -431,7 +435,9 @@ def _train(
     archived = archive_outputs(run_dir) if plan.archive and rank == 0 else None
     if dims.world_size > 1:
         dist.barrier()
-    stateful = checkpoint_state(pm, optimizer, scheduler, loader, state)
+    stateful = checkpoint_state(
+        pm, optimizer, scheduler, loader, state, adapters_only=cfg.lora.rank > 0
+    )
     ckpt = resume(cfg, plan, stateful)  # before anything else is written to the run folder
     apply_resumed_changes(plan, cfg, optimizer, scheduler)
     if rank == 0:
@@ -571,7 +577,7 @@ def _export(pm: ParallelModel, config: Any, cfg: JobConfig, stateful: Any, saved
     checkpoint (with checkpoints off, one is written now): nothing trained is lost."""
     run_dir = Path(cfg.output_dir) / cfg.name
     try:
-        export_hf(pm, config, run_dir / "hf")
+        export_hf(pm, config, run_dir / "hf", cfg)
     except Exception as e:
         step, root = cfg.training.steps, run_dir / "checkpoints"
         rerun = "rerun the same command"

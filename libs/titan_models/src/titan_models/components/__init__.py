@@ -15,6 +15,15 @@ from .dense_attention import math_attention, sdpa
 from .feedforward import FeedForward
 from .init import Constant, HashRoutes, Init, Normal, init_state, local_chunks
 from .kv_cache import KVCache, LayerKVCache, LayerRecurrentState
+from .lora import (
+    LoRAGroupedExperts,
+    LoRALinear,
+    apply_lora,
+    is_lora_param,
+    lora_delta,
+    lora_weights,
+    merge_lora,
+)
 from .mla import MultiHeadLatentAttention
 from .moe import MoEFeedForward
 from .norm import GatedRMSNorm, RMSNorm
@@ -55,6 +64,8 @@ __all__ = [
     "LayerKVCache",
     "LayerRecurrentState",
     "Llama3RopeScaling",
+    "LoRAGroupedExperts",
+    "LoRALinear",
     "MoEFeedForward",
     "MultiHeadLatentAttention",
     "Normal",
@@ -65,6 +76,7 @@ __all__ = [
     "TransformerBlock",
     "TransformerConfig",
     "YarnRopeScaling",
+    "apply_lora",
     "apply_rotary",
     "attend",
     "attention_backends",
@@ -73,8 +85,12 @@ __all__ = [
     "dense_blocks",
     "gqa_attention",
     "init_state",
+    "is_lora_param",
     "local_chunks",
+    "lora_delta",
+    "lora_weights",
     "math_attention",
+    "merge_lora",
     "positions_from_document_ids",
     "prepare_attention",
     "quantize_modules",

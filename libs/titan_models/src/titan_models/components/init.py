@@ -44,9 +44,12 @@ _BLOCK_ELEMENTS = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class Normal:
-    """N(0, std²) in fp32, cast to the parameter's dtype."""
+    """N(0, std²) in fp32, cast to the parameter's dtype. ``seed``: draw from this seed
+    instead of the one ``init_state`` is given (values that must not depend on the model's
+    seed, as LoRA adapters added to a checkpoint's weights)."""
 
     std: float
+    seed: int | None = None
 
     def sample(self, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
         out = torch.randn(shape, generator=generator, device=generator.device)
@@ -171,6 +174,8 @@ def _fill(
     if isinstance(init, Constant):
         chunk.fill_(init.value)
         return
+    if getattr(init, "seed", None) is not None:
+        seed = init.seed
     rows, row_shape = (global_shape[0], global_shape[1:]) if global_shape else (1, ())
     per_block = max(1, _BLOCK_ELEMENTS // max(1, math.prod(row_shape)))
     view = chunk.reshape(1) if not global_shape else chunk

@@ -334,7 +334,8 @@ class Transformer(nn.Module):
         down projections) from N(0, (std / √(2·num_layers))²), so the residual stream's
         variance stays flat in depth; every RMSNorm weight is 1; buffers (a router's selection
         bias) start at 0, except those a module's ``buffer_inits()`` names (a hash-routing
-        table).
+        table); parameters added to a module from outside (LoRA adapters) start as its
+        ``adapter_inits()`` says.
         """
         std = self.config.init_std
         out_std = std / math.sqrt(2 * self.config.num_layers)
@@ -352,6 +353,8 @@ class Transformer(nn.Module):
         for prefix, module in self.named_modules():  # buffers that start elsewhere (hash tables)
             if hasattr(module, "buffer_inits"):
                 inits |= prefixed(prefix, module.buffer_inits())
+            if hasattr(module, "adapter_inits"):  # parameters added from outside (LoRA)
+                inits |= prefixed(prefix, module.adapter_inits())
         return inits
 
     def _extra_param_inits(self, *, std: float, out_std: float) -> dict[str, Init]:
