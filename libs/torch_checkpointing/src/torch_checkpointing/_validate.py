@@ -23,6 +23,10 @@ _TOKEN_RE = re.compile(r"^[0-9a-f]{12}-\d{1,18}$")
 _KINDS = ("tensor", "dtensor", "sharded")
 
 
+def _known(value: Any, names: Any) -> bool:
+    return isinstance(value, str) and value in names
+
+
 def _bad(path: str, field: str, value: Any, allowed: str) -> CorruptCheckpointError:
     text = repr(value)
     text = text if len(text) <= 80 else text[:77] + "..."
@@ -87,7 +91,12 @@ def check_manifest(m: dict[str, Any], path: str) -> None:
             raise _bad(path, f"{where}.entries", entries, "an object (empty when per_rank)")
         for key, e in entries.items():
             ew = f"{where}.entries[{key!r}]"
-            if not (isinstance(e, list) and len(e) == 3 and e[0] in _KINDS and e[1] in fmt.DTYPES):
+            if not (
+                isinstance(e, list)
+                and len(e) == 3
+                and _known(e[0], _KINDS)
+                and _known(e[1], fmt.DTYPES)
+            ):
                 raise _bad(path, ew, e, "[kind, dtype, shape] with a known kind and dtype")
             _numel(path, f"{ew} shape", _ints(path, f"{ew} shape", e[2]))
 
@@ -117,7 +126,7 @@ def check_marker(
         if not isinstance(info, dict):
             raise _bad(path, where, info, "an object")
         item = info.get("item")
-        if item not in items_m or name != fmt.item_file(item, rank):
+        if not _known(item, items_m) or name != fmt.item_file(item, rank):
             raise _bad(path, f"{where}.item", item, "an item of the manifest, named by the file")
         if not isinstance(info.get("tree"), bool):
             raise _bad(path, f"{where}.tree", info.get("tree"), "a bool")
@@ -137,7 +146,7 @@ def check_marker(
         pos = 0
         for i, c in enumerate(chunks):
             cw = f"{where}.chunks[{i}]"
-            if not (isinstance(c, list) and len(c) == 6 and c[3] in fmt.DTYPES):
+            if not (isinstance(c, list) and len(c) == 6 and _known(c[3], fmt.DTYPES)):
                 raise _bad(path, cw, c, "[key, offsets, shape, dtype, start, end]")
             key = _str(path, f"{cw} key", c[0])
             offs, shape = _ints(path, f"{cw} offsets", c[1]), _ints(path, f"{cw} shape", c[2])
