@@ -113,6 +113,15 @@ def sealed(body: Any) -> bytes:
     return b'{"crc32":%d,"body":%s}' % (zlib.crc32(text), text)
 
 
+def sealed_raw(text: bytes) -> bytes:
+    """``text`` (any bytes) as a body with a valid checksum: damage a parser must survive."""
+    return b'{"crc32":%d,"body":%s}' % (zlib.crc32(text), text)
+
+
+def deep(n: int) -> bytes:
+    return b'{"a":' * n + b"1" + b"}" * n
+
+
 def _paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
     out = [prefix]
     if isinstance(obj, dict):
@@ -150,7 +159,8 @@ hostile_bytes = st.one_of(
     json_values.map(lambda v: json.dumps(v).encode()),
     json_values.map(sealed),
     st.integers(1, 3000).map(lambda n: b"[" * n),
-    st.integers(1, 3000).map(lambda n: sealed(None)[:-1] + b"[" * n + b"}"),
+    st.integers(1, 3000).map(lambda n: sealed_raw(deep(n))),
+    st.binary(max_size=64).map(lambda b: sealed_raw(b"{" + b + b"}")),
 )
 
 
