@@ -227,3 +227,11 @@ def test_a_forged_field_with_a_valid_checksum_falls_back(tmp_path, forge):
     mgr = CheckpointManager(tmp_path, read_only=True)
     with pytest.warns(CheckpointWarning, match=dir_of(tmp_path, 2).name):
         assert finishes(lambda: load_checked_state(mgr, fallback=True)) == 1
+
+
+def test_a_garbage_lock_file_does_not_keep_the_root_from_opening(tmp_path):
+    save_steps(tmp_path, [1])
+    (tmp_path / ".lock-00000.json").write_bytes(b"[" * 100_000)
+    with CheckpointManager(tmp_path, async_mode="off") as mgr:
+        assert mgr.latest_step() == 1
+        mgr.save(2, state_of(2))

@@ -232,8 +232,12 @@ def parse_safetensors_header(read: Callable[[int, int], bytes], path: str) -> tu
         raise CorruptCheckpointError(f"{path}: safetensors header length {n} is absurd", path)
     try:
         head = json.loads(read(8, n))
-    except (EOFError, ValueError) as e:
+    except EOFError as e:
         raise CorruptCheckpointError(f"{path}: unreadable safetensors header ({e})", path) from e
+    except Exception as e:  # any parse error, RecursionError included, is damage
+        raise CorruptCheckpointError(
+            f"{path}: unreadable safetensors header ({type(e).__name__}: {str(e)[:200]})", path
+        ) from None
     if not isinstance(head, dict):
         raise CorruptCheckpointError(f"{path}: safetensors header is not a JSON object", path)
     return head, 8 + n
