@@ -273,13 +273,16 @@ def _read_marker(
     """Rank ``rank``'s done-marker, read within its size cap and range-checked: its files."""
     path = f"{folder}/{fmt.marker_file(rank)}"
     limit = fmt.MARKER_BASE_MAX_BYTES
-    if storage.size(path) > limit:  # a rank with much data: its own files size the cap
-        suffix = f"-{rank:05d}.safetensors"
-        data = sum(
-            storage.size(f"{folder}/{n}") for n in storage.list(folder) if n.endswith(suffix)
-        )
-        items = len(json.dumps(manifest["items"]))
-        limit = fmt.marker_max_bytes(items, data)
+    try:
+        if storage.size(path) > limit:  # a rank with much data: its own files size the cap
+            suffix = f"-{rank:05d}.safetensors"
+            names = [n for n in storage.list(folder) if n.endswith(suffix)]
+            data = sum(storage.size(f"{folder}/{n}") for n in names)
+            limit = fmt.marker_max_bytes(len(json.dumps(manifest["items"])), data)
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # a symlink loop, ...: damage
+        raise CorruptCheckpointError(f"{path}: unreadable ({e})", path) from e
     marker = fmt.load_checked(fmt.read_small(storage, path, limit), path)
     return check_marker(marker, manifest, rank, path)
 
