@@ -1,9 +1,9 @@
 """Chaos suite: real ``titan-train`` jobs hit by what happens on real clusters. A rank killed
-(-9) or stopped (SIGSTOP) at a random step, or killed (-9) mid-save, two jobs on one run folder, the latest checkpoint
-damaged (manifest, data, completion marker), a disk that fills up or turns read-only. Every
-case asserts the job ends (no hang beyond its timeout) with a clear error, that no
-checkpoint was lost, and, where it resumes, that the resumed run matches an uninterrupted
-one bitwise (every logged loss)."""
+(-9) or stopped (SIGSTOP) at a random step, a rank killed (-9) mid-save, two jobs on one run
+folder, the latest checkpoint damaged (manifest, data, completion marker), a disk that fills up
+or turns read-only. Every case asserts the job ends (no hang beyond its timeout) with a clear
+error, that no checkpoint was lost, and, where it resumes, that the resumed run matches an
+uninterrupted one bitwise (every logged loss)."""
 
 from __future__ import annotations
 
