@@ -1,9 +1,9 @@
 """Chaos suite: real ``titan-train`` jobs hit by what happens on real clusters. A rank killed
-(-9) or stopped (SIGSTOP) at a random step, two jobs on one run folder, the latest checkpoint
-damaged (manifest, data, completion marker), a disk that fills up or turns read-only. Every
-case asserts the job ends (no hang beyond its timeout) with a clear error, that no
-checkpoint was lost, and, where it resumes, that the resumed run matches an uninterrupted
-one bitwise (every logged loss)."""
+(-9) or stopped (SIGSTOP) at a random step, a rank killed (-9) mid-save, two jobs on one run
+folder, the latest checkpoint damaged (manifest, data, completion marker), a disk that fills up
+or turns read-only. Every case asserts the job ends (no hang beyond its timeout) with a clear
+error, that no checkpoint was lost, and, where it resumes, that the resumed run matches an
+uninterrupted one bitwise (every logged loss)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -70,17 +71,29 @@ def _rank_pid(job: subprocess.Popen, rank: int) -> int | None:
     return None
 
 
-def _start_and_hit(cmd: list[str], run: Path, at_step: int, rank: int, sig: int):
-    """Start the job, send ``sig`` to ``rank`` once ``at_step`` is logged; the job and the
-    seconds from the signal to the job's end."""
+def _logged(run: Path, at_step: int) -> bool:
+    metrics = run / "metrics.jsonl"
+    return metrics.exists() and len(metrics.read_text().splitlines()) >= at_step
+
+
+def _saving(run: Path, step: int) -> bool:
+    """Whether the folder of ``step``'s checkpoint has appeared (its save is under way)."""
+    folder = run / "checkpoints"
+    return folder.is_dir() and any(
+        p.name.startswith(f"step-{step:012d}.") for p in folder.iterdir()
+    )
+
+
+def _start_and_hit(cmd: list[str], ready, rank: int, sig: int, poll_s: float = 0.05):
+    """Start the job, send ``sig`` to ``rank`` once ``ready()``; the job and the seconds from
+    the signal to the job's end."""
     job = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
-        metrics = run / "metrics.jsonl"
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= at_step:
+        if ready():
             break
         assert job.poll() is None, job.communicate()
-        time.sleep(0.05)
+        time.sleep(poll_s)
     pid = _rank_pid(job, rank)
     assert pid is not None
     os.kill(pid, sig)
@@ -106,7 +119,8 @@ def reference(tmp_path_factory) -> dict[int, float]:
 def test_a_rank_killed_or_stopped_ends_the_job_and_resume_is_bitwise(tmp_path, reference, sig):
     at_step = random.Random(sig).randint(3, STEPS - 2)
     cmd = _cmd(tmp_path, "chaos", "--comm.timeout-s", str(TIMEOUT_S))
-    rc, err, took = _start_and_hit(cmd, tmp_path / "chaos", at_step, rank=1, sig=sig)
+    run = tmp_path / "chaos"
+    rc, err, took = _start_and_hit(cmd, lambda: _logged(run, at_step), rank=1, sig=sig)
     assert rc != 0, err[-2000:]
     assert "titan-train: error: the job failed" in err, err[-2000:]
     # No hang: a dead peer is seen at once; a stopped one after the process-group timeout
@@ -117,6 +131,26 @@ def test_a_rank_killed_or_stopped_ends_the_job_and_resume_is_bitwise(tmp_path, r
     proc = _run(cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _losses(tmp_path / "chaos") == reference  # every step, bitwise, logged once
+
+
+def test_kill_9_during_a_save_leaves_nothing_damaged_and_resume_is_bitwise(tmp_path, reference):
+    from torch_checkpointing import CheckpointManager, CheckpointWarning
+
+    cmd = _cmd(tmp_path, "mid-save")
+    run = tmp_path / "mid-save"
+    # Rank 0 dies as soon as step 4's folder appears: its writer is mid-save (or just done).
+    rc, err, _ = _start_and_hit(
+        cmd, lambda: _saving(run, 4), rank=0, sig=signal.SIGKILL, poll_s=0.001
+    )
+    assert rc != 0, err[-2000:]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with CheckpointManager(run / "checkpoints", read_only=True) as ckpt:
+            assert 2 in ckpt.steps() and set(ckpt.steps()) <= {2, 4}
+    assert not [w for w in caught if issubclass(w.category, CheckpointWarning)]  # no half save
+    proc = _run(cmd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _losses(run) == reference  # every step, bitwise, logged once
 
 
 def test_a_second_job_on_the_same_run_folder_is_refused_and_the_first_finishes(tmp_path):

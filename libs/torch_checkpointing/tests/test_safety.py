@@ -206,7 +206,7 @@ def test_flipped_manifest_byte_is_reported_and_never_deleted(tmp_path):
     save_steps(tmp_path, [1, 2, 3], keep_last=3)
     damaged = dir_of(tmp_path, 3)
     manifest = damaged / "manifest.json"
-    flip_byte(manifest, manifest.read_bytes().index(b'"time": ') + 9)  # still valid JSON
+    flip_byte(manifest, manifest.read_bytes().index(b'"time":') + 8)  # still valid JSON
     kept = tree_bytes(damaged)
     mgr = CheckpointManager(tmp_path, async_mode="off", keep_last=1)
     with pytest.warns(CheckpointWarning, match=rf"{damaged.name} is damaged.*checksum mismatch"):

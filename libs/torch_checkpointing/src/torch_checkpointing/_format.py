@@ -110,20 +110,92 @@ def tmp_name(path: str, tag: str) -> str:
 # --------------------------------------------------------------------- JSON with a checksum
 
 
+# A manifest holds one short line per state entry (key, kind, dtype, global shape: ~100-200
+# bytes) and nothing per rank, so its size does not grow with the world size; 1M entries (a
+# per-expert MoE with optimizer state is ~150k) fit in 256 MiB. A done-marker holds one
+# checksum per block of its rank's files (<= 21 bytes per block of at least 4 KiB) and one line
+# per chunk (bounded by the manifest's entries): ``marker_max_bytes`` scales with both.
+MANIFEST_MAX_BYTES = 256 << 20
+MARKER_BASE_MAX_BYTES = 64 << 20
+MIN_BLOCK_SIZE = 4096
+MAX_WORLD_SIZE = 1 << 20
+
+_CHECKED_RE = re.compile(rb'\A\{"crc32": ?(\d{1,10}), ?"body": ?(\{.*\})\}\Z', re.DOTALL)
+
+
+def marker_max_bytes(manifest_bytes: int, rank_data_bytes: int) -> int:
+    """The largest done-marker a real save writes for a rank with ``rank_data_bytes`` of data
+    files, under a manifest of ``manifest_bytes`` (see ``MANIFEST_MAX_BYTES``)."""
+    return MARKER_BASE_MAX_BYTES + 4 * manifest_bytes + 32 * -(-rank_data_bytes // MIN_BLOCK_SIZE)
+
+
+def read_small(storage: Storage, path: str, limit: int) -> bytes:
+    """The bytes of the metadata file ``path``: a regular file inside the root of at most
+    ``limit`` bytes, or a ``CorruptCheckpointError`` (``FileNotFoundError`` when absent).
+
+    A FIFO, a device, a symlink leaving the root or an oversized file is damage, never a read
+    that blocks, runs out of memory or stalls (``FileSystemStorage.read_small``; other backends
+    check the size before reading).
+    """
+    reader = getattr(storage, "read_small", None)
+    try:
+        if callable(reader):
+            data = reader(path, limit)
+        else:
+            size = storage.size(path)
+            if size > limit:
+                raise CorruptCheckpointError(
+                    f"{path}: {size} bytes, more than any real metadata file ({limit})", path
+                )
+            data = storage.read(path, 0, size)
+    except (FileNotFoundError, CorruptCheckpointError):
+        raise
+    except (OSError, EOFError, ValueError) as e:
+        raise CorruptCheckpointError(f"{path}: unreadable ({e})", path) from e
+    if len(data) > limit:
+        raise CorruptCheckpointError(f"{path}: more than {limit} bytes", path)
+    return data
+
+
 def dump_checked(body: dict[str, Any]) -> bytes:
-    """``body`` as JSON with a CRC32 of its canonical text, so a damaged file is detected."""
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    return json.dumps({"crc32": zlib.crc32(text.encode()), "body": body}).encode()
+    """``body`` as JSON with a CRC32 of its canonical text, so a damaged file is detected.
+
+    The body is written as that canonical text, so a reader checks the CRC on the raw bytes
+    before parsing anything."""
+    text = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return b'{"crc32":%d,"body":%s}' % (zlib.crc32(text), text)
 
 
 def load_checked(data: bytes, path: str) -> dict[str, Any]:
+    """The body of a ``dump_checked`` file; any damage (checksum, syntax, nesting, memory) is a
+    ``CorruptCheckpointError``.
+
+    Files written since the body is stored canonically are checked before parsing; older ones
+    (body re-serialised by ``json.dumps``) are parsed first, with every parse error caught."""
+    m = _CHECKED_RE.match(data)
+    if m is not None and zlib.crc32(m.group(2)) == int(m.group(1)):
+        try:
+            body = json.loads(m.group(2))
+        except Exception as e:  # RecursionError, MemoryError, ... : not our file
+            raise CorruptCheckpointError(
+                f"{path}: unreadable JSON ({type(e).__name__})", path
+            ) from None
+        if not isinstance(body, dict):
+            raise CorruptCheckpointError(f"{path}: body is not a JSON object", path)
+        return body
+    if not data.startswith(b'{"crc32"'):
+        raise CorruptCheckpointError(
+            f"{path}: not a checkpoint JSON file (or its checksum fails)", path
+        )
     try:
         outer = json.loads(data)
         body = outer["body"]
         text = json.dumps(body, sort_keys=True, separators=(",", ":"))
-        ok = zlib.crc32(text.encode()) == outer["crc32"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise CorruptCheckpointError(f"{path}: not a valid checkpoint JSON file ({e})", path) from e
+        ok = zlib.crc32(text.encode()) == outer["crc32"] and isinstance(body, dict)
+    except Exception as e:  # RecursionError, MemoryError, ... : damaged, never a crash
+        raise CorruptCheckpointError(
+            f"{path}: not a valid checkpoint JSON file ({type(e).__name__}: {str(e)[:200]})", path
+        ) from None
     if not ok:
         raise CorruptCheckpointError(f"{path}: checksum mismatch, the file is corrupt", path)
     return body
@@ -160,8 +232,12 @@ def parse_safetensors_header(read: Callable[[int, int], bytes], path: str) -> tu
         raise CorruptCheckpointError(f"{path}: safetensors header length {n} is absurd", path)
     try:
         head = json.loads(read(8, n))
-    except (EOFError, ValueError) as e:
+    except EOFError as e:
         raise CorruptCheckpointError(f"{path}: unreadable safetensors header ({e})", path) from e
+    except Exception as e:  # any parse error, RecursionError included, is damage
+        raise CorruptCheckpointError(
+            f"{path}: unreadable safetensors header ({type(e).__name__}: {str(e)[:200]})", path
+        ) from None
     if not isinstance(head, dict):
         raise CorruptCheckpointError(f"{path}: safetensors header is not a JSON object", path)
     return head, 8 + n

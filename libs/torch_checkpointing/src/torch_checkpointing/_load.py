@@ -9,6 +9,7 @@ touched), file sizes next; then every target box is filled from the overlapping 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ from ._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from ._exchange import LayoutCache, allgather_int64
 from ._retention import Attempt
 from ._stats import LoadStats
+from ._validate import check_marker
 
 if TYPE_CHECKING:  # pragma: no cover
     from .storage import Storage
@@ -51,17 +53,7 @@ def load_folder(
     stats.add(attempts=1)
     t_start = time.perf_counter()
     world = manifest["world_size"]
-    markers = []
-    for r in range(world):
-        path = f"{folder}/{fmt.marker_file(r)}"
-        m = fmt.load_checked(storage.read(path), path)
-        if m.get("token") != manifest["token"] or m.get("rank") != r:
-            raise CorruptCheckpointError(
-                f"{path}: done-marker belongs to another save ({m.get('token')!r}, rank "
-                f"{m.get('rank')!r}), expected {manifest['token']!r}",
-                path,
-            )
-        markers.append(m)
+    markers = [_read_marker(storage, folder, manifest, r) for r in range(world)]
     items_m = manifest["items"]
     missing_items = [item for item in state if item not in items_m]
     if missing_items:
@@ -82,10 +74,14 @@ def load_folder(
     stored: dict[tuple[str, str], list[rs.StoredChunk]] = {}
     files: dict[str, rs.FileInfo] = {}
     tree_files: dict[str, tuple[str, int]] = {}
+    chunk_lists: dict[str, list[list[Any]]] = {}
+    data_starts: dict[str, int] = {}
     for r, m in enumerate(markers):
-        for name, info in m["files"].items():
+        for name, info in m.items():
             path = f"{folder}/{name}"
             files[path] = rs.FileInfo(path, info["size"], info["block_size"], info["block_xxh3_64"])
+            chunk_lists[path] = [c[:4] for c in info["chunks"]]
+            data_starts[path] = info["data_start"]
             item = info["item"]
             per_rank = items_m.get(item, {}).get("per_rank")
             if info["tree"] and ((per_rank and r == rank) or (not per_rank and r == 0)):
@@ -109,6 +105,7 @@ def load_folder(
             item: tr.flatten(item, _as_target(value, items_m[item]["per_rank"]), record_sds=True)
             for item, value in state.items()
         }
+        _check_coverage(flats, items_m, stored)
         _check_entries(flats, items_m, stored, folder, strict)
         # Check sizes of every file we will read before touching the target.
         plan = rs.ReadPlan()
@@ -134,14 +131,19 @@ def load_folder(
                 )
         t_tree = time.perf_counter()
         stats.add(open_s=t_tree - t_open)
-        trees = {}
         for item in flats:
             if item not in tree_files:
                 raise CorruptCheckpointError(
                     f"{folder}: no file holds the non-tensor state of item {item!r}"
                 )
-            path, data_start = tree_files[item]
-            trees[item] = _read_tree(storage, path, data_start, files[path], stats)
+        tree_paths = {p: item for item, (p, _) in tree_files.items() if item in flats}
+        trees = {}
+        for path in sorted(plan.paths() | set(tree_paths)):
+            meta = _read_header(
+                storage, path, files[path], data_starts[path], chunk_lists[path], stats
+            )
+            if path in tree_paths:
+                trees[tree_paths[path]] = meta["tree"]
         stats.add(deserialize_s=time.perf_counter() - t_tree)
         if not verify:
             files = {p: rs.FileInfo(p, f.size, None, None) for p, f in files.items()}
@@ -214,6 +216,29 @@ def load_first_intact(
     return None, skipped
 
 
+def _check_coverage(
+    flats: dict[str, tr.Flat],
+    items_m: dict[str, Any],
+    stored: dict[tuple[str, str], list[rs.StoredChunk]],
+) -> None:
+    """Every replicated entry to load is stored whole: its chunks hold as many elements as its
+    global shape (fewer: saved incompletely, or a marker is forged; more: forged)."""
+    for item, flat in flats.items():
+        entries = items_m[item]["entries"]
+        for key in flat.leaves:
+            if key not in entries:
+                continue
+            shape = entries[key][2]
+            have = sum(math.prod(c.shape) for c in stored.get((item, key), ()))
+            if have != math.prod(shape):
+                raise CorruptCheckpointError(
+                    f"{tr.display(item, key)}: the checkpoint's chunks cover {have} of the "
+                    f"{math.prod(shape)} elements of its shape {shape}; it was saved "
+                    "incompletely (a sharded tensor whose chunks did not tile it) or its "
+                    "metadata is forged"
+                )
+
+
 def _check_entries(
     flats: dict[str, tr.Flat],
     items_m: dict[str, Any],
@@ -242,9 +267,36 @@ def _check_entries(
         )
 
 
-def _read_tree(
-    storage: Storage, path: str, data_start: int, info: rs.FileInfo, stats: LoadStats
-) -> Any:
+def _read_marker(
+    storage: Storage, folder: str, manifest: dict[str, Any], rank: int
+) -> dict[str, dict[str, Any]]:
+    """Rank ``rank``'s done-marker, read within its size cap and range-checked: its files."""
+    path = f"{folder}/{fmt.marker_file(rank)}"
+    limit = fmt.MARKER_BASE_MAX_BYTES
+    try:
+        if storage.size(path) > limit:  # a rank with much data: its own files size the cap
+            suffix = f"-{rank:05d}.safetensors"
+            names = [n for n in storage.list(folder) if n.endswith(suffix)]
+            data = sum(storage.size(f"{folder}/{n}") for n in names)
+            limit = fmt.marker_max_bytes(len(json.dumps(manifest["items"])), data)
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # a symlink loop, ...: damage
+        raise CorruptCheckpointError(f"{path}: unreadable ({e})", path) from e
+    marker = fmt.load_checked(fmt.read_small(storage, path, limit), path)
+    return check_marker(marker, manifest, rank, path)
+
+
+def _read_header(
+    storage: Storage,
+    path: str,
+    info: rs.FileInfo,
+    data_start: int,
+    chunks: list[list[Any]],
+    stats: LoadStats,
+) -> dict[str, Any]:
+    """The ``torch_checkpointing`` metadata of a data file's safetensors header (verified by its
+    block checksums), which must list the chunks its done-marker lists, in the same order."""
     buf = bytearray(data_start)
     scratch = -(-data_start // info.block_size) * info.block_size if info.block_size else 0
     stats.buffer(data_start + scratch)  # the header and read_verified's block scratch
@@ -258,11 +310,21 @@ def _read_tree(
         crcs=info.crcs,
     )
     try:
+        if int.from_bytes(buf[:8], "little") + 8 != data_start:
+            raise ValueError(f"its header ends at {int.from_bytes(buf[:8], 'little') + 8}")
         head = json.loads(bytes(buf[8:]))
         meta = json.loads(head["__metadata__"][fmt.META_KEY])
-    except (ValueError, KeyError, TypeError) as e:
-        raise CorruptCheckpointError(f"{path}: unreadable header ({e})", path) from e
-    return meta["tree"]
+        if meta["chunks"] != chunks:
+            raise ValueError("it lists other chunks than its done-marker")
+        if not isinstance(meta, dict) or "tree" not in meta:
+            raise ValueError("no tree in its metadata")
+    except Exception as e:  # RecursionError, ... : damage, whatever the bytes are
+        raise CorruptCheckpointError(
+            f"{path}: unreadable header or not the file its done-marker describes "
+            f"({type(e).__name__}: {str(e)[:200]})",
+            path,
+        ) from None
+    return meta
 
 
 def _stored_keys(

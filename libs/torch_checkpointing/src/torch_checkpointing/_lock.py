@@ -150,7 +150,7 @@ def describe(holder: dict[str, Any]) -> str:
 def _parse(data: bytes) -> dict[str, Any]:
     try:
         holder = json.loads(data)
-    except ValueError:
+    except Exception:  # garbage (deep nesting: RecursionError) reads as no holder
         return {}
     return holder if isinstance(holder, dict) else {}
 

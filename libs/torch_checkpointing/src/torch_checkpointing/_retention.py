@@ -6,8 +6,9 @@ Every save attempt has its own folder (``_format.step_dir``). An attempt is
 
 * **complete** when its ``manifest.json`` reads back with a valid checksum, describes that
   very folder, and a done-marker of every rank it lists is present;
-* **damaged** when its manifest is present but unreadable or describes another folder: such a
-  folder is reported, never listed as a checkpoint, and never deleted;
+* **damaged** when its manifest is present but unreadable, out of range (``_validate``) or
+  describes another folder: such a folder is reported, never listed as a checkpoint, and never
+  deleted (whatever it holds: garbage, a FIFO, a symlink, another tool's files);
 * **incomplete** otherwise (a save still being written, failed, or cut short by a crash).
 
 Each manifest names its *lineage*: a run that starts without loading begins a new lineage, a
@@ -19,12 +20,14 @@ without a manifest that can no longer finish (the root's lock proves their write
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import _format as fmt
 from ._errors import CorruptCheckpointError
+from ._validate import check_manifest
 
 if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Callable
@@ -46,6 +49,8 @@ class Attempt:
     manifest: dict[str, Any] | None = None  # COMPLETE only
     reason: str = ""  # DAMAGED / INCOMPLETE: why
     has_manifest: bool = False
+    only_ours: bool = True  # every name inside is one this library writes
+    lasting: bool = True  # the status cannot change (not an I/O error that may pass)
 
     @property
     def lineage(self) -> str | None:
@@ -56,38 +61,56 @@ class Attempt:
         return 0.0 if self.manifest is None else float(self.manifest.get("time", 0.0))
 
 
+_OURS_RE = re.compile(r"^(?:.+-\d{5}\.safetensors|done-\d{5}\.json|manifest\.json|\.tmp-.+)$")
+
+
 def read_manifest(storage: Storage, folder: str) -> dict[str, Any]:
+    """The manifest of ``folder``, range-checked; damage is a ``CorruptCheckpointError``."""
     path = f"{folder}/{fmt.MANIFEST}"
-    return fmt.load_checked(storage.read(path), path)
+    manifest = fmt.load_checked(fmt.read_small(storage, path, fmt.MANIFEST_MAX_BYTES), path)
+    check_manifest(manifest, path)
+    return manifest
 
 
 def classify(storage: Storage, name: str, step: int, nonce: str, seq: int) -> Attempt:
-    """The status of one attempt folder (one ``list`` and at most one small read)."""
-    names = set(storage.list(name))
+    """The status of one attempt folder (one ``list`` and at most one small read); never
+    raises on what the folder holds."""
+    try:
+        names = set(storage.list(name))
+    except OSError as e:
+        return Attempt(name, step, nonce, seq, DAMAGED, reason=f"cannot list: {e}", lasting=False)
+    ours = all(isinstance(n, str) and _OURS_RE.match(n) for n in names)
     if fmt.MANIFEST not in names:
-        return Attempt(name, step, nonce, seq, INCOMPLETE, reason="no manifest.json yet")
+        return Attempt(
+            name, step, nonce, seq, INCOMPLETE, reason="no manifest.json yet", only_ours=ours
+        )
     path = f"{name}/{fmt.MANIFEST}"
 
-    def damaged(reason: str) -> Attempt:
-        return Attempt(name, step, nonce, seq, DAMAGED, reason=reason, has_manifest=True)
+    def damaged(reason: str, lasting: bool = True) -> Attempt:
+        return Attempt(
+            name, step, nonce, seq, DAMAGED, reason=reason, has_manifest=True, lasting=lasting
+        )
 
     try:
         manifest = read_manifest(storage, name)
     except CorruptCheckpointError as e:
         return damaged(str(e))
-    except EOFError as e:
-        return damaged(f"{path}: unreadable ({e})")
     except FileNotFoundError:  # deleted while we listed
         return Attempt(name, step, nonce, seq, INCOMPLETE, reason="deleted while listing")
-    world = manifest.get("world_size")
-    if not isinstance(world, int) or world < 1:
-        return damaged(f"{path}: world_size {world!r} is not an int >= 1")
-    if manifest.get("step") != step or manifest.get("token") != f"{nonce}-{seq}":
+    except OSError as e:  # a backend's I/O error: may pass, so not remembered
+        return damaged(f"{path}: unreadable ({e})", lasting=False)
+    world = manifest["world_size"]
+    if manifest["step"] != step or manifest["token"] != f"{nonce}-{seq}":
         return damaged(
             f"{path}: describes step {manifest.get('step')!r}, save {manifest.get('token')!r}, "
             f"not this folder (step {step}, save {nonce}-{seq}); it was copied or replaced"
         )
-    missing = [r for r in range(world) if fmt.marker_file(r) not in names]
+    missing: list[int] = []
+    for r in range(world):  # stops at the 8th missing: a forged world size costs nothing
+        if fmt.marker_file(r) not in names:
+            missing.append(r)
+            if len(missing) == 8:
+                break
     if missing:
         return Attempt(
             name,
@@ -111,8 +134,12 @@ def list_attempts(storage: Storage, cache: dict[str, Attempt] | None = None) -> 
             continue
         a = cache.get(name) if cache is not None else None
         if a is None:
-            a = classify(storage, name, *parsed)
-            if cache is not None and a.status != INCOMPLETE:
+            try:
+                a = classify(storage, name, *parsed)
+            except Exception as e:  # a backend's surprise: one folder never hides the rest
+                reason = f"cannot classify: {type(e).__name__}: {e}"
+                a = Attempt(name, *parsed, DAMAGED, reason=reason, has_manifest=True, lasting=False)
+            if cache is not None and a.status != INCOMPLETE and a.lasting:
                 cache[name] = a
         found.append(a)
     if cache is not None:
@@ -163,7 +190,8 @@ def apply_retention(
     time), every checkpoint of other lineages, every damaged folder. Deleted: older complete
     checkpoints of the lineage and older duplicates of a kept step; attempts of this manager
     older in queue order than ``seq`` that never completed (failed saves); attempts without a
-    manifest at or below the lineage's newest step (leftovers of crashed writers).
+    manifest at or below the lineage's newest step (leftovers of crashed writers) holding only
+    names this library writes. Anything else (damaged, foreign, a user's files) stays.
     """
     attempts = list_attempts(storage)
     damaged = [(a.name, a.reason) for a in attempts if a.status == DAMAGED]
@@ -182,7 +210,7 @@ def apply_retention(
         if a.nonce in own_nonces:
             if a.seq < seq:
                 doomed.append(a.name)
-        elif not a.has_manifest and a.step <= newest_step:
+        elif not a.has_manifest and a.only_ours and a.step <= newest_step:
             doomed.append(a.name)
     for name in doomed:
         delete_checkpoint(storage, name)

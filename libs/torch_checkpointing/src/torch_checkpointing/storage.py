@@ -36,10 +36,11 @@ import fcntl
 import os
 import posixpath
 import shutil
+import stat
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
-from ._errors import CheckpointError
+from ._errors import CheckpointError, CorruptCheckpointError
 
 __all__ = ["FileSystemStorage", "FsspecStorage", "PrefixedStorage", "Storage", "open_reader"]
 
@@ -279,6 +280,47 @@ class FileSystemStorage:
         finally:
             os.close(fd)
 
+    def read_small(self, path: str, limit: int, *, trusted: str = "") -> bytes:
+        """All of the small file ``path`` when it is a regular file of at most ``limit`` bytes
+        reached without following a symlink below the root (or below the folder ``trusted``
+        inside it, a user's choice); else a ``CorruptCheckpointError`` (a FIFO is never waited
+        on, a device or an oversized file never read)."""
+        rel = _check_relative(path)
+        base = _check_relative(trusted)
+        if base and (rel + "/").startswith(base + "/"):
+            rel = rel[len(base) + 1 :]
+        else:
+            base = ""
+        parts = rel.split("/")
+        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+        fd = os.open(self.full_path(base), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for part in parts[:-1]:
+                nxt = os.open(part, flags | os.O_DIRECTORY, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+            nxt = os.open(parts[-1], flags | os.O_NONBLOCK, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(f"{path}: not a regular file", path)
+            if st.st_size > limit:
+                raise CorruptCheckpointError(
+                    f"{path}: {st.st_size} bytes, more than any real metadata file ({limit})", path
+                )
+            chunks = []
+            left = st.st_size
+            while left > 0:
+                b = os.read(fd, left)
+                if not b:
+                    break
+                chunks.append(b)
+                left -= len(b)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
     def open_reader(self, path: str) -> Any:
         """A reader of ``path`` for many large scatter reads (see ``open_reader``)."""
         if type(self).read_into is not FileSystemStorage.read_into:
@@ -480,6 +522,16 @@ class PrefixedStorage:
 
     def open_reader(self, path: str) -> Any:
         return open_reader(self.inner, self._p(path))
+
+    def read_small(self, path: str, limit: int, *, trusted: str = "") -> bytes:
+        """``_format.read_small`` through the inner storage; the prefix is the user's choice
+        and may hold symlinks."""
+        inner = getattr(self.inner, "read_small", None)
+        if not callable(inner):
+            from ._format import read_small
+
+            return read_small(self.inner, self._p(path), limit)
+        return inner(self._p(path), limit, trusted=self._p(trusted))
 
     def size(self, path: str) -> int:
         return self.inner.size(self._p(path))
