@@ -18,7 +18,12 @@ from torch import nn
 
 from titan_models import Float8Recipe, quantize_modules
 from titan_models.components import Float8Linear
-from titan_models.components.nvfp4 import dequantize, quantization_error_bound, quantize
+from titan_models.components.nvfp4 import (
+    dequantize,
+    quantization_error_bound,
+    quantize,
+    round_trip,
+)
 from titan_models.components.scaled_mm import (
     check_device_support,
     scaled_grouped_linear,
@@ -73,7 +78,7 @@ def _ref_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
             scales[r, b] = s
             big_s = f32(s * t)
             for i, xi in enumerate(block):
-                v = f32(0.0) if big_s == 0 else f32(xi / big_s)
+                v = np.copysign(f32(0.0), xi) if big_s == 0 else f32(xi / big_s)
                 codes[r, 16 * b + i] = _nearest_code(abs(float(v)), E2M1) + 8 * np.signbit(v)
     return codes, scales, float(t)
 
@@ -121,6 +126,12 @@ def test_codes_and_scales_match_the_reference_bitwise(which):
     assert np.array_equal(_unpacked(packed), codes)
     assert np.array_equal(s.float().numpy(), scales)
     assert float(t) == t_ref
+    # the emulated GEMMs' shortcut is the same numbers, bit for bit (-0 included)
+    deq = dequantize(packed, s, t)
+    assert torch.equal(round_trip(x), deq) and torch.equal(round_trip(x).signbit(), deq.signbit())
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    sr = dequantize(*quantize(x, stochastic=True, generator=g1))
+    assert torch.equal(round_trip(x, stochastic=True, generator=g2), sr)
     if which == "edges":  # the ties of the first block, each to its even code
         assert dequantize(packed, s, t)[0, :8].tolist() == [0, 1, 1, 2, 2, 4, 4, 6]
         assert int(packed[1, 4] & 0xF) == 8  # -0.1 -> -0, the sign kept

@@ -17,7 +17,8 @@ function of the fp32 input alone (the spec-level reference in the tests redoes t
 Codes are packed two per byte along K, element ``2i`` in the low nibble and ``2i + 1`` in the
 high one (the layout of ``torch.float4_e2m1fn_x2`` and of the device GEMMs).
 
-A block whose e4m3 scale underflows to 0 (its amax below ~2^-10 * 6 * t) quantises to zeros.
+A block whose e4m3 scale underflows to 0 (its amax below ~2^-10 * 6 * t) quantises to zeros
+(-0 for negative elements).
 Error bound (stated and tested), with ``v = x / (s * t)`` and ``h(v)`` half the grid spacing
 at ``|v|`` (0.25 below 2, 0.5 below 4, 1 from 4 on) and ``s* = amax(|block|) / (6 * t)``::
 
@@ -49,6 +50,7 @@ __all__ = [
     "dequantize",
     "quantization_error_bound",
     "quantize",
+    "round_trip",
 ]
 
 NVFP4_BLOCK = 16
@@ -58,10 +60,6 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 _TINY = 2.0**-126  # smallest normal fp32: the least tensor scale
-
-# ties between codes i and i+1 go to the even code: down for even i, up for odd i
-_TIES_DOWN = (0.25, 1.25, 2.5, 5.0)  # midpoints after codes 0, 2, 4, 6
-_TIES_UP = (0.75, 1.75, 3.5)  # midpoints after codes 1, 3, 5
 
 
 def _check(x: torch.Tensor, name: str = "x") -> None:
@@ -90,23 +88,37 @@ def _scales(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _round_e2m1(v: torch.Tensor, stochastic: bool, generator) -> torch.Tensor:
-    """Codes 0..15 (uint8) of fp32 ``v`` on the E2M1 grid; NaN -> 0."""
-    a = v.abs().nan_to_num(0.0, posinf=E2M1_MAX).clamp_max(E2M1_MAX)
-    if stochastic:
-        grid = torch.tensor(E2M1_VALUES, device=v.device)
-        lo = torch.bucketize(a, grid, right=True) - 1  # the largest code <= a
-        hi = (lo + 1).clamp_max(len(E2M1_VALUES) - 1)
-        glo, ghi = grid[lo], grid[hi]
-        p = torch.where(hi > lo, (a - glo) / (ghi - glo), torch.zeros_like(a))
+    """``v`` (fp32) rounded onto the signed E2M1 grid, saturating at 6 (a negative value that
+    rounds to zero gives -0; NaN stays NaN). Below 2, from 2 and from 4 the grid is evenly
+    spaced by 0.5, 1 and 2, and ties to even multiples of the spacing are ties to even codes."""
+    a = v.abs().clamp_max(E2M1_MAX)
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    if stochastic:  # floor(a / step + u): up with probability (a - below) / step
         u = torch.rand(a.shape, generator=generator, device=a.device)
-        mag = torch.where(u < p, hi, lo)
+        q = (a / step + u).floor_() * step
     else:
-        down = torch.tensor(_TIES_DOWN, device=v.device)
-        up = torch.tensor(_TIES_UP, device=v.device)
-        # codes passed: midpoints strictly below a (ties stay down), plus those <= a (ties up)
-        mag = torch.bucketize(a, down, right=False) + torch.bucketize(a, up, right=True)
-    sign = torch.signbit(v) & ~torch.isnan(v)
-    return (mag + 8 * sign).to(torch.uint8)
+        q = torch.round(a / step) * step  # round half to even
+    return torch.copysign(q, v)
+
+
+def _codes(q: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8, sign in bit 3; NaN -> 0) of grid values ``q``."""
+    mag = q.abs().nan_to_num(0.0)
+    code = torch.where(mag < 2, mag * 2, torch.where(mag < 4, mag + 2, mag / 2 + 4))
+    return (code + 8 * (torch.signbit(q) & ~torch.isnan(q))).to(torch.uint8)
+
+
+def _quantized_values(
+    x: torch.Tensor, stochastic: bool, generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(E2M1 values (..., K / 16, 16) fp32, e4m3 block scales as fp32, tensor scale)."""
+    _check(x)
+    xf = x.float()
+    t, _, s = _scales(xf)
+    scale = (s * t).unsqueeze(-1)  # s * t per block: one fp32 product
+    scale = torch.where(scale == 0, math.inf, scale)  # an underflowed block: (signed) zeros
+    v = xf.unflatten(-1, (-1, NVFP4_BLOCK)) / scale
+    return _round_e2m1(v, stochastic, generator), s, t
 
 
 def quantize(
@@ -118,15 +130,18 @@ def quantize(
     ``stochastic``: round each element up or down at random, unbiased (gradients only).
     ``ValueError`` when K is not a multiple of 16.
     """
-    _check(x)
-    xf = x.float()
-    t, _, s = _scales(xf)
-    scale = (s * t).unsqueeze(-1)  # s * t per block: one fp32 product
-    v = xf.unflatten(-1, (-1, NVFP4_BLOCK)) / scale
-    v = torch.where(scale == 0, torch.zeros_like(v), v)  # an underflowed block: zeros
-    codes = _round_e2m1(v, stochastic, generator).flatten(-2)
+    q, s, t = _quantized_values(x, stochastic, generator)
+    codes = _codes(q).flatten(-2)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed, s.to(torch.float8_e4m3fn), t
+
+
+def round_trip(
+    x: torch.Tensor, *, stochastic: bool = False, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """``dequantize(*quantize(x))`` (bitwise) without packing codes: what emulated GEMMs use."""
+    q, s, t = _quantized_values(x, stochastic, generator)
+    return ((q * s.unsqueeze(-1)) * t).flatten(-2)
 
 
 def _unpack(packed: torch.Tensor) -> torch.Tensor:

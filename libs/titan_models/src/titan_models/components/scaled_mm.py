@@ -148,17 +148,25 @@ def check_device_support(recipe: Float8Recipe, device: torch.device, *, grouped:
 class _Operand:
     """A quantised GEMM operand ``(rows, reduction)`` with its scales (``float8.quantize``
     shapes, along the last axis; NVFP4: packed codes, e4m3 block scales and the tensor
-    scale)."""
+    scale, or for the emulation only the dequantised ``values``)."""
 
-    q: torch.Tensor
-    scale: torch.Tensor
+    q: torch.Tensor | None
+    scale: torch.Tensor | None
     granularity: str
     tensor_scale: torch.Tensor | None = None
+    values: torch.Tensor | None = None
 
     @classmethod
     def of(
-        cls, x: torch.Tensor, dtype: torch.dtype, granularity: str, stochastic: bool = False
+        cls,
+        x: torch.Tensor,
+        dtype: torch.dtype,
+        granularity: str,
+        recipe: Float8Recipe,
+        stochastic: bool = False,
     ) -> _Operand:
+        if granularity == "nvfp4" and not _device(x, recipe):  # codes would only be unpacked
+            return cls(None, None, "nvfp4", values=nvfp4.round_trip(x, stochastic=stochastic))
         if granularity == "nvfp4":
             q, s, t = nvfp4.quantize(x, stochastic=stochastic)
             return cls(q, s, "nvfp4", t)
@@ -166,6 +174,8 @@ class _Operand:
         return cls(q, s, granularity)
 
     def dequantized(self) -> torch.Tensor:
+        if self.values is not None:
+            return self.values
         if self.granularity == "nvfp4":
             return nvfp4.dequantize(self.q, self.scale, self.tensor_scale)
         return dequantize(self.q, self.scale, self.granularity, axis=-1)
@@ -203,7 +213,7 @@ def _device(a: torch.Tensor, recipe: Float8Recipe) -> bool:
 
 def _mm(a: _Operand, b: _Operand, recipe: Float8Recipe, out_dtype: torch.dtype) -> torch.Tensor:
     """``deq(a) @ deq(b).T`` for a (M, K), b (N, K) (see the module doc for the numerics)."""
-    if not _device(a.q, recipe):
+    if a.q is None or not _device(a.q, recipe):
         return (a.dequantized() @ b.dequantized().T).to(out_dtype)
     st, sw = F.ScalingType, F.SwizzleType
     if a.granularity == "nvfp4":  # sm100: E2M1 pairs, swizzled e4m3 blocks, then the tensors'
@@ -238,7 +248,7 @@ class _ScaledLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: Float8Recipe) -> torch.Tensor:
         g = recipe.granularity
-        xq, wq = _Operand.of(x, E4M3, g), _Operand.of(w, E4M3, g)
+        xq, wq = _Operand.of(x, E4M3, g, recipe), _Operand.of(w, E4M3, g, recipe)
         ctx.recipe, ctx.dtypes = recipe, (x.dtype, w.dtype)
         if g == "tensor":  # the scale of a matrix is that of its transpose: keep the fp8 copies
             ctx.save_for_backward(xq.q, xq.scale, wq.q, wq.scale)
@@ -254,16 +264,20 @@ class _ScaledLinear(torch.autograd.Function):
         if g == "tensor":
             xq_q, xq_s, wq_q, wq_s = ctx.saved_tensors
             xq, wq = _Operand(xq_q, xq_s, g), _Operand(wq_q, wq_s, g)
-            dq = _Operand.of(dy, gd, g)
+            dq = _Operand.of(dy, gd, g, recipe)
             dx = _mm(dq, wq.T, recipe, x_dtype)
             dw = _mm(dq.T, xq.T, recipe, w_dtype)
             return dx, dw, None
         x, w = ctx.saved_tensors
         sr = recipe.stochastic_grads
-        dx = _mm(_Operand.of(dy, gd, g, sr), _Operand.of(w.T, E4M3, g), recipe, x_dtype)
+        dx = _mm(
+            _Operand.of(dy, gd, g, recipe, sr), _Operand.of(w.T, E4M3, g, recipe), recipe, x_dtype
+        )
         block = {"block": MX_BLOCK, "nvfp4": nvfp4.NVFP4_BLOCK}.get(g, 1)
         dyt, xt = _pad_last(dy.T, block), _pad_last(x.T, block)
-        dw = _mm(_Operand.of(dyt, gd, g, sr), _Operand.of(xt, E4M3, g), recipe, w_dtype)
+        dw = _mm(
+            _Operand.of(dyt, gd, g, recipe, sr), _Operand.of(xt, E4M3, g, recipe), recipe, w_dtype
+        )
         return dx, dw, None
 
 
@@ -345,7 +359,7 @@ class _ScaledGroupedLinear(torch.autograd.Function):
     def forward(ctx, x, w, offs, recipe: Float8Recipe):
         g = recipe.granularity
         x = _valid_rows(x, offs)
-        xq, wq = _Operand.of(x, E4M3, g), _Operand.of(w, E4M3, g)
+        xq, wq = _Operand.of(x, E4M3, g, recipe), _Operand.of(w, E4M3, g, recipe)
         ctx.recipe, ctx.dtypes = recipe, (x.dtype, w.dtype)
         ctx.save_for_backward(x, w, offs)
         return _gmm(xq, wq, offs, recipe, _out_dtype(x))
@@ -357,13 +371,13 @@ class _ScaledGroupedLinear(torch.autograd.Function):
         x, w, offs = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         dy = _valid_rows(dy, offs)
-        dq = _Operand.of(dy, gd, g)
+        dq = _Operand.of(dy, gd, g, recipe)
         wt = _Operand(*quantize(w.transpose(-2, -1), E4M3, g, axis=-1), g)  # along N
         dx = _gmm(dq, wt, offs, recipe, x_dtype)
         # wgrad: per expert, dy_e.T @ x_e, reduced over the expert's rows (dequantised
         # operands: the same definition on every device)
         if g == "tensor":  # a matrix's scale is that of its transpose
-            a, b = dq.dequantized(), _Operand.of(x, E4M3, g).dequantized()
+            a, b = dq.dequantized(), _Operand.of(x, E4M3, g, recipe).dequantized()
         elif g == "axis":
             gid = _group_ids(offs, x.shape[0])
             qa, sa = _per_group_columns(dy, gid, offs.shape[0], gd)
