@@ -236,7 +236,7 @@ class QuantizeConfig:
     scales, MXFP8 (e8m0 scale per 32 elements along the reduction dim), or NVFP4 (E2M1, an e4m3
     scale per 16 elements, an fp32 scale per tensor; gradients too; kernels on sm100 only)."""
     experts: Literal["none", "fp8_tensorwise", "fp8_rowwise", "mxfp8"] = "none"
-    """Recipe of the routed experts' grouped GEMMs (MoE models)."""
+    """Recipe of the routed experts' grouped GEMMs (MoE models; no nvfp4)."""
     grad_dtype: Literal["e4m3", "e5m2"] = "e4m3"
     """fp8 format of the output gradients in the backward GEMMs (inputs, weights: e4m3); fp8
     recipes only (nvfp4 gradients are NVFP4)."""

@@ -221,8 +221,8 @@ def _mm(a: _Operand, b: _Operand, recipe: Float8Recipe, out_dtype: torch.dtype) 
         qa, qb = a.q.contiguous().view(fp4), b.q.contiguous().view(fp4).T
         kinds = [st.BlockWise1x16, st.TensorWise]
         swz = [sw.SWIZZLE_32_4_4, sw.NO_SWIZZLE]
-        sa = [_swizzled(a.scale), a.tensor_scale.reshape(())]
-        sb = [_swizzled(b.scale), b.tensor_scale.reshape(())]
+        sa = [_swizzled(a.scale), a.tensor_scale.reshape(1)]
+        sb = [_swizzled(b.scale), b.tensor_scale.reshape(1)]
         return F.scaled_mm(qa, qb, sa, kinds, sb, kinds, swz, swz, output_dtype=out_dtype)
     qa, qb = a.q.contiguous(), b.q.contiguous().T  # scaled_mm: a row-major, b column-major
     if a.granularity == "block":
