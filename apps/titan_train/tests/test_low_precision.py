@@ -278,15 +278,16 @@ def test_cuda_kernels_train_like_the_emulation_and_within_3_percent_of_bf16(mode
         assert gap <= 0.03, (name, gap)
 
 
-@pytest.mark.slow  # two 40-step single-process runs (~1-2 min on 2 shared cores)
+@pytest.mark.slow  # two 30-step runs: ~1 min on 2 idle cores, >10 min under load 8
+@pytest.mark.timeout(1800)
 def test_emulated_nvfp4_training_ends_within_5_percent_of_fp32(tmp_path):
-    """The debug recipe, shortened (40 steps of 4 x 64 tokens), in fp32 and with every linear
+    """The debug recipe, shortened (30 steps of 2 x 64 tokens), in fp32 and with every linear
     but the head in NVFP4 (forward, dgrad and wgrad; emulated kernels): the final loss (mean of
     the last 5 steps) within 5 % of the fp32 run's. The 200-step, two-seed comparison is
     benchmarks/low_precision_numerics.py --modes nvfp4 (docs/benchmarks/titan_train.md)."""
     short = [
-        "--training.steps", "40", "--training.batch-size", "4", "--training.seq-len", "64",
-        "--lr-schedule.warmup-steps", "4", "--metrics.validate-every", "0",
+        "--training.steps", "30", "--training.batch-size", "2", "--training.seq-len", "64",
+        "--lr-schedule.warmup-steps", "3", "--metrics.validate-every", "0",
         "--metrics.no-tensorboard", "--metrics.log-every", "10", "--metrics.peak-flops", "1e11",
         "--checkpoint.interval", "0", "--output-dir", str(tmp_path),
         "--quantize.kernels", "emulated",
