@@ -16,8 +16,11 @@
 #      the next read; the breakdown and peak memory it prints);
 #   4. dist_moe's kernel benchmarks: CuTe grouped GEMM vs torch._grouped_mm, pack/combine
 #      bandwidth vs the device copy bandwidth (and symmetric-memory dispatch on >= 2 GPUs);
-#   5. FP8 / MXFP8 with the device kernels: loss vs fp32 on the debug recipe, a 1B step rate.
-# Steps 1-4 fit about 10 minutes; step 5 adds about 5 (run it when the lease allows).
+#   5. NVFP4 (sm100 only, skipped elsewhere with the reason): scaled_mm on float4_e2m1fn_x2
+#      with e4m3 block scales against the emulation (forward, dgrad, wgrad);
+#   6. FP8 / MXFP8 (and NVFP4 on sm100) with the device kernels: loss vs fp32 on the debug
+#      recipe, a 1B step rate.
+# Steps 1-5 fit about 10 minutes; step 6 adds about 5 (run it when the lease allows).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 report=${1:-gpu_check_report.txt}
@@ -61,7 +64,8 @@ uv pip install --quiet 'nvidia-cutlass-dsl==4.8.1' >/dev/null 2>&1 \
   || log "(could not install the cutlass extra: the CuTe checks will skip)"
 
 step "pytest -m gpu" 240 uv run pytest -m gpu -q -rs -p no:cacheprovider \
-  --deselect libs/titan_rl/tests/test_actors.py::test_distributed_grpo_on_cuda  # its own step
+  --deselect libs/titan_models/tests/test_nvfp4.py::test_device_gemms_match_the_emulation \
+  --deselect libs/titan_rl/tests/test_actors.py::test_distributed_grpo_on_cuda  # own steps
 
 run=$(mktemp -d)
 common=(--training.device cuda --training.mixed-precision bf16 --metrics.peak-flops "$peak"
@@ -104,7 +108,15 @@ else
 fi
 # FP8 / MXFP8 (issue 27): the real kernels against fp32 on the debug recipe, and a 1B step rate.
 cap=$(uv run python -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())')
+# NVFP4 (issue 41): only sm100 (compute capability 10.x) has the kernels torch calls.
+if [ "$cap" -ge 100 ] && [ "$cap" -lt 110 ]; then
+  step "NVFP4 scaled_mm vs the emulation" 90 uv run pytest -q -rs -p no:cacheprovider \
+    "libs/titan_models/tests/test_nvfp4.py::test_device_gemms_match_the_emulation"
+else
+  log "skip: NVFP4 device GEMMs need sm100 (compute capability 10.x); this device is sm$cap"
+fi
 modes="fp8_rowwise"; [ "$cap" -ge 100 ] && modes="fp8_rowwise mxfp8"
+[ "$cap" -ge 100 ] && [ "$cap" -lt 110 ] && modes="$modes nvfp4"
 step "low-precision numerics, real kernels, llama3_debug 100 steps" 180 uv run python \
   apps/titan_train/benchmarks/low_precision_numerics.py --kernels auto --modes $modes \
   --steps 100 --out "$report.numerics.png" -- --training.device cuda --training.mixed-precision bf16

@@ -1,12 +1,12 @@
-"""Numerics of low-precision training: a debug recipe in fp32, FP8 and MXFP8 (emulated), the
-three loss curves in one PNG and the final-loss gaps to fp32.
+"""Numerics of low-precision training: a debug recipe in fp32, FP8, MXFP8 and NVFP4 (emulated),
+the loss curves in one PNG and the final-loss gaps to fp32.
 
     uv run python apps/titan_train/benchmarks/low_precision_numerics.py \\
         [--recipe llama3_debug] [--steps 200] [--seeds 0 1 2] [--out numerics.png] [--kernels auto]
         [-- extra titan-train args, e.g. --training.device cuda]
 
 Each run is a fresh ``titan-train`` process with the recipe's settings and ``--quantize.linear``
-(and, for MoE recipes, ``--quantize.experts``) set to the mode, kernels emulated by default
+(and, for MoE recipes and fp8 modes, ``--quantize.experts``) set to the mode, kernels emulated by default
 (the device kernels' quantisation, products in fp32), logging every step. The final loss of a
 run is its mean over the last 10 % of the steps (single-step losses are noisy); each mode runs
 with ``--seeds`` seeds (weights and data order), and the gap is that of the mean final losses,
@@ -26,8 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-MODES = ("none", "fp8_rowwise", "mxfp8")
-LABELS = {"none": "unquantised", "fp8_rowwise": "FP8 rowwise", "mxfp8": "MXFP8"}
+MODES = ("none", "fp8_rowwise", "mxfp8", "nvfp4")
+LABELS = {"none": "unquantised", "fp8_rowwise": "FP8 rowwise", "mxfp8": "MXFP8", "nvfp4": "NVFP4"}
 
 
 def _run(
@@ -42,7 +42,7 @@ def _run(
         "--metrics.validate-every", "0", "--metrics.no-tensorboard", "--output-dir", out,
         "--checkpoint.interval", "0",
         "--quantize.linear", mode, "--quantize.kernels", kernels,
-        *(["--quantize.experts", mode] if moe else []), *extra,
+        *(["--quantize.experts", mode] if moe and mode != "nvfp4" else []), *extra,
     ]  # fmt: skip
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ))
     rows = [json.loads(line) for line in (Path(out) / f"{mode}-{seed}" / "metrics.jsonl").open()]
@@ -59,8 +59,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--out", default="low_precision_numerics.png")
     parser.add_argument(
-        "--modes", nargs="+", default=list(MODES[1:]), choices=MODES[1:],
-        help="quantised runs next to the unquantised one (mxfp8 kernels need sm100)",
+        "--modes", nargs="+", default=list(MODES[1:3]), choices=MODES[1:],
+        help="quantised runs next to the unquantised one (mxfp8, nvfp4 kernels need sm100)",
     )  # fmt: skip
     parser.add_argument(
         "--kernels", choices=("emulated", "auto"), default="emulated",
@@ -103,7 +103,7 @@ def main() -> None:
     ax.set(
         xlabel="step",
         ylabel="train loss",
-        title=f"{args.recipe}: FP8 and MXFP8 ({args.kernels}, mean of {len(seeds)} seeds)",
+        title=f"{args.recipe}: low precision ({args.kernels}, mean of {len(seeds)} seeds)",
     )
     ax.legend()
     fig.tight_layout()

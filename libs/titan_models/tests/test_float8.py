@@ -185,7 +185,7 @@ def test_bad_codec_input_is_rejected():
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         quantize(torch.ones(4, 32), torch.bfloat16, "axis")
     with pytest.raises(ValueError, match="mode"):
-        Float8Recipe("nvfp4")
+        Float8Recipe("fp4")
     with pytest.raises(ValueError, match="grad_dtype"):
         Float8Recipe("mxfp8", grad_dtype="e3m4")
 

@@ -244,13 +244,15 @@ class QuantizeConfig:
     """Low-precision GEMMs (titan_models.quantize_modules), swapped in on the meta model
     before parallelisation; master weights keep their dtype."""
 
-    linear: Literal["none", "fp8_tensorwise", "fp8_rowwise", "mxfp8"] = "none"
+    linear: Literal["none", "fp8_tensorwise", "fp8_rowwise", "mxfp8", "nvfp4"] = "none"
     """Recipe of the linear layers' forward and backward GEMMs: per-tensor or per-row FP8
-    scales, or MXFP8 (e8m0 scale per 32 elements along the reduction dim)."""
+    scales, MXFP8 (e8m0 scale per 32 elements along the reduction dim), or NVFP4 (E2M1, an e4m3
+    scale per 16 elements, an fp32 scale per tensor; gradients too; kernels on sm100 only)."""
     experts: Literal["none", "fp8_tensorwise", "fp8_rowwise", "mxfp8"] = "none"
-    """Recipe of the routed experts' grouped GEMMs (MoE models)."""
+    """Recipe of the routed experts' grouped GEMMs (MoE models; no nvfp4)."""
     grad_dtype: Literal["e4m3", "e5m2"] = "e4m3"
-    """fp8 format of the output gradients in the backward GEMMs (inputs, weights: e4m3)."""
+    """fp8 format of the output gradients in the backward GEMMs (inputs, weights: e4m3); fp8
+    recipes only (nvfp4 gradients are NVFP4)."""
     kernels: Literal["auto", "emulated"] = "auto"
     """auto: the device's fp8 kernels on CUDA (an error where it has none for the recipe),
     emulation elsewhere; emulated: quantise and dequantise as the kernels would, multiply in
@@ -458,6 +460,12 @@ def validate(cfg: JobConfig) -> None:
         raise ValueError(
             f"comm.fake_world_size={cfg.comm.fake_world_size} must be >= 0 (0: a real run)"
         )
+    q = cfg.quantize
+    if q.linear == "nvfp4" and q.grad_dtype != "e4m3":
+        raise ValueError(
+            f"quantize.grad_dtype={q.grad_dtype!r} applies to the fp8 recipes; "
+            "quantize.linear='nvfp4' quantises gradients to NVFP4 (leave it at 'e4m3')"
+        )
     f = cfg.flexshard
     if f.fp8_block < 32 or f.fp8_block % 32:
         raise ValueError(
@@ -468,6 +476,11 @@ def validate(cfg: JobConfig) -> None:
         raise ValueError(
             "flexshard.fp8_gather gathers the weights the FP8 GEMMs read: it needs "
             "quantize.linear other than 'none'"
+        )
+    if f.fp8_gather and q.linear == "nvfp4":
+        raise ValueError(
+            "flexshard.fp8_gather with quantize.linear='nvfp4' is not supported (its e4m3 tiles "
+            "would round the weights once more before the NVFP4 quantisation)"
         )
     if f.fp8_gather and cfg.optimizer.name == "muon":
         raise ValueError(

@@ -1,7 +1,7 @@
-"""FP8 / MXFP8 training in the app: the config's quantised GEMMs and flexshard's FP8 gather.
+"""FP8 / MXFP8 / NVFP4 training in the app: the config's quantised GEMMs, flexshard's FP8 gather.
 
 ``apply_quantize`` swaps the model's linears and routed experts for titan_models' FP8 / MXFP8
-modules (``quantize.*``) on the meta model, before parallelisation (``parallelize`` calls it
+/ NVFP4 (linears only) modules (``quantize.*``) on the meta model, before parallelisation (``parallelize`` calls it
 first). ``check_low_precision`` runs every check on a throw-away meta model in ``prepare``, so a
 glob that matches nothing, a dim the recipe cannot tile, a layout the FP8 GEMMs do not support
 or a device without the kernels fails before any process group, allocation or file.

@@ -1,4 +1,4 @@
-"""Low-precision training by module swap: FP8 / MXFP8 linears and routed experts.
+"""Low-precision training by module swap: FP8 / MXFP8 / NVFP4 linears, FP8 routed experts.
 
 ``quantize_modules(model, linear=Float8Recipe("mxfp8"), experts=Float8Recipe("mxfp8"),
 exclude=("output",))`` replaces every selected ``nn.Linear`` with a :class:`Float8Linear`
@@ -12,7 +12,8 @@ Always left in high precision: MoE router gates and shared-expert gates (scores 
 routing; their output dims are the expert count or 1). Every other choice is the caller's:
 ``include`` / ``exclude`` are module globs with ``titan_models.fqn_matches`` semantics (one FQN
 segment per ``*``). Every check (a glob that matches no candidate, a dim that is not a
-multiple of 16, or of 32 for MXFP8) runs before the first module is swapped.
+multiple of 16, or of 32 for MXFP8; NVFP4 for routed experts) runs before the first module
+is swapped.
 """
 
 from __future__ import annotations
@@ -132,7 +133,9 @@ def _check_dims(fqn: str, dims: dict[str, int], recipe: Float8Recipe) -> None:
     m = recipe.multiple
     for name, v in dims.items():
         if v % m:
-            why = f"MXFP8 blocks of {MX_BLOCK}" if m == MX_BLOCK else "the fp8 GEMM kernels"
+            why = {"mxfp8": f"MXFP8 blocks of {MX_BLOCK}", "nvfp4": "NVFP4 blocks of 16"}.get(
+                recipe.mode, "the fp8 GEMM kernels"
+            )
             raise ValueError(
                 f"quantize {recipe.mode}: {fqn} has {name}={v}, not a multiple of {m} ({why}); "
                 f"leave it in high precision with an exclude glob"
@@ -156,6 +159,11 @@ def quantize_modules(
     the recipe cannot tile. MXFP8 experts get their MoE's row alignment raised to a multiple
     of 32 (blocks of a weight gradient must not straddle two experts).
     """
+    if experts is not None and experts.mode == "nvfp4":
+        raise ValueError(
+            "quantize experts: nvfp4 has no grouped GEMM (routed experts); use an fp8 recipe "
+            "for the experts, or none"
+        )
     modules = dict(model.named_modules())
     lin = [
         f

@@ -1,4 +1,4 @@
-"""FP8 / MXFP8 GEMMs for training: ``x @ w.T`` and its two backward GEMMs, each quantised.
+"""FP8 / MXFP8 / NVFP4 GEMMs for training: ``x @ w.T`` and its two backward GEMMs, quantised.
 
 For ``y = x @ w.T`` (``x`` (M, K), ``w`` (N, K), ``dy`` (M, N)) the three GEMMs and the axis
 each operand is quantised along (always the GEMM's reduction axis):
@@ -8,7 +8,9 @@ each operand is quantised along (always the GEMM's reduction axis):
     wgrad     dw = Q(dy.T, M)   @ Q(x.T, M).T
 
 with the grouping of :class:`Float8Recipe` (``float8.quantize``: per matrix, per row, or MX
-blocks of 32). Per-matrix scales do not depend on the axis, so ``fp8_tensorwise`` quantises
+blocks of 32; or ``nvfp4.quantize``: E2M1 in blocks of 16 with e4m3 block scales and an fp32
+tensor scale, for every operand, the output gradient included, so ``grad_dtype`` does not
+apply; its rounding may be stochastic with ``stochastic_grads``). Per-matrix scales do not depend on the axis, so ``fp8_tensorwise`` quantises
 ``x``, ``w`` and ``dy`` once and saves the fp8 copies for backward; the other recipes
 quantise the saved high-precision tensors again along the backward GEMMs' axes.
 
@@ -18,7 +20,8 @@ then cast to the output dtype. ``emulate=True`` (and every device but CUDA) comp
 that with dequantised fp32 operands (bf16 on CUDA for grouped GEMMs, where fp32 grouped GEMM
 is unavailable: dequantised values are exact in bf16); on CUDA the device path feeds the fp8
 tensors and scales to ``torch.nn.functional.scaled_mm`` (tensorwise, rowwise, MX
-``BlockWise1x32`` with swizzled e8m0 scales) or ``scaled_grouped_mm`` (rowwise: the
+``BlockWise1x32`` with swizzled e8m0 scales, NVFP4 ``float4_e2m1fn_x2`` with ``BlockWise1x16``
+swizzled e4m3 scales and the two tensor scales) or ``scaled_grouped_mm`` (rowwise: the
 tensorwise recipe passes its scales broadcast per row). The quantisation itself is the same
 torch code on every device, so only the accumulation order of the GEMM differs.
 
@@ -26,7 +29,8 @@ Grouped GEMMs (routed experts): ``x`` (R, K) rows grouped by expert (``offs`` = 
 ends, rows past ``offs[-1]`` are slack and ignored), ``w`` (E, N, K). Per-matrix and
 per-row scales are per expert for ``w``; for ``wgrad`` (reduction over each expert's rows)
 rowwise scales are per (expert, column) and MX blocks are 32 rows of one expert, which needs
-every group padded to a multiple of 32 rows (``dist_moe.PermuteConfig.alignment``).
+every group padded to a multiple of 32 rows (``dist_moe.PermuteConfig.alignment``). NVFP4
+has no grouped GEMM yet (``ValueError``).
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from .float8 import E4M3, E5M2, MX_BLOCK, Granularity, dequantize, quantize, to_e8m0
+from . import nvfp4
+from .float8 import E4M3, E5M2, MX_BLOCK, dequantize, quantize, to_e8m0
 
 __all__ = [
     "MODES",
@@ -47,12 +52,13 @@ __all__ = [
     "scaled_linear",
 ]
 
-MODES: dict[str, Granularity] = {
+MODES: dict[str, str] = {
     "fp8_tensorwise": "tensor",
     "fp8_rowwise": "axis",
     "mxfp8": "block",
+    "nvfp4": "nvfp4",
 }
-"""Recipe name -> grouping of the scales."""
+"""Recipe name -> grouping of the scales (``float8.Granularity``, or NVFP4's own)."""
 GRAD_DTYPES = {"e4m3": E4M3, "e5m2": E5M2}
 
 
@@ -60,11 +66,15 @@ GRAD_DTYPES = {"e4m3": E4M3, "e5m2": E5M2}
 class Float8Recipe:
     """How the forward and both backward GEMMs of a layer are quantised."""
 
-    mode: Literal["fp8_tensorwise", "fp8_rowwise", "mxfp8"]
-    """Grouping of the scales: one per matrix, per row, or per 32-element MX block."""
+    mode: Literal["fp8_tensorwise", "fp8_rowwise", "mxfp8", "nvfp4"]
+    """Grouping of the scales: one per matrix, per row, or per 32-element MX block (fp8); or
+    NVFP4 (E2M1 elements, an e4m3 scale per 16, an fp32 scale per tensor)."""
     grad_dtype: Literal["e4m3", "e5m2"] = "e4m3"
     """fp8 format of the output gradient in the two backward GEMMs (inputs and weights are
-    always e4m3)."""
+    always e4m3); fp8 recipes only (nvfp4 gradients are NVFP4: leave it at e4m3)."""
+    stochastic_grads: bool = False
+    """nvfp4 only: round the output gradient stochastically (unbiased) in the backward GEMMs;
+    weights and activations always round to nearest even."""
     emulate: bool = False
     """Dequantise and multiply in fp32 on every device (the CPU always does)."""
 
@@ -76,26 +86,48 @@ class Float8Recipe:
                 f"Float8Recipe.grad_dtype must be one of {sorted(GRAD_DTYPES)}, "
                 f"got {self.grad_dtype!r}"
             )
+        if self.mode == "nvfp4" and self.grad_dtype != "e4m3":
+            raise ValueError(
+                f"Float8Recipe.grad_dtype={self.grad_dtype!r} applies to the fp8 recipes; nvfp4 "
+                "quantises gradients to NVFP4 like every operand (leave it at 'e4m3')"
+            )
+        if self.stochastic_grads and self.mode != "nvfp4":
+            raise ValueError(
+                f"Float8Recipe.stochastic_grads=True is an nvfp4 option, got mode={self.mode!r}"
+            )
 
     @property
-    def granularity(self) -> Granularity:
-        """``"tensor"``, ``"axis"`` or ``"block"``."""
+    def granularity(self) -> str:
+        """``"tensor"``, ``"axis"``, ``"block"`` or ``"nvfp4"``."""
         return MODES[self.mode]
 
     @property
     def multiple(self) -> int:
         """What every GEMM dimension of a weight must be a multiple of: 16 for the device's
-        fp8 kernels, 32 for MX blocks."""
+        fp8 kernels and NVFP4 blocks, 32 for MX blocks."""
         return MX_BLOCK if self.mode == "mxfp8" else 16
 
 
 def check_device_support(recipe: Float8Recipe, device: torch.device, *, grouped: bool) -> None:
     """``ValueError`` if ``device`` cannot run ``recipe``'s GEMMs (CUDA without the needed fp8
-    kernels; MX grouped GEMMs have no device path yet). Emulation runs everywhere."""
+    kernels; MX grouped GEMMs have no device path yet; NVFP4 needs sm100 and a torch with
+    ``float4_e2m1fn_x2``). Emulation runs everywhere (but NVFP4 has no grouped GEMM at all)."""
+    what = "grouped expert GEMMs" if grouped else "linear GEMMs"
+    if grouped and recipe.mode == "nvfp4":
+        raise ValueError(f"nvfp4 {what} are not supported (emulated or not): use an fp8 recipe")
     if recipe.emulate or device.type != "cuda":
         return
-    what = "grouped expert GEMMs" if grouped else "linear GEMMs"
     hint = "(use emulation: --quantize.kernels emulated)"
+    if recipe.mode == "nvfp4":
+        cap = torch.cuda.get_device_capability(device)
+        if not hasattr(torch, "float4_e2m1fn_x2"):
+            raise ValueError(f"nvfp4 {what} need a torch with float4_e2m1fn_x2 {hint}")
+        if cap[0] != 10:
+            raise ValueError(
+                f"nvfp4 {what} need a CUDA device of compute capability 10.x (sm100), this one "
+                f"is {cap[0]}.{cap[1]} {hint}"
+            )
+        return
     if grouped and recipe.mode == "mxfp8":
         raise ValueError(f"mxfp8 {what} have no CUDA kernel path here yet {hint}")
     cap = torch.cuda.get_device_capability(device)
@@ -115,18 +147,37 @@ def check_device_support(recipe: Float8Recipe, device: torch.device, *, grouped:
 @dataclasses.dataclass(slots=True)
 class _Operand:
     """A quantised GEMM operand ``(rows, reduction)`` with its scales (``float8.quantize``
-    shapes, along the last axis)."""
+    shapes, along the last axis; NVFP4: packed codes, e4m3 block scales and the tensor
+    scale, or for the emulation only the dequantised ``values``)."""
 
-    q: torch.Tensor
-    scale: torch.Tensor
-    granularity: Granularity
+    q: torch.Tensor | None
+    scale: torch.Tensor | None
+    granularity: str
+    tensor_scale: torch.Tensor | None = None
+    values: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, x: torch.Tensor, dtype: torch.dtype, granularity: Granularity) -> _Operand:
+    def of(
+        cls,
+        x: torch.Tensor,
+        dtype: torch.dtype,
+        granularity: str,
+        recipe: Float8Recipe,
+        stochastic: bool = False,
+    ) -> _Operand:
+        if granularity == "nvfp4" and not _device(x, recipe):  # codes would only be unpacked
+            return cls(None, None, "nvfp4", values=nvfp4.round_trip(x, stochastic=stochastic))
+        if granularity == "nvfp4":
+            q, s, t = nvfp4.quantize(x, stochastic=stochastic)
+            return cls(q, s, "nvfp4", t)
         q, s = quantize(x, dtype, granularity, axis=-1)
         return cls(q, s, granularity)
 
     def dequantized(self) -> torch.Tensor:
+        if self.values is not None:
+            return self.values
+        if self.granularity == "nvfp4":
+            return nvfp4.dequantize(self.q, self.scale, self.tensor_scale)
         return dequantize(self.q, self.scale, self.granularity, axis=-1)
 
     @property
@@ -136,21 +187,24 @@ class _Operand:
 
 
 def _pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Zero-pad the reduction axis to a multiple of the MX block (zeros add nothing to a sum
-    and do not change a block's amax)."""
+    """Zero-pad the reduction axis to a multiple of the MX / NVFP4 block (zeros add nothing to
+    a sum and change neither a block's amax nor the tensor's)."""
     rem = x.shape[-1] % multiple
     return F.pad(x, (0, multiple - rem)) if rem else x
 
 
 def _swizzled(scale: torch.Tensor) -> torch.Tensor:
-    """MX scales (rows, K/32) in the blocked layout cuBLAS reads: the matrix padded to
-    128 x 4 tiles, each stored as (32, 4, 4) = (row % 32, row // 32, column)."""
+    """Block scales (rows, K / block) in the layout cuBLAS reads: MX as e8m0, NVFP4 (already
+    e4m3) as they are; the matrix padded to 128 x 4 tiles, each stored as (32, 4, 4) =
+    (row % 32, row // 32, column)."""
     rows, cols = scale.shape
     r, c = -(-rows // 128) * 128, -(-cols // 4) * 4
+    dtype = scale.dtype if scale.dtype == torch.float8_e4m3fn else torch.float8_e8m0fnu
+    codes = scale if dtype == scale.dtype else to_e8m0(scale)
     bits = torch.zeros(r, c, dtype=torch.uint8, device=scale.device)
-    bits[:rows, :cols] = to_e8m0(scale).view(torch.uint8)
+    bits[:rows, :cols] = codes.view(torch.uint8)
     tiles = bits.view(r // 128, 4, 32, c // 4, 4).permute(0, 3, 2, 1, 4)
-    return tiles.reshape(-1).view(torch.float8_e8m0fnu)
+    return tiles.reshape(-1).view(dtype)
 
 
 def _device(a: torch.Tensor, recipe: Float8Recipe) -> bool:
@@ -159,9 +213,17 @@ def _device(a: torch.Tensor, recipe: Float8Recipe) -> bool:
 
 def _mm(a: _Operand, b: _Operand, recipe: Float8Recipe, out_dtype: torch.dtype) -> torch.Tensor:
     """``deq(a) @ deq(b).T`` for a (M, K), b (N, K) (see the module doc for the numerics)."""
-    if not _device(a.q, recipe):
+    if a.q is None or not _device(a.q, recipe):
         return (a.dequantized() @ b.dequantized().T).to(out_dtype)
     st, sw = F.ScalingType, F.SwizzleType
+    if a.granularity == "nvfp4":  # sm100: E2M1 pairs, swizzled e4m3 blocks, then the tensors'
+        fp4 = torch.float4_e2m1fn_x2
+        qa, qb = a.q.contiguous().view(fp4), b.q.contiguous().view(fp4).T
+        kinds = [st.BlockWise1x16, st.TensorWise]
+        swz = [sw.SWIZZLE_32_4_4, sw.NO_SWIZZLE]
+        sa = [_swizzled(a.scale), a.tensor_scale.reshape(1)]
+        sb = [_swizzled(b.scale), b.tensor_scale.reshape(1)]
+        return F.scaled_mm(qa, qb, sa, kinds, sb, kinds, swz, swz, output_dtype=out_dtype)
     qa, qb = a.q.contiguous(), b.q.contiguous().T  # scaled_mm: a row-major, b column-major
     if a.granularity == "block":
         sa, sb, kind, swz = (
@@ -186,7 +248,7 @@ class _ScaledLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: Float8Recipe) -> torch.Tensor:
         g = recipe.granularity
-        xq, wq = _Operand.of(x, E4M3, g), _Operand.of(w, E4M3, g)
+        xq, wq = _Operand.of(x, E4M3, g, recipe), _Operand.of(w, E4M3, g, recipe)
         ctx.recipe, ctx.dtypes = recipe, (x.dtype, w.dtype)
         if g == "tensor":  # the scale of a matrix is that of its transpose: keep the fp8 copies
             ctx.save_for_backward(xq.q, xq.scale, wq.q, wq.scale)
@@ -202,14 +264,20 @@ class _ScaledLinear(torch.autograd.Function):
         if g == "tensor":
             xq_q, xq_s, wq_q, wq_s = ctx.saved_tensors
             xq, wq = _Operand(xq_q, xq_s, g), _Operand(wq_q, wq_s, g)
-            dq = _Operand.of(dy, gd, g)
+            dq = _Operand.of(dy, gd, g, recipe)
             dx = _mm(dq, wq.T, recipe, x_dtype)
             dw = _mm(dq.T, xq.T, recipe, w_dtype)
             return dx, dw, None
         x, w = ctx.saved_tensors
-        dx = _mm(_Operand.of(dy, gd, g), _Operand.of(w.T, E4M3, g), recipe, x_dtype)
-        pad = (lambda t: _pad_last(t, MX_BLOCK)) if g == "block" else (lambda t: t)
-        dw = _mm(_Operand.of(pad(dy.T), gd, g), _Operand.of(pad(x.T), E4M3, g), recipe, w_dtype)
+        sr = recipe.stochastic_grads
+        dx = _mm(
+            _Operand.of(dy, gd, g, recipe, sr), _Operand.of(w.T, E4M3, g, recipe), recipe, x_dtype
+        )
+        block = {"block": MX_BLOCK, "nvfp4": nvfp4.NVFP4_BLOCK}.get(g, 1)
+        dyt, xt = _pad_last(dy.T, block), _pad_last(x.T, block)
+        dw = _mm(
+            _Operand.of(dyt, gd, g, recipe, sr), _Operand.of(xt, E4M3, g, recipe), recipe, w_dtype
+        )
         return dx, dw, None
 
 
@@ -291,7 +359,7 @@ class _ScaledGroupedLinear(torch.autograd.Function):
     def forward(ctx, x, w, offs, recipe: Float8Recipe):
         g = recipe.granularity
         x = _valid_rows(x, offs)
-        xq, wq = _Operand.of(x, E4M3, g), _Operand.of(w, E4M3, g)
+        xq, wq = _Operand.of(x, E4M3, g, recipe), _Operand.of(w, E4M3, g, recipe)
         ctx.recipe, ctx.dtypes = recipe, (x.dtype, w.dtype)
         ctx.save_for_backward(x, w, offs)
         return _gmm(xq, wq, offs, recipe, _out_dtype(x))
@@ -303,13 +371,13 @@ class _ScaledGroupedLinear(torch.autograd.Function):
         x, w, offs = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         dy = _valid_rows(dy, offs)
-        dq = _Operand.of(dy, gd, g)
+        dq = _Operand.of(dy, gd, g, recipe)
         wt = _Operand(*quantize(w.transpose(-2, -1), E4M3, g, axis=-1), g)  # along N
         dx = _gmm(dq, wt, offs, recipe, x_dtype)
         # wgrad: per expert, dy_e.T @ x_e, reduced over the expert's rows (dequantised
         # operands: the same definition on every device)
         if g == "tensor":  # a matrix's scale is that of its transpose
-            a, b = dq.dequantized(), _Operand.of(x, E4M3, g).dequantized()
+            a, b = dq.dequantized(), _Operand.of(x, E4M3, g, recipe).dequantized()
         elif g == "axis":
             gid = _group_ids(offs, x.shape[0])
             qa, sa = _per_group_columns(dy, gid, offs.shape[0], gd)
@@ -333,6 +401,8 @@ def scaled_grouped_linear(
             f"scaled_grouped_linear: x (R, K) and weight (E, N, K) expected, got "
             f"{tuple(x.shape)} and {tuple(weight.shape)}"
         )
+    if recipe.mode == "nvfp4":
+        raise ValueError("scaled_grouped_linear: nvfp4 has no grouped GEMM; use an fp8 recipe")
     if recipe.mode == "mxfp8" and x.shape[0] % MX_BLOCK:
         raise ValueError(
             f"scaled_grouped_linear: mxfp8 needs expert groups padded to multiples of "
