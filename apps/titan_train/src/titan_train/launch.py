@@ -65,12 +65,14 @@ def _failure(cfg: JobConfig, codes: dict[int, int], killed: list[int]) -> str:
     logs = Path(cfg.output_dir) / cfg.name / "logs"
     if killed:
         ranks = ", ".join(f"rank {r}" for r in killed)
-        one = len(killed) == 1
+        failed = ", ".join(
+            f"rank {r} (exit code {c})" for r, c in sorted(codes.items()) if r not in killed
+        )
         return (
-            f"{ranks} stopped responding: {'its' if one else 'their'} peers' collectives "
-            f"timed out on {'it' if one else 'them'} (--comm.timeout-s {cfg.comm.timeout_s:g}) "
-            f"and {'it' if one else 'they'} ignored SIGTERM, so the job killed "
-            f"{'it' if one else 'them'}; rank logs: {logs}"
+            f"{ranks} stopped responding: {'it' if len(killed) == 1 else 'they'} ignored "
+            f"SIGTERM once {failed or 'a peer'} had failed (a rank that waits on a stopped peer "
+            f"fails after --comm.timeout-s {cfg.comm.timeout_s:g}) and "
+            f"{'was' if len(killed) == 1 else 'were'} killed; rank logs: {logs}"
         )
     shown = ", ".join(f"rank {rank} exit code {c}" for rank, c in sorted(codes.items()))
     return f"the job failed ({shown}); see above and the rank logs in {logs}"
