@@ -81,13 +81,22 @@ def test_a_runs_config_json_reproduces_the_run(tmp_path):
             "init_from_hf='/nonexistent/hf' does not exist",
         ),
         (["--checkpoint.init-from-hf", "{tmp}"], "has no config.json: not an HF checkpoint folder"),
-        (["--output-dir", "{tmp}/a_file"], "output_dir: '{tmp}/a_file' is a file"),
+        (["--output-dir", "{tmp}/a_file"], "output_dir='{tmp}/a_file': '{tmp}/a_file' is a file"),
+        (["--output-dir", "{tmp}/a_file/runs"], "output_dir='{tmp}/a_file/runs': '{tmp}/a_file' is a file"),
+        (["--output-dir", "/proc/titan-runs"], "'/proc' refuses a new folder"),
         (["--data.source", "files", "--data.paths", "{tmp}/none.jsonl"], "does not exist"),
+        (["--data.source", "files", "--data.paths", "{tmp}"], "is not a file"),
+        (["--data.tokenizer", "{tmp}/none.json"], "no such tokenizer.json file"),
+        (["--data.tokenizer", "{tmp}/a_file"], "is not a Hugging Face tokenizer.json"),
+        (["--data.tokenizer", "{tmp}/empty.json"], "is not a Hugging Face tokenizer.json"),
     ],
-)
+)  # fmt: skip
 def test_a_bad_path_is_one_error_line(tmp_path, capsys, argv, message):
-    # Guards: a missing HF folder, or an output dir that is a file, ended in a traceback.
+    # Guards: a missing HF folder, or an output dir that is a file, ended in a traceback; an
+    # output dir under a file was "not writable"; one under /proc (read-only even for root)
+    # ended in a PermissionError traceback.
     (tmp_path / "a_file").write_text("x")
+    (tmp_path / "empty.json").write_text("{}")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     out = [] if "--output-dir" in argv else ["--output-dir", str(tmp_path / "runs")]
     assert main([*out, *SHORT, *argv]) == 2
@@ -95,6 +104,61 @@ def test_a_bad_path_is_one_error_line(tmp_path, capsys, argv, message):
     assert err == f"titan-train: error: {err.removeprefix('titan-train: error: ')}"
     assert message.replace("{tmp}", str(tmp_path)) in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a mode-0o555 folder")
+def test_a_read_only_output_dir_is_one_error_line(tmp_path, capsys):
+    # (Root: the /proc case of test_a_bad_path_is_one_error_line stands for it.)
+    out = tmp_path / "ro"
+    out.mkdir()
+    out.chmod(0o555)
+    try:
+        assert main(["--output-dir", str(out / "runs"), *SHORT]) == 2
+    finally:
+        out.chmod(0o755)
+    err = capsys.readouterr().err.strip()
+    assert f"'{out}' refuses a new folder (Permission denied)" in err, err
+    assert len(err.splitlines()) == 1 and not any(out.iterdir())
+
+
+def test_a_corpus_of_one_long_line_says_why_no_document_is_left_and_writes_nothing(
+    tmp_path, capsys
+):
+    # Guards: a 60 MB one-line .txt failed after the run folder was written, in a traceback
+    # ending "this rank's split holds no documents": its one record is the first, which
+    # validation holds out.
+    big = tmp_path / "big.txt"
+    big.write_text("ab " * 20_000_000 + "\n")
+    argv = ["--output-dir", str(tmp_path / "runs"), *SHORT, "--data.source", "files"]
+    assert main([*argv, "--data.paths", str(big)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("titan-train: error: "), err
+    assert "hold 1 record(s) (a .txt file's record is one line)" in err, err
+    assert "holds out one record in 100 for validation, the first one included: 1 of" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_failed_start_removes_the_run_folder_it_created_and_only_that(tmp_path):
+    from titan_train.run_folder import LOCK_NAME, RunLock
+
+    fresh = RunLock(tmp_path / "out" / "run")
+    (tmp_path / "out" / "run" / "config.json").write_text("{}")
+    fresh.release()
+    fresh.discard_failed_start()
+    assert not (tmp_path / "out").exists()  # the output dir it created goes too
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("a user's file")
+    (kept / "run").mkdir()
+    existing = RunLock(kept / "run")  # the run folder was there before: never removed
+    existing.release()
+    existing.discard_failed_start()
+    assert (kept / "run" / LOCK_NAME).exists() and (kept / "notes.txt").exists()
+    logged = RunLock(kept / "new")
+    (kept / "new" / "metrics.jsonl").write_text('{"step": 1}\n')  # a step was logged: kept
+    logged.release()
+    logged.discard_failed_start()
+    assert (kept / "new" / "metrics.jsonl").exists()
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")

@@ -123,8 +123,9 @@ def _run(cfg: JobConfig, nproc: int, argv: list[str]) -> int:
         except ConfigError as e:
             print(f"titan-train: error: {e}", file=sys.stderr)
             return 2
-        return _relaunch(nproc, argv)
-    # Only errors about the config become one line; anything else keeps its traceback.
+        return _relaunch(cfg, nproc, argv)
+    # Only errors about the config become one line; anything else keeps its traceback (a
+    # rank of --nproc: in its log in the run folder, and one line).
     try:
         train(cfg)
     except ConfigError as e:
@@ -140,6 +141,13 @@ def _run(cfg: JobConfig, nproc: int, argv: list[str]) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"titan-train: {e}", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+    except Exception as e:
+        if "LOCAL_RANK" not in os.environ:
+            raise
+        from titan_train.launch import report_rank_failure  # a rank of --nproc: to its log
+
+        report_rank_failure(cfg, int(os.environ.get("RANK", "0")), e)
+        return 1
     return 0
 
 
@@ -159,37 +167,15 @@ def _dry_run_config(cfg: JobConfig) -> JobConfig:
     return cfg
 
 
-def _relaunch(nproc: int, argv: list[str]) -> int:
-    """Run this same command on ``nproc`` processes through torchrun."""
-    from torch.distributed.run import main as torchrun
+def _relaunch(cfg: JobConfig, nproc: int, argv: list[str]) -> int:
+    """Run this same command on ``nproc`` processes through torchrun (``titan_train.launch``)."""
+    from titan_train.launch import relaunch
 
     args = [a for a in argv if not a.startswith("--nproc")]
     if "--nproc" in argv:  # "--nproc N" form: drop the value too
         i = argv.index("--nproc")
         args = argv[:i] + argv[i + 2 :]
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    # A rank that fails ends the others within the monitor interval; a stopped one is ended
-    # by its peers' process-group timeout (comm.timeout_s) or its own step watchdog.
-    launch = ["--standalone", f"--nproc-per-node={nproc}", f"--monitor-interval={MONITOR_S}"]
-    try:
-        torchrun([*launch, "-m", "titan_train", *args])
-    except SignalException:  # Ctrl-C: torchrun passed it to the ranks; rank 0 said where to resume
-        return EXIT_INTERRUPTED
-    except ChildFailedError as e:
-        if all(f.exitcode == EXIT_INTERRUPTED for f in e.failures.values()):
-            return EXIT_INTERRUPTED  # the ranks were interrupted: rank 0 printed the line
-        failures = ", ".join(
-            f"rank {rank} exit code {f.exitcode}" for rank, f in sorted(e.failures.items())
-        )
-        print(f"titan-train: error: the job failed ({failures}); see above", file=sys.stderr)
-        return 2 if all(f.exitcode == 2 for f in e.failures.values()) else 1
-    return 0
-
-
-MONITOR_S = 0.5
-"""How often torchrun checks its ranks (seconds)."""
+    return relaunch(cfg, nproc, args)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -518,18 +519,44 @@ def check_paths(cfg: JobConfig) -> None:
             raise ValueError(
                 f"checkpoint.init_from_hf={hf!r} has no config.json: not an HF checkpoint folder"
             )
-    out = Path(cfg.output_dir)
-    for name, path in (("output_dir", out), ("name", out / cfg.name)):
-        if path.exists() and not path.is_dir():
-            raise ValueError(f"{name}: {str(path)!r} is a file; runs are written to a folder")
-    existing = next((p for p in (out / cfg.name, *(out / cfg.name).parents) if p.exists()), None)
-    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"output_dir={cfg.output_dir!r}: {str(existing)!r} is not writable")
+    _check_output_dir(cfg)
     for path in cfg.data.paths if cfg.data.source in ("files", "image_files") else ():
         if not Path(path).exists():
             raise ValueError(f"data.paths: {path!r} does not exist")
         if not os.access(path, os.R_OK):
             raise ValueError(f"data.paths: {path!r} is not readable")
+
+
+def _check_output_dir(cfg: JobConfig) -> None:
+    """The run folder ``output_dir/name`` can be created (or written, if it exists): every
+    folder on the way that exists is a folder, and the nearest one accepts a new folder. The
+    last is tried for real (a folder made and removed at once): ``os.access`` says yes to root
+    on a read-only mount or under ``/proc``."""
+    out = Path(cfg.output_dir)
+    run_dir = out / cfg.name
+    existing = None
+    for path in (run_dir, *run_dir.parents):
+        if path.exists() or path.is_symlink():
+            existing = path
+            break
+    if existing is None:  # a relative path always reaches "."
+        return
+    if not existing.is_dir():
+        field_name = "name" if existing == run_dir else "output_dir"
+        value = cfg.name if existing == run_dir else cfg.output_dir
+        raise ValueError(
+            f"{field_name}={value!r}: {str(existing)!r} is "
+            f"{'a file' if existing.is_file() else 'not a folder'}; runs are written to a folder "
+            "(pass an --output-dir that is a folder or does not exist yet)"
+        )
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".titan-train-probe-", dir=existing))
+    except OSError as e:
+        raise ValueError(
+            f"output_dir={cfg.output_dir!r}: cannot create the run folder {str(run_dir)!r}: "
+            f"{str(existing)!r} refuses a new folder ({e.strerror}); pass an --output-dir on "
+            "a writable disk"
+        ) from None
 
 
 _BUILTIN_ATTENTION_BACKENDS = ("auto", "context_parallel", "flex", "sdpa", "varlen")

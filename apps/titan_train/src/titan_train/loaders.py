@@ -98,3 +98,13 @@ def loaders(
     train_src = DocumentSource(split="train", **common)
     val_src = DocumentSource(split="validation", **common)
     return PackedLoader(train_src, tokenizer, seq_len=t.seq_len, batch_size=t.batch_size), val_src
+
+
+def check_data(cfg: JobConfig, tokenizer: Tokenizer, *, dp_size: int) -> None:
+    """Build the last data-parallel rank's loaders (the files, formats and fields are checked
+    on the way) and fail when its training split of the files holds no document: the last
+    rank gets the fewest records."""
+    loader, _ = loaders(cfg, tokenizer, dp_rank=dp_size - 1, dp_size=dp_size)
+    source = getattr(loader, "source", None)
+    if isinstance(source, DocumentSource):
+        source.check_not_empty()

@@ -116,7 +116,10 @@ class RunLock:
     reads or moves anything there): a second job on the same folder fails at once."""
 
     def __init__(self, run_dir: Path) -> None:
-        created = not run_dir.exists()
+        self.run_dir = run_dir
+        self.created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+        """The folders this job created (the run folder first), for ``discard_failed_start``."""
+        created = bool(self.created)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / LOCK_NAME
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -139,6 +142,31 @@ class RunLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+    def discard_failed_start(self) -> None:
+        """After a job failed before its first logged step: remove the run folder again if
+        this job created it (with the folders above it it created), so that a failed start
+        leaves nothing behind. Only this job's own outputs are removed, by name, and only when
+        there is no checkpoint, export or logged step; a folder that existed before is never
+        touched."""
+        run_dir = self.run_dir
+        if not self.created or self.created[0] != run_dir:
+            return
+        metrics = run_dir / "metrics.jsonl"
+        if any((run_dir / n).exists() for n in ("checkpoints", "hf", "archive")) or (
+            metrics.exists() and metrics.stat().st_size
+        ):
+            return
+        with contextlib.suppress(OSError):
+            for name in ("config.json", "metrics.jsonl", "loss.png", LOCK_NAME):
+                (run_dir / name).unlink(missing_ok=True)
+            if (run_dir / "tensorboard").is_dir():
+                for event in (run_dir / "tensorboard").iterdir():
+                    if event.name.startswith("events.out.tfevents."):
+                        event.unlink()
+                (run_dir / "tensorboard").rmdir()
+            for folder in self.created:  # each empty by now, or rmdir refuses and we stop
+                folder.rmdir()
 
 
 LOCK_NAME = ".titan-train.lock"

@@ -49,7 +49,7 @@ from titan_train.device import (
 )
 from titan_train.errors import ConfigError, ExportError, NonFiniteError
 from titan_train.evaluation import validate_run
-from titan_train.loaders import IMAGE_TEXT
+from titan_train.loaders import IMAGE_TEXT, check_data
 from titan_train.loaders import loaders as _loaders
 from titan_train.lora import apply_lora_config, check_lora
 from titan_train.losses import autocast, loss_sum
@@ -338,7 +338,7 @@ def prepare(
             check_lora(cfg, dims)
             check_low_precision(meta_model, cfg, dims)
             apply_lora_config(meta_model, cfg)
-        _loaders(cfg, tokenizer, dp_size=dims.dp)  # checks data files and fields
+        check_data(cfg, tokenizer, dp_size=dims.dp)  # files, fields, a training split
         if not fake:
             resolve_device(cfg.training.device)
             # resume / overwrite rules, config changes (torchrun's ranks: see train)
@@ -394,6 +394,11 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     run_lock = RunLock(Path(cfg.output_dir) / cfg.name) if rank == 0 else None
     try:
         return _train(cfg, dims, tokenizer, model_cls, config, stop_after)
+    except BaseException:
+        if run_lock is not None:
+            run_lock.release()
+            run_lock.discard_failed_start()
+        raise
     finally:
         if run_lock is not None:
             run_lock.release()

@@ -133,6 +133,17 @@ class FileRecords:
             return in_split
         return (rec for i, rec in enumerate(in_split) if i % self.world_size == self.rank)
 
+    def count(self, fraction: float, *, limit: int = 100_000) -> tuple[int, int]:
+        """This rank's records of epoch 0 and how many of them validation holds out (at most
+        ``limit`` read: for an error message about a split that came out empty)."""
+        total = held_out = 0
+        for rec in self._epoch(0):
+            total += 1
+            held_out += in_validation(rec[_FILE] + rec[_ROW], fraction)
+            if total == limit:
+                break
+        return total, held_out
+
     def first(self) -> dict[str, Any] | None:
         """The first record of the first file (None: the files hold no records)."""
         return next(self._read(self._named), None)

@@ -79,6 +79,32 @@ class DocumentSource:
         mine = itertools.islice(in_split, self.rank, None, self.world_size)
         return itertools.islice(mine, start, None)
 
+    def check_not_empty(self) -> None:
+        """A ``ValueError`` saying why, when this rank's split of the files holds no document
+        (a job would otherwise fail at its first step, naming no cause)."""
+        if self.files is None or next(self.documents(), None) is not None:
+            return
+        total, held_out = self.files.count(self.validation_fraction)
+        lines = " (a .txt file's record is one line)" if self.files.format == "text" else ""
+        every = max(1, round(1 / self.validation_fraction)) if self.validation_fraction else 0
+        held = (
+            f"data.validation_fraction={self.validation_fraction} holds out one record in "
+            f"{every} for validation, the first one included: {held_out} of them"
+            if every
+            else "none is held out for validation"
+        )
+        ranks, fewer = "", ""
+        if self.world_size > 1:
+            dealt = "whole files" if self.files.streaming else f"one record in {self.world_size}"
+            ranks = f"; each of the {self.world_size} data-parallel ranks gets {dealt}"
+            fewer = " or use fewer data-parallel ranks"
+        raise ValueError(
+            f"data.paths={list(self.paths)}: the {self.split} split of data-parallel rank "
+            f"{self.rank} holds no documents: {'its' if self.files.streaming else 'the'} files "
+            f"hold {total} record(s){lines} and {held}{ranks}; add data (more records or "
+            f"files), lower data.validation_fraction (0 keeps every record for training){fewer}"
+        )
+
     def _text(self, record: dict) -> str:
         value = record.get(self.text_field)
         if not isinstance(value, str):
