@@ -164,8 +164,8 @@ def test_digits_corpus_answers_are_right_and_held_out_conversations_differ():
             ds = digits.split()
             want = {
                 "reverse": " ".join(ds[::-1]),
-                "sort": " ".join(sorted(ds)),
-                "max": max(ds),
+                "first": ds[0],
+                "last": ds[-1],
             }[task]
             assert reply.role == "assistant" and reply.content == want
     assert train(0) != builtin_conversations("digits", 1)(0)
@@ -205,3 +205,24 @@ def test_exact_match_counts_a_sample_right_only_when_every_trained_token_is():
     loader = PackedLoader(source, TOK, seq_len=64, batch_size=2)
     _, _, right, answers = evaluate(Oracle(0), loader, 1, torch.device("cpu"), exact_match=True)
     assert (right, answers) == (samples - 1, samples)
+
+
+def test_facts_corpus_answers_come_from_its_tables():
+    from titan_train.data import chat_corpus as cc
+
+    convos = [cc.builtin_conversations("facts", 0)(i) for i in range(300)]
+    for convo in convos:
+        assert 2 <= len(convo) <= 6
+        for user, reply in zip(convo[::2], convo[1::2], strict=True):
+            q = user.content.removeprefix("Please tell me: ")
+            if q.startswith("What is the capital of "):
+                want = cc._CAPITALS[q[23:-1]]
+            elif q.startswith("What is the opposite of "):
+                want = cc._OPPOSITES[q[24:-1]]
+            elif q.startswith("Which day comes after "):
+                want = cc._DAYS[(cc._DAYS.index(q[22:-1]) + 1) % 7]
+            else:
+                a, b = q.removeprefix("What is ").removesuffix("?").split(" + ")
+                want = str(int(a) + int(b))
+            assert reply.content == want
+    assert convos[0] == cc.builtin_conversations("facts", 0)(0)

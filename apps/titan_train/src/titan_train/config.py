@@ -161,7 +161,7 @@ class DataConfig:
     """source=chat: field holding a record's list of messages (role, content, tool_calls)."""
     chat_environment: str = ""
     """source=chat without paths: a built-in corpus: ``digits`` (generated tasks on digits:
-    reverse, sort, max) or an RL environment's demonstrations (sorting, tool_calc, search,
+    reverse, first, last) or an RL environment's demonstrations (sorting, tool_calc, search,
     code: correct transcripts of its scripted solver)."""
     chat_train_on: Literal["assistant", "all"] = "assistant"
     """source=chat: the tokens that carry a loss: the assistant turns, or every token."""

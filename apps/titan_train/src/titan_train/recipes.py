@@ -53,13 +53,13 @@ def llama3_debug() -> JobConfig:
 
 @recipe
 def llama3_debug_sft() -> JobConfig:
-    """Tiny Llama 3, chat SFT on the built-in ``digits`` conversations (reverse / sort / max
-    five digits): the loss on the assistant turns only; validation reports the exact-match
-    rate of held-out conversations (``answer_accuracy``)."""
+    """Tiny Llama 3, chat SFT on the built-in ``facts`` conversations (one to three questions:
+    capitals, opposites, weekdays, sums): the loss on the assistant turns only; validation
+    reports the exact-match rate of held-out conversations (``answer_accuracy``)."""
     cfg = llama3_debug()
     cfg.name = "llama3_debug_sft"
-    cfg.data = DataConfig(source="chat", chat_environment="digits")
-    cfg.training = TrainingConfig(steps=600, batch_size=16, seq_len=128)
+    cfg.data = DataConfig(source="chat", chat_environment="facts")
+    cfg.training = TrainingConfig(steps=600, batch_size=8, seq_len=256)
     cfg.metrics.validate_every = 100
     cfg.metrics.validation_batches = 8
     return cfg

@@ -1,10 +1,14 @@
 """The built-in chat corpora (``--data.source chat --data.chat-environment NAME``): endless,
 deterministic, generated offline, with answers a small model can learn exactly.
 
-- ``digits``: one or two user turns, each a task on five digits — ``reverse: 4 9 1 7 0``,
-  ``sort: ...`` or ``max: ...`` — and the assistant's exact answer (``0 7 1 9 4``). The
+- ``digits``: one or two user turns, each a task on four digits — ``reverse: 4 9 1 7``,
+  ``first: ...`` or ``last: ...`` — and the assistant's exact answer (``7 1 9 4``). The
   answer is a function of the question alone, so a held-out conversation (another index) has
   one right reply and greedy exact match measures what SFT learned (``llama3_debug_sft``).
+- ``facts``: one to three questions from fixed tables (capitals, opposites, the next
+  weekday, sums of two digits), in two wordings: held-out conversations are new
+  combinations of known facts, so exact match measures that SFT learned the answers and
+  the turn structure (``llama3_debug_sft``).
 - every multi-turn RL environment of ``titan_train.environments`` (``sorting``,
   ``tool_calc``, ``search``, ``code``): its scripted solver's transcripts, the starting run
   of its RL recipe.
@@ -18,10 +22,16 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DIGIT_TASKS", "builtin_conversations", "corpus_names", "digits_conversation"]
+__all__ = [
+    "DIGIT_TASKS",
+    "builtin_conversations",
+    "corpus_names",
+    "digits_conversation",
+    "facts_conversation",
+]
 
 _SEED_STRIDE = 10**7
-DIGIT_TASKS = ("reverse", "sort", "max")
+DIGIT_TASKS = ("reverse", "first", "last")
 """The ``digits`` corpus's tasks."""
 
 
@@ -33,18 +43,65 @@ def digits_conversation(problem: int) -> list[Any]:
     messages = []
     for _ in range(rng.choice((1, 2))):
         task = rng.choice(DIGIT_TASKS)
-        digits = [str(rng.randrange(10)) for _ in range(5)]
+        digits = [str(rng.randrange(10)) for _ in range(4)]
         if task == "reverse":
             answer = " ".join(reversed(digits))
-        elif task == "sort":
-            answer = " ".join(sorted(digits))
+        elif task == "first":
+            answer = digits[0]
         else:
-            answer = max(digits)
+            answer = digits[-1]
         messages += [Message("user", f"{task}: {' '.join(digits)}"), Message("assistant", answer)]
     return messages
 
 
-_GENERATED: dict[str, Callable[[int], list[Any]]] = {"digits": digits_conversation}
+_CAPITALS = dict(
+    France="Paris", Spain="Madrid", Italy="Rome", Germany="Berlin", Poland="Warsaw",
+    Greece="Athens", Egypt="Cairo", Kenya="Nairobi", Japan="Tokyo", China="Beijing",
+    India="Delhi", Peru="Lima", Chile="Santiago", Cuba="Havana", Canada="Ottawa",
+    Norway="Oslo", Sweden="Stockholm", Austria="Vienna", Ireland="Dublin", Portugal="Lisbon",
+    Russia="Moscow", Turkey="Ankara", Iran="Tehran", Iraq="Baghdad", Ghana="Accra",
+    Mali="Bamako", Nepal="Kathmandu", Laos="Vientiane", Fiji="Suva", Qatar="Doha",
+)  # fmt: skip
+_OPPOSITES = dict(
+    hot="cold", big="small", up="down", left="right", fast="slow", old="new", dark="light",
+    early="late", full="empty", hard="soft", high="low", long="short", open="closed",
+    rich="poor", wet="dry", strong="weak", thick="thin", loud="quiet", near="far", true="false",
+)  # fmt: skip
+_DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+
+
+def facts_conversation(problem: int) -> list[Any]:
+    """Conversation ``problem`` of the ``facts`` corpus: one to three questions drawn from
+    fixed tables (capitals, opposites, the next weekday, sums of two digits), each asked in
+    one of two wordings."""
+    from titan_rl import Message
+
+    rng = random.Random(problem)
+    messages = []
+    for _ in range(rng.randint(1, 3)):
+        kind, polite = rng.randrange(4), rng.random() < 0.5
+        if kind == 0:
+            key = rng.choice(sorted(_CAPITALS))
+            question, answer = f"What is the capital of {key}?", _CAPITALS[key]
+        elif kind == 1:
+            key = rng.choice(sorted(_OPPOSITES))
+            question, answer = f"What is the opposite of {key}?", _OPPOSITES[key]
+        elif kind == 2:
+            i = rng.randrange(7)
+            question, answer = f"Which day comes after {_DAYS[i]}?", _DAYS[(i + 1) % 7]
+        else:
+            a, b = rng.randrange(10), rng.randrange(10)
+            question, answer = f"What is {a} + {b}?", str(a + b)
+        if polite:
+            question = "Please tell me: " + question
+        messages += [Message("user", question), Message("assistant", answer)]
+    return messages
+
+
+_GENERATED: dict[str, Callable[[int], list[Any]]] = {
+    "digits": digits_conversation,
+    "facts": facts_conversation,
+}
 
 
 def corpus_names() -> list[str]:
