@@ -20,7 +20,7 @@ IMAGE_TEXT = ("shapes", "image_files")
 def image_text_loader(cfg: JobConfig, tokenizer: Tokenizer, source: Any) -> Any:
     """An ``ImageTextLoader`` over ``source`` for the job's model (its image processor and
     special tokens)."""
-    from titan_train.trainer import model_config  # it imports this module
+    from titan_train.model_config import model_config
 
     _, config = model_config(cfg, tokenizer)
     d, t = cfg.data, cfg.training
@@ -44,7 +44,7 @@ def image_text_loader(cfg: JobConfig, tokenizer: Tokenizer, source: Any) -> Any:
 def _image_text_sources(
     cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_size: int
 ) -> tuple[Any, ShapesSource | ImageFilesSource]:
-    from titan_train.trainer import model_config  # it imports this module
+    from titan_train.model_config import model_config
 
     _, config = model_config(cfg, tokenizer)
     vision = getattr(config, "vision", None)

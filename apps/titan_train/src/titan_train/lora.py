@@ -171,6 +171,7 @@ def _whole(
 
 
 def _collective_device(device: torch.device) -> torch.device:
-    """Where the default process group's collectives run (gloo: the CPU)."""
-    backend = dist.get_backend()
-    return device if "nccl" in str(backend) else torch.device("cpu")
+    """``device`` when the default process group has a backend for its type (e.g.
+    ``"cpu:gloo,cuda:nccl"``), else the CPU."""
+    types = {entry.split(":")[0] for entry in str(dist.get_backend_config()).split(",")}
+    return device if device.type in types else torch.device("cpu")

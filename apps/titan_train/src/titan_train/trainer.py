@@ -57,6 +57,7 @@ from titan_train.low_precision import apply_quantize, check_low_precision
 from titan_train.lr_schedule import build_lr_scheduler
 from titan_train.materialize import local_bytes, materialize
 from titan_train.metrics import MetricsLogger, measure_matmul_flops, memory_bytes
+from titan_train.model_config import model_config
 from titan_train.moe_balance import expert_counts, moe_load, update_expert_biases
 from titan_train.numerics import NonFiniteGuard
 from titan_train.parallelize import (
@@ -110,38 +111,6 @@ def check_supported(cfg: JobConfig, dims: ParallelDims) -> None:
             "comm.fake_world_size runs one process standing for a whole job: do not combine it "
             "with --nproc or torchrun"
         )
-
-
-def model_config(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[type, Any]:
-    """The model class and config: from the HF folder when initialising from one, else the
-    family's flavour (vocabulary from the tokenizer unless set); ``model.config`` fields set
-    last."""
-    if cfg.checkpoint.init_from_hf:
-        model_cls, config = titan_models.hf_model_config(cfg.checkpoint.init_from_hf)
-        config = dataclasses.replace(config, attention_backend=cfg.model.attention_backend)
-        source = f"checkpoint.init_from_hf={cfg.checkpoint.init_from_hf!r}"
-    else:
-        overrides = {
-            "vocab_size": cfg.model.vocab_size or tokenizer.vocab_size,
-            "attention_backend": cfg.model.attention_backend,
-        }
-        if cfg.model.num_mtp_modules >= 0:
-            overrides["num_mtp_modules"] = cfg.model.num_mtp_modules
-        model_cls, config = titan_models.get_model(cfg.model.family, cfg.model.flavor, **overrides)
-        source = f"{cfg.model.family} {cfg.model.flavor}"
-    config = _set_fields(config, cfg)
-    if config.vocab_size < tokenizer.vocab_size:
-        raise ValueError(
-            f"the model ({source}) has vocab_size={config.vocab_size}, smaller than the "
-            f"tokenizer's {tokenizer.vocab_size} (data.tokenizer={cfg.data.tokenizer!r})"
-        )
-    return model_cls, config
-
-
-def _set_fields(config: Any, cfg: JobConfig) -> Any:
-    if not cfg.model.config:
-        return config
-    return titan_models.replace_config(config, model_config_changes(config, cfg.model.config))
 
 
 def build_model(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device) -> nn.Module:
