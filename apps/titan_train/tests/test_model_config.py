@@ -54,3 +54,7 @@ def test_json_values_and_nulls_are_typed_by_the_field():
     _, config = titan_models.get_model("llama3", "debug")
     changes = model_config_changes(config, cfg.model.config)
     assert changes == {"sliding_window": None, "sliding_window_layers": (0, 1), "norm_eps": 1e-6}
+    off = parse_config(["--model.config", "rope.scaling=null", "rope.theta=10000"])
+    changes = model_config_changes(config, off.model.config)
+    assert changes == {"rope.scaling": None, "rope.theta": 10000.0}
+    assert titan_models.replace_config(config, changes).rope.scaling is None

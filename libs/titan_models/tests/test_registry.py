@@ -105,6 +105,11 @@ def test_replace_config_sets_dotted_fields_validated_by_the_config_classes():
         titan_models.replace_config(config, {"rope.theta": -1})
     with pytest.raises(ValueError, match=r"num_heads=4 must be a multiple of num_kv_heads=3"):
         titan_models.replace_config(config, {"num_heads": 4, "num_kv_heads": 3})
+    plain = titan_models.replace_config(config, {"rope.scaling": None})  # optional: turn off
+    assert plain.rope.scaling is None and plain.rope.theta == config.rope.theta
+    assert "theta" not in fields and "rope" not in fields  # a required nested config: leaves only
+    with pytest.raises(ValueError, match=r"\['rope.scaling'\] set together with fields inside"):
+        titan_models.replace_config(config, {"rope.scaling": None, "rope.scaling.factor": 2.0})
 
 
 def test_from_hf_with_config_changes(tmp_path):

@@ -18,7 +18,8 @@ __all__ = ["config_field_types", "replace_config"]
 
 def config_field_types(config: Any) -> dict[str, Any]:
     """Every settable field of ``config`` by dotted name, with its type annotation; the
-    fields of a nested config (set or not) appear as ``outer.inner``."""
+    fields of a nested config (set or not) appear as ``outer.inner``, and an optional nested
+    config also under its own name (``rope.scaling``: set it to ``None`` to turn it off)."""
     hints = typing.get_type_hints(type(config))
     out: dict[str, Any] = {}
     for f in dataclasses.fields(config):
@@ -27,6 +28,8 @@ def config_field_types(config: Any) -> dict[str, Any]:
         value = getattr(config, f.name)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             out.update({f"{f.name}.{k}": t for k, t in config_field_types(value).items()})
+            if type(None) in typing.get_args(hints[f.name]):
+                out[f.name] = hints[f.name]
         else:
             out[f.name] = hints[f.name]
     return out
@@ -44,6 +47,9 @@ def replace_config(config: Any, changes: Mapping[str, Any]) -> Any:
         raise ValueError(
             f"unknown {type(config).__name__} field(s) {unknown}; known: {sorted(known)}"
         )
+    clash = sorted(k for k in changes if any(o.startswith(f"{k}.") for o in changes))
+    if clash:
+        raise ValueError(f"{clash} set together with fields inside them: set one or the other")
     return _replace(config, dict(changes))
 
 
