@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from titan_testing import run_distributed
+from titan_train.build import build_model, resolve
 from titan_train.cli import parse_config
-from titan_train.data.tokenizers import build_tokenizer
+from titan_train.loaders import loaders
 from titan_train.losses import cross_entropy_sum
-from titan_train.trainer import _loaders, build_model, prepare, train
+from titan_train.trainer import train
 
 STEPS = 6
 COMMON = [
@@ -76,12 +77,12 @@ def _validation_losses(out: str, name: str) -> list[float]:
 def _first_step_loss_of_global_batch(out: str, dp: int, *argv: str) -> float:
     """One process, the dp ranks' first batches: the loss a DP run must log at step 1."""
     cfg = _cfg(out, "reference", *argv)
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
-    model = build_model(cfg, tokenizer, torch.device("cpu"))
+    job = resolve(cfg)
+    model = build_model(job, torch.device("cpu"))
     total, tokens = 0.0, 0
     with torch.no_grad():
         for r in range(dp):
-            batch = next(_loaders(cfg, tokenizer, dp_rank=r, dp_size=dp)[0])
+            batch = next(loaders(cfg, job.tokenizer, dp_rank=r, dp_size=dp)[0])
             logits = model(
                 batch.input_ids, positions=batch.positions, document_ids=batch.document_ids
             )
@@ -200,6 +201,6 @@ def test_context_parallel_composes_with_pipeline_and_expert_parallelism(composed
 )
 def test_bad_context_parallel_config_is_one_clear_error_before_work(argv, world, message, tmp_path):
     with pytest.raises(ValueError) as info:  # the CLI's parse, then the job's checks
-        prepare(parse_config(["--output-dir", str(tmp_path), *argv]), world_size=world)
+        resolve(parse_config(["--output-dir", str(tmp_path), *argv]), world_size=world)
     assert message in str(info.value)
     assert not any(tmp_path.iterdir())

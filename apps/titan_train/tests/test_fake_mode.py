@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from titan_train.cli import main, parse_config
-from titan_train.trainer import train
+from titan_train.fake import run_fake
 
 DEBUG = ["--training.batch-size", "4", "--training.seq-len", "64", "--training.steps", "2"]
 
 
 def _fake(tmp_path, *argv: str, recipe: str = "llama3_debug") -> dict:
-    out = train(parse_config(["--output-dir", str(tmp_path), *DEBUG, *argv], recipe))
+    out = run_fake(parse_config(["--output-dir", str(tmp_path), *DEBUG, *argv], recipe))
     return json.loads((out["run_dir"] / "memory.json").read_text())
 
 
@@ -39,17 +39,17 @@ def test_debug_recipe_runs_dp2_x_tp2_steps_on_a_fake_cuda_mesh(tmp_path):
 def test_a_cpu_tensor_reaching_the_step_raises(monkeypatch):
     # The step must only see tensors on the training device: a batch left on the host raises
     # in fake mode (as it would on a GPU), where a real CPU run would not notice.
+    from titan_train.build import build_loaders, resolve
     from titan_train.data.packing import Batch
     from titan_train.fake import _run_rank
-    from titan_train.trainer import _loaders, prepare
 
     cfg = parse_config([*DEBUG, "--comm.fake-world-size", "2", "--parallel.dp-shard", "2"])
-    dims, tokenizer, model_cls, config = prepare(cfg)
-    batches = [next(_loaders(cfg, tokenizer)[0])]
+    job = resolve(cfg)
+    batches = [next(build_loaders(job)[0])]
     monkeypatch.setattr(Batch, "to", lambda self, device: self)
     # torch's device check, or the host read of a host tensor (fake tensors have no value)
     with pytest.raises(RuntimeError, match="device|_local_scalar_dense"):
-        _run_rank(cfg, dims, model_cls, config, 0, batches)
+        _run_rank(job, 0, batches)
 
 
 # DeepSeek-V4's stages send hc_mult streams and the token ids (its hash-routed layers);

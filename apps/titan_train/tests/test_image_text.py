@@ -11,13 +11,14 @@ import pytest
 import torch
 
 import titan_models
+from titan_train.build import resolve
 from titan_train.cli import parse_config
 from titan_train.data.image_text import ImageProcessor, ImageTextLoader, ShapesSource
 from titan_train.data.packing import IGNORE_INDEX
 from titan_train.data.shapes import ANSWERS, CHANCE_ACCURACY, COLOURS, shapes_sample
 from titan_train.data.tokenizers import ByteTokenizer
 from titan_train.evaluation import answers_right
-from titan_train.trainer import ConfigError, prepare, train
+from titan_train.trainer import ConfigError, train
 
 pytest.importorskip("transformers")
 CONFIG = titan_models.get_model("qwen3_vl", "debug")[1]
@@ -169,10 +170,10 @@ def test_bad_image_text_input_names_the_sample():
 
 def test_shapes_data_needs_a_vision_language_model_and_one_pipeline_stage(tmp_path):
     with pytest.raises(ConfigError, match="data.source='shapes' needs a vision-language model"):
-        prepare(parse_config(["--output-dir", str(tmp_path), "--data.source", "shapes"]))
+        resolve(parse_config(["--output-dir", str(tmp_path), "--data.source", "shapes"]))
     argv = ["--output-dir", str(tmp_path), "--parallel.pp", "2"]
     with pytest.raises(ConfigError, match=r"parallel.pp > 1 or parallel.cp > 1 is not supported"):
-        prepare(parse_config(argv, recipe="qwen3_vl_debug"), world_size=2)
+        resolve(parse_config(argv, recipe="qwen3_vl_debug"), world_size=2)
 
 
 @pytest.mark.slow  # ~30-60 s on the shared 2-core machine

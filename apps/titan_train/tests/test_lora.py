@@ -15,14 +15,15 @@ import torch
 
 import titan_models
 from titan_testing import run_distributed
+from titan_train.build import build_model, build_optimizer, resolve
 from titan_train.cli import parse_config
 from titan_train.data.packing import Batch
-from titan_train.data.tokenizers import build_tokenizer
 from titan_train.errors import ConfigError
+from titan_train.loaders import loaders as job_loaders
 from titan_train.lr_schedule import build_lr_scheduler
 from titan_train.materialize import local_bytes
 from titan_train.parallelize import ParallelDims, ParallelModel
-from titan_train.trainer import _loaders, build_model, build_optimizer, prepare, train, train_step
+from titan_train.trainer import train, train_step
 
 STEPS = 6
 COMMON = [
@@ -92,7 +93,7 @@ def test_bad_lora_fields_are_one_error_naming_field_and_value(tmp_path, argv, me
 def test_unusable_lora_jobs_fail_before_anything_is_built(tmp_path, argv, message):
     cfg = _cfg(str(tmp_path), "bad", *argv)
     with pytest.raises(ConfigError, match=re.escape(message)):
-        prepare(cfg, world_size=2 if "--parallel.tp" in argv else 1)
+        resolve(cfg, world_size=2 if "--parallel.tp" in argv else 1)
     assert not (tmp_path / "bad").exists()
 
 
@@ -115,11 +116,10 @@ def test_trainable_parameters_follow_the_formula_and_optimizer_state_is_small(
     the same model: at most 5 % for the dense model at r=4. (The MoE debug flavour's experts
     are 64 wide, so r=4 adapters are 9 % of them: its ratio is printed and checked against
     the parameter counts only.)"""
-    tokenizer = build_tokenizer("byte")
     state_bytes, numel = {}, {}
     for lora in ("4", "0"):
         cfg = _cfg(str(tmp_path), "count", *argv, "--lora.rank", lora)
-        model = build_model(cfg, tokenizer, torch.device("cpu"))
+        model = build_model(resolve(cfg), torch.device("cpu"))
         pm = ParallelModel(parts=[model], dims=ParallelDims.resolve(cfg, 1))
         numel[lora] = sum(p.numel() for p in model.parameters() if p.requires_grad)
         if lora != "0":
@@ -213,7 +213,7 @@ def test_one_process_adapter_only_checkpoints_resume_bitwise_and_export_merged(t
 
 def test_lora_on_an_hf_base_trains_the_adapters_and_pins_that_base(tmp_path):
     out = str(tmp_path)
-    base = build_model(_cfg(out, "base", "--lora.rank", "0"), build_tokenizer("byte"), "cpu")
+    base = build_model(resolve(_cfg(out, "base", "--lora.rank", "0")), torch.device("cpu"))
     titan_models.to_hf(base, tmp_path / "base_hf")
     argv = ["--checkpoint.init-from-hf", str(tmp_path / "base_hf"), "--training.steps", "3"]
     result = train(_cfg(out, "on_hf", *argv))
@@ -245,12 +245,12 @@ def _reference(out: str, name: str, dp: int, *argv: str):
     """One process training on the ``dp`` ranks' batches of every step concatenated (the
     global batch a data-parallel job reads); returns its losses and model."""
     cfg = _cfg(out, name, *argv)
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
-    model = build_model(cfg, tokenizer, torch.device("cpu"))
+    job = resolve(cfg)
+    model = build_model(job, torch.device("cpu"))
     pm = ParallelModel(parts=[model], dims=ParallelDims.resolve(cfg, 1))
     optimizer = build_optimizer(pm, cfg)
     scheduler = build_lr_scheduler(optimizer, STEPS, cfg.lr_schedule)
-    loaders = [_loaders(cfg, tokenizer, dp_rank=r, dp_size=dp)[0] for r in range(dp)]
+    loaders = [job_loaders(cfg, job.tokenizer, dp_rank=r, dp_size=dp)[0] for r in range(dp)]
     losses = []
     for _ in range(STEPS):
         parts = [next(loader) for loader in loaders]

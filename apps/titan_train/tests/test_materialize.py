@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from titan_testing import run_distributed
+from titan_train.build import build_model, resolve
 from titan_train.cli import parse_config
-from titan_train.data.tokenizers import build_tokenizer
-from titan_train.trainer import build_model
 
 LAYOUTS = {
     "dp2": ("llama3_debug", ["--parallel.dp-shard", "2"]),
@@ -24,13 +23,12 @@ LAYOUTS = {
 def _pieces(recipe: str, argv: list[str], hf_path: str = "", rss: dict | None = None) -> dict:
     """This rank's materialised pieces: key -> (global shape, [(offset, tensor)]); with
     ``rss``, also the growth of the peak RSS while materialising (``rss["growth"]``)."""
+    from titan_train.build import build_parallel
     from titan_train.materialize import global_state, materialize
-    from titan_train.trainer import build, prepare
 
     extra = ["--checkpoint.init-from-hf", hf_path] if hf_path else []
     cfg = parse_config([*argv, *extra], recipe)
-    dims, _, model_cls, config = prepare(cfg)
-    pm = build(cfg, dims, model_cls, config)
+    pm = build_parallel(resolve(cfg), "cpu")
     if rss is not None:
         with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) restarts from here
             f.write("5")
@@ -81,7 +79,7 @@ def layouts():
 def test_initial_weights_are_bitwise_those_of_one_process(layouts, layout):
     recipe, _ = LAYOUTS[layout]
     cfg = parse_config([], recipe)
-    whole = build_model(cfg, build_tokenizer(cfg.data.tokenizer), torch.device("cpu"))
+    whole = build_model(resolve(cfg), torch.device("cpu"))
     want = {**dict(whole.named_parameters()), **dict(whole.named_buffers())}
     got = _assemble([ranks[layout] for ranks in layouts])
     if layout.startswith("pp"):  # each stage holds its own layers; together, all of them

@@ -58,3 +58,25 @@ def test_json_values_and_nulls_are_typed_by_the_field():
     changes = model_config_changes(config, off.model.config)
     assert changes == {"rope.scaling": None, "rope.theta": 10000.0}
     assert titan_models.replace_config(config, changes).rope.scaling is None
+
+
+def test_a_run_builds_its_model_config_once(tmp_path, monkeypatch):
+    """Resolved once (``titan_train.build.resolve``) and handed down: validation, checkpoints
+    and the HF export of a 2-step run read that one config, never a rebuilt one."""
+    import sys
+
+    import titan_train.model_config as source
+
+    real, calls = source.model_config, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    for module in [m for name, m in sys.modules.items() if name.startswith("titan_train")]:
+        if getattr(module, "model_config", None) is real:
+            monkeypatch.setattr(module, "model_config", counted)
+    argv = ["--output-dir", str(tmp_path), "--training.steps", "2", "--checkpoint.export-hf"]
+    out = train(parse_config([*argv, "--metrics.validate-every", "1"]))
+    assert len(out["losses"]) == 2 and (out["run_dir"] / "hf" / "config.json").is_file()
+    assert len(calls) == 1

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from titan_testing import run_distributed
+from titan_train.build import build_model, resolve
 from titan_train.cli import parse_config
-from titan_train.data.tokenizers import build_tokenizer
+from titan_train.loaders import loaders
 from titan_train.losses import cross_entropy_sum
-from titan_train.trainer import _loaders, build_model, train
+from titan_train.trainer import train
 
 STEPS = 10
 COMMON = [
@@ -113,12 +114,12 @@ def _qk_norms(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _first_step_loss_of_global_batch(out: str, dp: int, *argv: str) -> float:
     """One process, the dp ranks' first batches concatenated: the loss a DP run must log."""
     cfg = _cfg(out, "reference", *argv)
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
-    model = build_model(cfg, tokenizer, torch.device("cpu"))
+    job = resolve(cfg)
+    model = build_model(job, torch.device("cpu"))
     total, tokens = 0.0, 0
     with torch.no_grad():
         for r in range(dp):
-            batch = next(_loaders(cfg, tokenizer, dp_rank=r, dp_size=dp)[0])
+            batch = next(loaders(cfg, job.tokenizer, dp_rank=r, dp_size=dp)[0])
             logits = model(
                 batch.input_ids, positions=batch.positions, document_ids=batch.document_ids
             )

@@ -56,9 +56,9 @@ def _full_grads(pm) -> dict[str, torch.Tensor]:
 
 
 def _layouts_against_one_process(out: str) -> dict:
-    import titan_train.trainer as trainer
+    import titan_train.build as build
 
-    tied = trainer.model_config
+    tied = build.model_config
 
     def untied(cfg, tokenizer):
         model_cls, config = tied(cfg, tokenizer)
@@ -68,28 +68,28 @@ def _layouts_against_one_process(out: str) -> dict:
     for name, argv in LAYOUTS.items():
         with contextlib.ExitStack() as stack:
             if name == "tp2":
-                stack.enter_context(mock.patch.object(trainer, "model_config", untied))
+                stack.enter_context(mock.patch.object(build, "model_config", untied))
             results[name] = _one_layout(out, name, argv)
     return results
 
 
 def _one_layout(out: str, name: str, argv: list[str]) -> dict:
-    from titan_train.losses import loss_sum
-    from titan_train.materialize import materialize
-    from titan_train.trainer import (
-        _loaders,
-        build,
+    from titan_train.build import (
+        build_loaders,
         build_model,
         build_optimizer,
-        prepare,
-        train_step,
+        build_parallel,
+        resolve,
     )
+    from titan_train.losses import loss_sum
+    from titan_train.materialize import materialize
+    from titan_train.trainer import train_step
 
     cfg = parse_config(["--output-dir", f"{out}/{name}", *COMMON, *argv], recipe="qwen3_vl_debug")
-    dims, tokenizer, model_cls, config = prepare(cfg)
-    pm = build(cfg, dims, model_cls, config)
+    job = resolve(cfg)
+    pm = build_parallel(job, "cpu")
     materialize(pm, torch.device("cpu"), seed=cfg.training.seed)
-    batch = next(_loaders(cfg, tokenizer, dp_rank=pm.dp_rank, dp_size=dims.dp)[0])
+    batch = next(build_loaders(job, dp_rank=pm.dp_rank)[0])
     grads: dict = {}
     step = train_step(
         pm,
@@ -99,10 +99,8 @@ def _one_layout(out: str, name: str, argv: list[str]) -> dict:
         on_grads=lambda: grads.update(_full_grads(pm)),
     )
 
-    reference = build_model(cfg, tokenizer, torch.device("cpu"))
-    batches = [
-        next(_loaders(cfg, tokenizer, dp_rank=r, dp_size=dims.dp)[0]) for r in range(dims.dp)
-    ]
+    reference = build_model(job, torch.device("cpu"))
+    batches = [next(build_loaders(job, dp_rank=r)[0]) for r in range(job.dims.dp)]
     assert all(b.images.grids for b in batches)
     tokens = sum(b.num_target_tokens for b in batches)
     ref_loss = sum(loss_sum(reference, b) for b in batches) / tokens

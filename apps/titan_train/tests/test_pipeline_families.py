@@ -27,26 +27,26 @@ PP2 = [
 
 
 def _pp2_against_one_process(out: str) -> dict:
+    from titan_train.build import build_loaders, build_model, build_parallel, resolve
     from titan_train.losses import loss_sum
     from titan_train.materialize import materialize
     from titan_train.parallelize import build_stages
     from titan_train.pipelined import pipeline_micro_step
-    from titan_train.trainer import _loaders, build, build_model, prepare
 
     results: dict = {}
     for family in FAMILIES:
         cfg = parse_config(["--output-dir", f"{out}/{family}", *PP2], f"{family}_debug")
-        dims, tokenizer, model_cls, config = prepare(cfg)
-        pm = build(cfg, dims, model_cls, config)
+        job = resolve(cfg)
+        pm = build_parallel(job, "cpu")
         materialize(pm, torch.device("cpu"), seed=cfg.training.seed)
         build_stages(pm, cfg)
-        batch = next(_loaders(cfg, tokenizer)[0])
+        batch = next(build_loaders(job)[0])
         assert int(batch.document_ids.amax()) > 0  # packed: every family resets per document
         scale = 1.0 / batch.num_target_tokens
         loss = pipeline_micro_step(pm, batch, torch.tensor(scale), cfg, sync=True)
         dist.all_reduce(loss, group=pm.group("pp"))  # only the last stage holds it
 
-        reference = build_model(cfg, tokenizer, torch.device("cpu"))
+        reference = build_model(job, torch.device("cpu"))
         ref_loss = torch.zeros(())
         for mb in batch.split(cfg.parallel.pp_microbatches):
             part = loss_sum(reference, mb) * scale

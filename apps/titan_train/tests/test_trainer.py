@@ -147,11 +147,10 @@ def test_moe_recipe_logs_expert_load_and_learns(tmp_path, recipe):
 
 
 def test_attention_backend_reaches_the_model_and_backends_train_alike(tmp_path):
-    from titan_train.data.tokenizers import build_tokenizer
-    from titan_train.trainer import build_model
+    from titan_train.build import build_model, resolve
 
     dense = _cfg(tmp_path / "a", "--training.steps", "3", "--model.attention-backend", "sdpa")
-    model = build_model(dense, build_tokenizer("byte"), torch.device("cpu"))
+    model = build_model(resolve(dense), torch.device("cpu"))
     assert model.config.attention_backend == "sdpa"
     # Packed rows of many short documents: the dense mask vs varlen's tiles.
     a = train(dense)["losses"]

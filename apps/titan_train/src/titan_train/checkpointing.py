@@ -205,7 +205,7 @@ def export_hf(
     the adapters are merged into their weights first (a plain model)."""
     state = global_state(pm)
     if cfg is not None:
-        from titan_train.lora import merged_state
+        from titan_train.lora_export import merged_state
 
         state = merged_state(pm, state, cfg)
     write_hf(state, model_config, path)

@@ -112,14 +112,14 @@ EXIT_INTERRUPTED = 130
 
 
 def _run(cfg: JobConfig, nproc: int, argv: list[str]) -> int:
-    from titan_train.errors import ExportError
+    from titan_train.build import resolve
+    from titan_train.errors import ConfigError, ExportError, NonFiniteError
     from titan_train.run_report import Interrupted
-    from titan_train.trainer import ConfigError, NonFiniteError, prepare, train
     from torch_checkpointing import CheckpointError
 
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         try:  # every check that needs no process, before launching any
-            prepare(dataclasses.replace(cfg), world_size=nproc)
+            resolve(dataclasses.replace(cfg), world_size=nproc)
         except ConfigError as e:
             print(f"titan-train: error: {e}", file=sys.stderr)
             return 2
@@ -127,7 +127,12 @@ def _run(cfg: JobConfig, nproc: int, argv: list[str]) -> int:
     # Only errors about the config become one line; anything else keeps its traceback (a
     # rank of --nproc: in its log in the run folder, and one line).
     try:
-        train(cfg)
+        job = resolve(cfg)
+        if cfg.comm.fake_world_size:  # one process standing for a job of any size
+            from titan_train.fake import run_fake as runner
+        else:
+            from titan_train.trainer import train as runner
+        runner(job)
     except ConfigError as e:
         print(f"titan-train: error: {e}", file=sys.stderr)
         return 2

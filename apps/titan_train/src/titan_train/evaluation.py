@@ -4,7 +4,7 @@ cross-entropy, target tokens, and for image-text batches the answers predicted r
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -14,10 +14,12 @@ from titan_train.config import JobConfig
 from titan_train.data.image_files import ImageFilesSource
 from titan_train.data.image_text import ShapesSource
 from titan_train.data.packing import IGNORE_INDEX, Batch, PackedLoader
-from titan_train.data.tokenizers import Tokenizer
 from titan_train.loaders import image_text_loader
 from titan_train.losses import cross_entropy_sum, loss_sum
 from titan_train.pipelined import evaluate_pipeline
+
+if TYPE_CHECKING:
+    from titan_train.build import Job
 
 
 @torch.no_grad()
@@ -78,18 +80,12 @@ def answers_right(
     return ((per_sample == 0) & (seen > 0)).sum()
 
 
-def validate_run(
-    pm: Any,
-    cfg: JobConfig,
-    tokenizer: Tokenizer,
-    val_src: Any,
-    device: torch.device,
-) -> dict[str, float]:
+def validate_run(pm: Any, job: Job, val_src: Any, device: torch.device) -> dict[str, float]:
     """Mean validation loss over every data-parallel rank's batches (under pipelining: the
     schedule's forward actions only), and the answer accuracy of image-text data."""
-    t = cfg.training
+    cfg, tokenizer, t = job.cfg, job.tokenizer, job.cfg.training
     if isinstance(val_src, (ShapesSource, ImageFilesSource)):
-        val_loader = image_text_loader(cfg, tokenizer, val_src)
+        val_loader = image_text_loader(cfg, tokenizer, val_src, job.model_config)
     else:
         val_loader = PackedLoader(val_src, tokenizer, seq_len=t.seq_len, batch_size=t.batch_size)
     right = answers = 0

@@ -37,9 +37,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import titan_models
+from titan_train.build import Job, build_loaders, build_optimizer, build_parallel, resolve
 from titan_train.config import JobConfig
-from titan_train.data.tokenizers import Tokenizer
-from titan_train.device import FAKE_DEVICE
+from titan_train.device import FAKE_DEVICE, init_fake_process_group
+from titan_train.errors import ConfigError
 from titan_train.parallelize import ParallelDims
 
 
@@ -145,14 +146,15 @@ def _representative_ranks(dims: ParallelDims) -> list[int]:
     return [s * (dims.world_size // dims.pp) for s in range(dims.pp)]
 
 
-def run_fake(
-    cfg: JobConfig, dims: ParallelDims, tokenizer: Tokenizer, model_cls: type, config: Any
-) -> dict[str, Any]:
-    """The fake-backend run of ``cfg`` (``training.steps`` steps, 0 for a plan): writes and
-    returns the memory report."""
-    from titan_train.trainer import _loaders
-
-    loader, _ = _loaders(cfg, tokenizer, dp_rank=0, dp_size=dims.dp)
+def run_fake(cfg: JobConfig | Job) -> dict[str, Any]:
+    """The fake-backend run of ``cfg`` (a config with ``comm.fake_world_size``, or its
+    resolved ``Job``): ``training.steps`` steps, 0 for a plan; writes and returns the memory
+    report."""
+    job = cfg if isinstance(cfg, Job) else resolve(cfg)
+    cfg, dims = job.cfg, job.dims
+    if not cfg.comm.fake_world_size:
+        raise ConfigError("run_fake needs comm.fake_world_size (the world the process stands for)")
+    loader, _ = build_loaders(job, dp_rank=0)
     batches = [next(loader) for _ in range(cfg.training.steps)]  # real tensors, made outside
     stages = []
     # One fresh process per rank: torch's DeviceMesh caches outlive a destroyed process group.
@@ -160,11 +162,10 @@ def run_fake(
     for rank in _representative_ranks(dims):
         start = time.perf_counter()
         with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
-            row = pool.submit(_run_rank, cfg, dims, model_cls, config, rank, batches).result()
+            row = pool.submit(_run_rank, job, rank, batches).result()
         row["seconds"] = round(time.perf_counter() - start, 2)
         stages.append(row)
-    with torch.device("meta"):
-        total = sum(p.numel() for p in model_cls(config).parameters())
+    total = job.num_params()
     report = {
         "recipe": cfg.name,
         "model": f"{cfg.model.family} {cfg.model.flavor}",
@@ -192,15 +193,9 @@ def run_fake(
     return {"memory": report, "run_dir": run_dir, "losses": [], "step": cfg.training.steps}
 
 
-def _run_rank(
-    cfg: JobConfig,
-    dims: ParallelDims,
-    model_cls: type,
-    config: Any,
-    rank: int,
-    batches: list[Any],
-) -> dict[str, Any]:
+def _run_rank(job: Job, rank: int, batches: list[Any]) -> dict[str, Any]:
     """Rank ``rank``'s fake steps and memory (in a fresh process: see ``run_fake``)."""
+    cfg, dims, config = job.cfg, job.dims, job.model_config
 
     device_type = "cuda" if cfg.training.device == "auto" else cfg.training.device
     if hasattr(config, "attention_backend"):
@@ -212,27 +207,23 @@ def _run_rank(
             backend = FAKE_ATTENTION
         config = dataclasses.replace(config, attention_backend=backend)
     try:
-        return _fake_steps(cfg, dims, model_cls, config, rank, batches)
+        return _fake_steps(dataclasses.replace(job, model_config=config), rank, batches)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _fake_steps(
-    cfg: JobConfig,
-    dims: ParallelDims,
-    model_cls: type,
-    config: Any,
-    rank: int,
-    batches: list[Any],
-) -> dict[str, Any]:
+def _fake_steps(job: Job, rank: int, batches: list[Any]) -> dict[str, Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from titan_train.materialize import materialize
     from titan_train.parallelize import build_stages
-    from titan_train.trainer import build, build_optimizer, train_step
+    from titan_train.trainer import train_step
 
-    pm = build(cfg, dims, model_cls, config, fake_rank=rank)
+    cfg, dims, config = job.cfg, job.dims, job.model_config
+    init_fake_process_group(dims.world_size, rank)
+    mesh_type = "cuda" if cfg.training.device == "auto" else cfg.training.device
+    pm = build_parallel(job, mesh_type, edit=static_moe)
     stage = pm.schedule.stages_of_rank(pm.meshes["pp"].get_local_rank()) if pm.schedule else [0]
     tracker = MemoryTracker()
     marks: dict[str, Any] = {}

@@ -17,12 +17,9 @@ IMAGE_TEXT = ("shapes", "image_files")
 """Data sources of image-text samples (vision-language models)."""
 
 
-def image_text_loader(cfg: JobConfig, tokenizer: Tokenizer, source: Any) -> Any:
-    """An ``ImageTextLoader`` over ``source`` for the job's model (its image processor and
-    special tokens)."""
-    from titan_train.model_config import model_config
-
-    _, config = model_config(cfg, tokenizer)
+def image_text_loader(cfg: JobConfig, tokenizer: Tokenizer, source: Any, config: Any) -> Any:
+    """An ``ImageTextLoader`` over ``source`` for the model of config ``config`` (its image
+    processor and special tokens)."""
     d, t = cfg.data, cfg.training
     processor = ImageProcessor(
         config.vision, min_pixels=d.image_min_pixels, max_pixels=d.image_max_pixels
@@ -42,11 +39,8 @@ def image_text_loader(cfg: JobConfig, tokenizer: Tokenizer, source: Any) -> Any:
 
 
 def _image_text_sources(
-    cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_size: int
+    cfg: JobConfig, tokenizer: Tokenizer, config: Any, dp_rank: int, dp_size: int
 ) -> tuple[Any, ShapesSource | ImageFilesSource]:
-    from titan_train.model_config import model_config
-
-    _, config = model_config(cfg, tokenizer)
     vision = getattr(config, "vision", None)
     d = cfg.data
     if vision is None:
@@ -67,17 +61,25 @@ def _image_text_sources(
             answer_field=d.answer_field,
         )
         train, val = (ImageFilesSource(split=s, **common) for s in ("train", "validation"))
-    return image_text_loader(cfg, tokenizer, train), val
+    return image_text_loader(cfg, tokenizer, train, config), val
 
 
 def loaders(
-    cfg: JobConfig, tokenizer: Tokenizer, *, dp_rank: int = 0, dp_size: int = 1
+    cfg: JobConfig,
+    tokenizer: Tokenizer,
+    model_config: Any = None,
+    *,
+    dp_rank: int = 0,
+    dp_size: int = 1,
 ) -> tuple[Any, Any]:
     """This data-parallel rank's training stream (every ``dp_size``-th document, or its own
-    files with ``data.streaming``) and its validation source."""
+    files with ``data.streaming``) and its validation source. ``model_config``: the model's
+    config, which image-text data needs (its image processor and special tokens)."""
     d, t = cfg.data, cfg.training
     if d.source in IMAGE_TEXT:
-        return _image_text_sources(cfg, tokenizer, dp_rank, dp_size)
+        if model_config is None:
+            raise ValueError(f"data.source={d.source!r}: the loaders need the model's config")
+        return _image_text_sources(cfg, tokenizer, model_config, dp_rank, dp_size)
     if d.source == "chat":
         train_src, val_src = chat_sources(cfg, tokenizer, dp_rank=dp_rank, dp_size=dp_size)
         loader = PackedLoader(train_src, tokenizer, seq_len=t.seq_len, batch_size=t.batch_size)
@@ -100,11 +102,11 @@ def loaders(
     return PackedLoader(train_src, tokenizer, seq_len=t.seq_len, batch_size=t.batch_size), val_src
 
 
-def check_data(cfg: JobConfig, tokenizer: Tokenizer, *, dp_size: int) -> None:
+def check_data(cfg: JobConfig, tokenizer: Tokenizer, model_config: Any, *, dp_size: int) -> None:
     """Build the last data-parallel rank's loaders (the files, formats and fields are checked
     on the way) and fail when its training split of the files holds no document: the last
     rank gets the fewest records."""
-    loader, _ = loaders(cfg, tokenizer, dp_rank=dp_size - 1, dp_size=dp_size)
+    loader, _ = loaders(cfg, tokenizer, model_config, dp_rank=dp_size - 1, dp_size=dp_size)
     source = getattr(loader, "source", None)
     if isinstance(source, DocumentSource):
         source.check_not_empty()

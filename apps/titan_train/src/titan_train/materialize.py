@@ -5,7 +5,7 @@ local tensors on its device (``to_empty``: flexshard adopts the new shards, DTen
 layout) and fills them either from the model's layout-independent initialisation or from an
 HF checkpoint read piece by piece. Both go through one view of this rank's state,
 ``global_state``: every entry as global shape + (global offset, local tensor) chunks (the
-sharded-tensor protocol of DESIGN.md), whatever split it: flexshard, tensor parallelism,
+sharded-tensor protocol of docs/design.md), whatever split it: flexshard, tensor parallelism,
 expert parallelism or the pipeline.
 """
 

@@ -169,124 +169,76 @@ class ParallelModel:
         return Batch(*(cp.shard(t, dim=1) for t in fields))
 
 
-def check_plan(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:
-    """Checks that need the model's config and plan; raise before anything is built."""
-    plan = titan_models.get_plan(model_config)
-    p = cfg.parallel
+def check_plan(cfg: JobConfig, dims: ParallelDims, plan: titan_models.ModelPlan) -> None:
+    """The layout against what the model's plan says it supports; raise before anything is
+    built. The plan is the only source: no family name or config field is looked at here."""
     name = f"{cfg.model.family} {cfg.model.flavor}"
+    for axis in ("tp", "pp", "cp", "ep"):
+        degree = getattr(dims, axis)
+        why = plan.refusal(axis)
+        if degree > 1 and why is not None:
+            raise ValueError(f"parallel.{axis}={degree}: {name} {why} (use parallel.{axis}=1)")
     if dims.tp > 1:
-        for field_name in ("num_heads", "num_kv_heads"):
-            heads = getattr(model_config, field_name, None)
-            if heads is not None and heads % dims.tp:
+        for field_name, count in plan.tp_divisors:
+            if count % dims.tp:
                 raise ValueError(
-                    f"parallel.tp={dims.tp} must divide the model's {field_name}={heads} ({name})"
+                    f"parallel.tp={dims.tp} must divide the model's {field_name}={count} ({name})"
                 )
-        hidden = getattr(model_config, "ffn_hidden_dim", None)
-        if hidden is not None and hidden % dims.tp:
-            raise ValueError(f"parallel.tp={dims.tp} must divide ffn_hidden_dim={hidden}")
-        latent = [m for m in plan.tensor_parallel.replicated if not m.endswith("_norm")]
-        if latent:
-            raise ValueError(
-                f"parallel.tp={dims.tp}: {name} has replicated projections whose outputs the "
-                f"local heads share ({latent[0]}, MLA's latents); their gradients need a sum no "
-                "tensor-parallel style expresses yet (use parallel.tp=1)"
-            )
     if dims.pp > 1:
-        import titan_pipeline
-
-        if p.pp_schedule not in titan_pipeline.STAGES_PER_RANK:
-            raise ValueError(
-                f"parallel.pp_schedule={p.pp_schedule!r} is not one of "
-                f"{sorted(titan_pipeline.STAGES_PER_RANK)}"
-            )
-        stages = dims.pp * titan_pipeline.STAGES_PER_RANK[p.pp_schedule]
-        units = len(plan.pipeline_units)
-        if stages > units:
-            raise ValueError(
-                f"parallel.pp={dims.pp} with schedule {p.pp_schedule!r} needs {stages} stages "
-                f"but the model has only {units} pipeline units (embedding, blocks, head)"
-            )
-        micro = cfg.training.batch_size // cfg.training.grad_accum
-        if micro % p.pp_microbatches:
-            raise ValueError(
-                f"parallel.pp_microbatches={p.pp_microbatches} must divide the micro-batch of "
-                f"{micro} sequences (training.batch_size / training.grad_accum)"
-            )
-    if (dims.pp > 1 or dims.tp > 1) and plan.tied_parameters:
-        raise ValueError(
-            f"{name} ties its embedding and output head; tied weights under parallel.tp > 1 "
-            "or parallel.pp > 1 are not supported yet"
-        )
-    if dims.pp > 1 and getattr(model_config, "num_mtp_modules", 0):
-        raise ValueError(
-            f"parallel.pp={dims.pp}: multi-token prediction (num_mtp_modules="
-            f"{model_config.num_mtp_modules}) needs the embedding and the head on one stage; "
-            "not supported under pipelining yet"
-        )
+        _check_pipeline(cfg, dims, len(plan.pipeline_units))
     if dims.cp > 1:
-        _check_context_parallel(cfg, dims, model_config, plan.context_parallel)
-    if dims.cp > 1 and getattr(model_config, "num_mtp_modules", 0):
-        raise ValueError(
-            f"parallel.cp={dims.cp}: multi-token prediction (num_mtp_modules="
-            f"{model_config.num_mtp_modules}) shifts tokens along the whole sequence; not "
-            "supported under context parallelism yet (use --model.num-mtp-modules 0)"
-        )
+        _check_context_parallel(cfg, dims, plan.cp_min_chunk)
     if dims.ep > 1:
-        experts = getattr(model_config, "num_experts", 0)
-        if not plan.experts:
-            raise ValueError(f"parallel.ep={dims.ep} but {name} has no MoE layers")
-        if experts % dims.ep:
+        if plan.num_experts % dims.ep:
             raise ValueError(
-                f"parallel.ep={dims.ep} must divide the model's num_experts={experts} ({name})"
+                f"parallel.ep={dims.ep} must divide the model's num_experts={plan.num_experts} "
+                f"({name})"
             )
         if dims.tp > 1:
             raise ValueError("parallel.ep > 1 together with parallel.tp > 1 is not supported yet")
 
 
-def _check_context_parallel(
-    cfg: JobConfig, dims: ParallelDims, model_config: Any, plan_allows: bool
-) -> None:
-    """What context parallelism does not compose with yet: one error naming it."""
-    not_yet = {
-        # selective remat likely caches every score tile's matmul of the attention's forward
-        # (measured: 2,333 GiB of activations per rank, Llama 3 8B at 128K over CP 8)
-        "remat.policy='selective'": cfg.remat.policy == "selective",
-        f"model.family={cfg.model.family!r} (its plan: no context parallelism)": not plan_allows,
-    }
-    for feature, used in not_yet.items():
-        if used:
-            raise ValueError(
-                f"parallel.cp={dims.cp} does not compose with {feature} yet; context "
-                "parallelism composes with parallel.dp_shard, dp_replicate, tp, pp and ep (set "
-                "parallel.cp=1 to use it)"
-            )
-    _check_linear_attention_chunks(cfg, dims, model_config)
+def _check_pipeline(cfg: JobConfig, dims: ParallelDims, units: int) -> None:
+    import titan_pipeline
 
-
-def _check_linear_attention_chunks(cfg: JobConfig, dims: ParallelDims, model_config: Any) -> None:
-    """A linear-attention layer's short conv reads the ``kernel - 1`` inputs before each
-    context-parallel chunk from the chunk before it: a chunk must be at least that long."""
-    if "linear_attention" not in _layer_types(model_config):
-        return
-    chunk = cfg.training.seq_len // (2 * dims.cp)
-    halo = getattr(model_config, "linear_conv_kernel_dim", 1) - 1
-    if chunk < halo:
+    p = cfg.parallel
+    if p.pp_schedule not in titan_pipeline.STAGES_PER_RANK:
         raise ValueError(
-            f"parallel.cp={dims.cp} splits training.seq_len={cfg.training.seq_len} into chunks "
-            f"of {chunk} tokens, shorter than the linear-attention conv window's {halo} "
-            f"earlier inputs (linear_conv_kernel_dim={halo + 1}); use training.seq_len >= "
-            f"{2 * dims.cp * halo}"
+            f"parallel.pp_schedule={p.pp_schedule!r} is not one of "
+            f"{sorted(titan_pipeline.STAGES_PER_RANK)}"
+        )
+    stages = dims.pp * titan_pipeline.STAGES_PER_RANK[p.pp_schedule]
+    if stages > units:
+        raise ValueError(
+            f"parallel.pp={dims.pp} with schedule {p.pp_schedule!r} needs {stages} stages "
+            f"but the model has only {units} pipeline units (embedding, blocks, head)"
+        )
+    micro = cfg.training.batch_size // cfg.training.grad_accum
+    if micro % p.pp_microbatches:
+        raise ValueError(
+            f"parallel.pp_microbatches={p.pp_microbatches} must divide the micro-batch of "
+            f"{micro} sequences (training.batch_size / training.grad_accum)"
         )
 
 
-def _layer_types(model_config: Any) -> tuple[str, ...]:
-    if not getattr(model_config, "layer_types", None) and not hasattr(
-        model_config, "full_attention_interval"
-    ):
-        return ()
-    from titan_models.components.linear_attention.layer_types import resolved_layer_types
-
-    return resolved_layer_types(model_config)
+def _check_context_parallel(cfg: JobConfig, dims: ParallelDims, min_chunk: int) -> None:
+    """What context parallelism does not compose with yet: one error naming it."""
+    # selective remat likely caches every score tile's matmul of the attention's forward
+    # (measured: 2,333 GiB of activations per rank, Llama 3 8B at 128K over CP 8)
+    if cfg.remat.policy == "selective":
+        raise ValueError(
+            f"parallel.cp={dims.cp} does not compose with remat.policy='selective' yet; context "
+            "parallelism composes with parallel.dp_shard, dp_replicate, tp, pp and ep (set "
+            "parallel.cp=1 to use it)"
+        )
+    chunk = cfg.training.seq_len // (2 * dims.cp)
+    if chunk < min_chunk:
+        raise ValueError(
+            f"parallel.cp={dims.cp} splits training.seq_len={cfg.training.seq_len} into chunks "
+            f"of {chunk} tokens, shorter than the model's smallest context-parallel chunk of "
+            f"{min_chunk} tokens (the linear-attention conv window's {min_chunk} earlier "
+            f"inputs); use training.seq_len >= {2 * dims.cp * min_chunk}"
+        )
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> dict[str, Any]:
@@ -323,7 +275,11 @@ def build_mesh(dims: ParallelDims, device_type: str) -> dict[str, Any]:
 
 
 def parallelize(
-    model: nn.Module, cfg: JobConfig, dims: ParallelDims, meshes: dict[str, Any]
+    model: nn.Module,
+    cfg: JobConfig,
+    dims: ParallelDims,
+    meshes: dict[str, Any],
+    plan: titan_models.ModelPlan,
 ) -> ParallelModel:
     """Split, shard and wrap ``model`` (on the meta device) for this rank; nothing is
     allocated (``materialize`` does that). ``quantize.*`` swaps in the FP8 / MXFP8 GEMMs and
@@ -334,7 +290,6 @@ def parallelize(
 
     apply_quantize(model, cfg)
     apply_lora_config(model, cfg)
-    plan = titan_models.get_plan(model.config)
     pm = ParallelModel(parts=[model], dims=dims, meshes=meshes)
     if dims.pp > 1:
         _split_pipeline(pm, model, plan, cfg)

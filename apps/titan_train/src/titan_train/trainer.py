@@ -2,9 +2,10 @@
 accumulation and clipping, log, save, export.
 
 This file composes the libraries; it implements none of their logic. One code path serves
-one process, ``torchrun`` jobs on any device, and the fake backend (``comm.fake_world_size``):
-``parallelize`` returns this rank's model parts, ``materialize`` gives them their weights, and
-the step runs them directly (micro-batches) or through the pipeline schedule.
+one process and ``torchrun`` jobs on any device (the fake backend, ``titan_train.fake``, is the
+other runner of the same steps): ``titan_train.build`` resolves the job once and builds this
+rank's model parts, ``materialize`` gives them their weights, and the step runs them directly
+(micro-batches) or through the pipeline schedule.
 
 Loss scaling: every rank divides its summed cross-entropy by the step's *global* count of
 target tokens (one all-reduce of a device scalar per step over the data- and
@@ -26,48 +27,28 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import titan_models
 from titan_train import run_report
+from titan_train.build import Job, build_loaders, build_optimizer, build_parallel, resolve
 from titan_train.checkpointing import (
     TrainState,
     checkpoint_state,
     export_hf,
     resume,
 )
-from titan_train.components import apply_overrides, parse_overrides
-from titan_train.config import JobConfig, check_paths, validate
-from titan_train.config_file import model_config_changes
+from titan_train.config import JobConfig
 from titan_train.data.packing import IGNORE_INDEX, Batch
-from titan_train.data.tokenizers import Tokenizer, build_tokenizer
-from titan_train.device import (
-    free_memory_bytes,
-    init_fake_process_group,
-    init_process_group,
-    resolve_device,
-)
+from titan_train.device import device_type, free_memory_bytes, init_process_group, resolve_device
 from titan_train.errors import ConfigError, ExportError, NonFiniteError
 from titan_train.evaluation import validate_run
-from titan_train.loaders import IMAGE_TEXT, check_data
-from titan_train.loaders import loaders as _loaders
-from titan_train.lora import apply_lora_config, check_lora
 from titan_train.losses import autocast, loss_sum
-from titan_train.low_precision import apply_quantize, check_low_precision
 from titan_train.lr_schedule import build_lr_scheduler
 from titan_train.materialize import local_bytes, materialize
 from titan_train.metrics import MetricsLogger, measure_matmul_flops, memory_bytes
-from titan_train.model_config import model_config
 from titan_train.moe_balance import expert_counts, moe_load, update_expert_biases
 from titan_train.numerics import NonFiniteGuard
-from titan_train.parallelize import (
-    ParallelDims,
-    ParallelModel,
-    build_mesh,
-    build_stages,
-    check_plan,
-    parallelize,
-)
+from titan_train.parallelize import ParallelModel, build_stages
 from titan_train.pipelined import pipeline_micro_step
 from titan_train.run_folder import (
     RunLock,
@@ -83,99 +64,9 @@ __all__ = [
     "ExportError",
     "NonFiniteError",
     "StepResult",
-    "build_model",
-    "build_optimizer",
     "train",
     "train_step",
 ]
-
-
-def check_supported(cfg: JobConfig, dims: ParallelDims) -> None:
-    """Reject combinations this trainer cannot run yet, before anything is built or written."""
-    if dims.pp > 1 and cfg.compile.enabled:
-        raise ValueError("compile.enabled with parallel.pp > 1 is not supported yet")
-    chunked = any(n == "chunked_cross_entropy" for _, n in parse_overrides(cfg.model.overrides))
-    if chunked and (dims.pp > 1 or dims.tp > 1):
-        raise ValueError(
-            "model.overrides output=chunked_cross_entropy needs parallel.pp=1 and parallel.tp=1 "
-            "(the head must see whole rows of the vocabulary and the labels)"
-        )
-    if (dims.pp > 1 or dims.cp > 1) and cfg.data.source in IMAGE_TEXT:
-        raise ValueError(
-            f"data.source={cfg.data.source!r} with parallel.pp > 1 or parallel.cp > 1 is not supported "
-            "yet: pipeline stages and sequence shards take token ids only, not the images "
-            "(use parallel.pp=1, parallel.cp=1)"
-        )
-    if cfg.comm.fake_world_size and "LOCAL_RANK" in os.environ:
-        raise ValueError(
-            "comm.fake_world_size runs one process standing for a whole job: do not combine it "
-            "with --nproc or torchrun"
-        )
-
-
-def build_model(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device) -> nn.Module:
-    """The whole model on one device, as one process would train it (the reference the
-    parallel layouts are compared with: they hold pieces of exactly these weights)."""
-    if cfg.checkpoint.init_from_hf:
-        _, config = model_config(cfg, tokenizer)
-        changes = model_config_changes(config, cfg.model.config)
-        model = titan_models.from_hf(
-            cfg.checkpoint.init_from_hf, device=device, config_changes=changes
-        )
-        backend = cfg.model.attention_backend
-        model.config = dataclasses.replace(model.config, attention_backend=backend)
-    else:
-        model_cls, config = model_config(cfg, tokenizer)
-        with torch.device("meta"):
-            model = model_cls(config)
-        model.init_weights(device=device, seed=cfg.training.seed)
-    apply_overrides(model, cfg.model.overrides)
-    apply_quantize(model, cfg)
-    apply_lora_config(model, cfg)  # adapters start from training.seed, the base is frozen
-    return model
-
-
-def build_optimizer(pm: ParallelModel, cfg: JobConfig) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only; or Muon on the blocks' matrices (flexshard's
-    distributed Muon: Owned matrices are orthogonalised on their owner) with AdamW for the
-    rest (embeddings, head, norms)."""
-    import flexshard
-
-    named = [(n, p) for n, p in pm.named_parameters() if p.requires_grad]
-
-    def ndim(p: torch.Tensor) -> int:
-        info = flexshard.param_info(p)
-        return len(info.shape) if info is not None else p.ndim
-
-    o = cfg.optimizer
-    if o.name == "muon":
-        muon = [p for n, p in named if n.startswith("layers.") and ndim(p) == 2]
-        ids = {id(p) for p in muon}
-        rest = [p for _, p in named if id(p) not in ids]
-        return flexshard.optim.Muon(
-            [
-                {"params": muon, "use_muon": True},
-                {"params": rest, "use_muon": False, "lr": o.lr},
-            ],
-            lr=o.muon_lr,
-            weight_decay=o.weight_decay,
-            momentum=o.momentum,
-            betas=o.betas,
-            adamw_eps=o.eps,
-            ns_dtype=torch.float32,
-        )
-    from torch.distributed.tensor import DTensor
-
-    groups = []
-    for decays in (True, False):
-        params = [p for _, p in named if (ndim(p) >= 2) == decays]
-        # Fused (foreach) updates need one tensor type per group: TP's DTensors apart from
-        # the plain tensors of unsharded modules (norms, MoE experts under TP).
-        for is_dtensor in (True, False):
-            same = [p for p in params if isinstance(p, DTensor) == is_dtensor]
-            if same:
-                groups.append({"params": same, "weight_decay": o.weight_decay if decays else 0.0})
-    return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, foreach=True)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -271,98 +162,26 @@ def _check_memory(pm: ParallelModel, cfg: JobConfig, device: torch.device) -> No
         )
 
 
-def prepare(
-    cfg: JobConfig, *, world_size: int | None = None
-) -> tuple[ParallelDims, Tokenizer, type, Any]:
-    """Every check that can reject ``cfg``, before any process group, allocation or file:
-    ``ConfigError`` naming the field. ``world_size``: that of a job about to be launched
-    (default: the fake world size, or torchrun's ``WORLD_SIZE``)."""
-    try:
-        validate(cfg)
-        check_paths(cfg)
-        if cfg.metrics.wandb:
-            try:
-                import wandb  # noqa: F401
-            except ImportError:
-                raise ValueError(
-                    "metrics.wandb needs the wandb package: pip install wandb (or drop "
-                    "--metrics.wandb)"
-                ) from None
-        fake = cfg.comm.fake_world_size
-        world = world_size or fake or int(os.environ.get("WORLD_SIZE", "1"))
-        dims = ParallelDims.resolve(cfg, world)
-        check_supported(cfg, dims)
-        tokenizer = build_tokenizer(cfg.data.tokenizer)
-        model_cls, config = model_config(cfg, tokenizer)
-        check_plan(cfg, dims, config)
-        max_len = getattr(config, "max_seq_len", None)
-        if max_len is not None and cfg.training.seq_len > max_len:
-            raise ValueError(
-                f"training.seq_len={cfg.training.seq_len} exceeds the model's max_seq_len="
-                f"{max_len} ({cfg.model.family} {cfg.model.flavor})"
-            )
-        with torch.device("meta"):  # overrides checked on a model that allocates nothing
-            meta_model = model_cls(config)
-            apply_overrides(meta_model, cfg.model.overrides)
-            check_lora(cfg, dims)
-            check_low_precision(meta_model, cfg, dims)
-            apply_lora_config(meta_model, cfg)
-        check_data(cfg, tokenizer, dp_size=dims.dp)  # files, fields, a training split
-        if not fake:
-            resolve_device(cfg.training.device)
-            # resume / overwrite rules, config changes (torchrun's ranks: see train)
-            plan_run_folder(cfg, check_lock="LOCAL_RANK" not in os.environ)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    return dims, tokenizer, model_cls, config
-
-
-def build(
-    cfg: JobConfig, dims: ParallelDims, model_cls: type, config: Any, *, fake_rank: int = 0
-) -> ParallelModel:
-    """This rank's model parts, parallelised on the meta device (nothing allocated); in
-    fake-backend mode, those of rank ``fake_rank``."""
-    from titan_train.device import device_type
-
-    if cfg.comm.fake_world_size:
-        init_fake_process_group(cfg.comm.fake_world_size, fake_rank)
-        mesh_type = "cuda" if cfg.training.device == "auto" else cfg.training.device
-    else:
-        device = resolve_device(cfg.training.device)
-        init_process_group(device, cfg.comm.timeout_s)
-        mesh_type = device_type(cfg.training.device)
-    mesh = build_mesh(dims, mesh_type)
-    with torch.device("meta"):
-        model = model_cls(config)
-    apply_overrides(model, cfg.model.overrides)
-    if cfg.comm.fake_world_size:
-        from titan_train.fake import static_moe
-
-        static_moe(model)
-    try:
-        return parallelize(model, cfg, dims, mesh)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-
-
-def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict[str, Any]:
+def train(cfg: JobConfig | Job, *, stop_after: int | None = None) -> dict[str, Any]:
     """Run ``cfg`` to the end (or to step ``stop_after``, for resume tests); returns a summary.
 
-    Outputs go to ``<output_dir>/<name>/``: ``config.json``, ``metrics.jsonl``, TensorBoard
-    events, ``loss.png``, ``checkpoints/`` and, when asked, ``hf/`` (written by rank 0). With
-    ``comm.fake_world_size`` it runs the fake backend instead (``titan_train.fake``).
+    ``cfg``: a config (resolved here) or a ``Job`` already resolved. Outputs go to
+    ``<output_dir>/<name>/``: ``config.json``, ``metrics.jsonl``, TensorBoard events,
+    ``loss.png``, ``checkpoints/`` and, when asked, ``hf/`` (written by rank 0). A config with
+    ``comm.fake_world_size`` is for the fake backend's runner, ``titan_train.fake.run_fake``.
     A non-finite loss or gradient norm raises ``NonFiniteError`` naming the step (see
     ``training.skip_nonfinite``); no checkpoint is written after it.
     """
-    dims, tokenizer, model_cls, config = prepare(cfg)
-    if cfg.comm.fake_world_size:
-        from titan_train.fake import run_fake
-
-        return run_fake(cfg, dims, tokenizer, model_cls, config)
+    job = cfg if isinstance(cfg, Job) else resolve(cfg)
+    if job.cfg.comm.fake_world_size:
+        raise ConfigError(
+            f"comm.fake_world_size={job.cfg.comm.fake_world_size}: the fake backend has its own "
+            "runner, titan_train.fake.run_fake (titan-train picks it); train runs real ranks"
+        )
     rank = int(os.environ.get("RANK", "0"))
-    run_lock = RunLock(Path(cfg.output_dir) / cfg.name) if rank == 0 else None
+    run_lock = RunLock(Path(job.cfg.output_dir) / job.cfg.name) if rank == 0 else None
     try:
-        return _train(cfg, dims, tokenizer, model_cls, config, stop_after)
+        return _train(job, stop_after)
     except BaseException:
         if run_lock is not None:
             run_lock.release()
@@ -373,14 +192,8 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict[str, Any]:
             run_lock.release()
 
 
-def _train(
-    cfg: JobConfig,
-    dims: ParallelDims,
-    tokenizer: Tokenizer,
-    model_cls: type,
-    config: Any,
-    stop_after: int | None,
-) -> dict[str, Any]:
+def _train(job: Job, stop_after: int | None) -> dict[str, Any]:
+    cfg, dims, config = job.cfg, job.dims, job.model_config
     plan = plan_run_folder(cfg, check_lock=False)  # on every rank, before any rank writes
     rank = int(os.environ.get("RANK", "0"))
     if _finished(cfg, plan):  # a rerun of a complete run: nothing to do, nothing touched
@@ -392,7 +205,8 @@ def _train(
         if device.type == "cuda":  # cuBLAS needs a fixed workspace to be deterministic
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    pm = build(cfg, dims, model_cls, config)
+    init_process_group(device, cfg.comm.timeout_s)
+    pm = build_parallel(job, device_type(cfg.training.device))
     _check_memory(pm, cfg, device)
     materialize(pm, device, seed=cfg.training.seed, hf_path=cfg.checkpoint.init_from_hf)
     if dims.pp > 1:
@@ -400,7 +214,7 @@ def _train(
     rank = dist.get_rank() if dims.world_size > 1 else 0
     torch.manual_seed(cfg.training.seed + pm.dp_rank)
     random.seed(cfg.training.seed + pm.dp_rank)
-    loader, val_src = _loaders(cfg, tokenizer, dp_rank=pm.dp_rank, dp_size=dims.dp)
+    loader, val_src = build_loaders(job, dp_rank=pm.dp_rank)
     optimizer = build_optimizer(pm, cfg)
     scheduler = build_lr_scheduler(optimizer, cfg.training.steps, cfg.lr_schedule)
     state = TrainState(device)
@@ -417,8 +231,7 @@ def _train(
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_config(run_dir, cfg, plan)
-        with torch.device("meta"):
-            num_params = sum(p.numel() for p in model_cls(config).parameters())
+        num_params = job.num_params()
         layout = {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}
         print(
             run_report.header(
@@ -491,7 +304,7 @@ def _train(
                         last_log, steps_since_log = time.perf_counter(), 0
                     every = cfg.metrics.validate_every
                     if every and (state.step % every == 0 or state.step == cfg.training.steps):
-                        val = validate_run(pm, cfg, tokenizer, val_src, device)
+                        val = validate_run(pm, job, val_src, device)
                         logger.log(state.step, val, prefix="validation")
                     last = state.step == cfg.training.steps
                     if ckpt is not None and (state.step % cfg.checkpoint.interval == 0 or last):

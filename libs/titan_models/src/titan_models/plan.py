@@ -82,6 +82,25 @@ class ModelPlan:
     """Whether the attention can be split over a context-parallel group (DeepSeek-V4's
     compressed attention cannot yet)."""
 
+    # What the model supports, so a trainer asks the plan instead of probing the config
+    # (``with_capabilities`` fills these from the config for every family).
+    tp_divisors: tuple[tuple[str, int], ...] = ()
+    """``(config field, count)`` a tensor-parallel degree must divide: the head counts (split
+    whole over the ranks) and the MLP's hidden units."""
+    num_experts: int = 0
+    """Routed experts per MoE layer (an expert-parallel degree must divide it); 0: no MoE."""
+    cp_min_chunk: int = 1
+    """Fewest tokens one context-parallel chunk may hold (a linear-attention layer's short
+    conv reads the ``kernel - 1`` tokens before a chunk from the chunk before it)."""
+    refused: tuple[tuple[str, str], ...] = ()
+    """``(axis, why)`` for each parallel axis (``tp``, ``pp``, ``cp``, ``ep``) the model cannot
+    be split over, with the reason in words (e.g. multi-token prediction under ``pp``: the
+    embedding and the head must share a stage)."""
+
+    def refusal(self, axis: str) -> str | None:
+        """Why the model cannot be split over ``axis``; None when it can."""
+        return next((why for a, why in self.refused if a == axis), None)
+
 
 def decoder_plan(
     model_cls: type[nn.Module],
@@ -140,6 +159,69 @@ def decoder_plan(
         experts=experts,
         stage_width=stage_width,
         stage_inputs=stage_inputs,
+    )
+
+
+_TP_COUNTS = (
+    "num_heads",
+    "num_kv_heads",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_num_heads",
+    "ffn_hidden_dim",
+)
+
+
+def with_capabilities(plan: ModelPlan, config: TransformerConfig) -> ModelPlan:
+    """``plan`` with what the model supports filled in from ``config`` (``ModelPlan``'s
+    capability fields); reasons a family already gave in ``refused`` are kept."""
+    from dataclasses import replace
+
+    from .components.linear_attention.layer_types import resolved_layer_types
+
+    divisors = tuple(
+        (name, count)
+        for name in _TP_COUNTS
+        if isinstance(count := getattr(config, name, None), int) and count > 0
+    )
+    refused = dict(plan.refused)
+    latent = [m for m in plan.tensor_parallel.replicated if not m.endswith("_norm")]
+    if latent:
+        refused.setdefault(
+            "tp",
+            f"has replicated projections whose outputs the local heads share ({latent[0]}, "
+            "MLA's latents); their gradients need a sum no tensor-parallel style expresses yet",
+        )
+    if plan.tied_parameters:
+        why = "ties its embedding and output head; tied weights cannot be split yet"
+        refused.setdefault("tp", why)
+        refused.setdefault("pp", why)
+    mtp = getattr(config, "num_mtp_modules", 0) or 0
+    if mtp:
+        refused.setdefault(
+            "pp",
+            f"uses multi-token prediction (num_mtp_modules={mtp}), which needs the embedding and "
+            "the head on one stage",
+        )
+        refused.setdefault(
+            "cp",
+            f"uses multi-token prediction (num_mtp_modules={mtp}), which shifts tokens along the "
+            "whole sequence",
+        )
+    if not plan.context_parallel:
+        refused.setdefault("cp", "its attention cannot be split over a sequence yet")
+    if not plan.experts:
+        refused.setdefault("ep", "has no MoE layers")
+    min_chunk = 1
+    has_types = getattr(config, "layer_types", None) or hasattr(config, "full_attention_interval")
+    if has_types and "linear_attention" in resolved_layer_types(config):
+        min_chunk = max(1, getattr(config, "linear_conv_kernel_dim", 1) - 1)
+    return replace(
+        plan,
+        tp_divisors=divisors,
+        num_experts=getattr(config, "num_experts", 0) if plan.experts else 0,
+        cp_min_chunk=min_chunk,
+        refused=tuple(refused.items()),
     )
 
 

@@ -22,7 +22,7 @@ from . import (
 )
 from .components import Transformer, TransformerConfig
 from .family import ModelFamily
-from .plan import ModelPlan
+from .plan import ModelPlan, with_capabilities
 
 # A new family is a folder with a FAMILY and one entry here.
 FAMILIES: dict[str, ModelFamily] = {
@@ -75,8 +75,9 @@ def get_model(
 
 
 def get_plan(config: TransformerConfig) -> ModelPlan:
-    """The declarative parallelism plan for a config of any registered family."""
-    return family_of(config).plan(config)
+    """The declarative parallelism plan for a config of any registered family, with what the
+    model supports (TP divisors, experts, CP's smallest chunk, refused axes) filled in."""
+    return with_capabilities(family_of(config).plan(config), config)
 
 
 def family_of(obj: nn.Module | TransformerConfig) -> ModelFamily:

@@ -216,7 +216,8 @@ class TitanEngine(BaseEngine):
             config, attention_backend=engine_config.attention_backend
         )
         self.dims = ParallelDims.resolve(self.job, dist.get_world_size())
-        check_plan(self.job, self.dims, self.titan_config)
+        self.plan = titan_models.get_plan(self.titan_config)
+        check_plan(self.job, self.dims, self.plan)
         self._entropy: Callable[[torch.Tensor], torch.Tensor] = verl_F.entropy_from_logits
         if engine_config.entropy_from_logits_with_chunking:
             chunk = engine_config.entropy_from_logits_chunk_size
@@ -234,7 +235,7 @@ class TitanEngine(BaseEngine):
         meshes = build_mesh(self.dims, self.device.type)
         with torch.device("meta"):
             model = self._model_cls(self.titan_config)
-        self.pm = parallelize(model, self.job, self.dims, meshes)
+        self.pm = parallelize(model, self.job, self.dims, meshes, self.plan)
         materialize(
             self.pm, self.device, seed=self.engine_config.seed, hf_path=self.model_config.local_path
         )
