@@ -11,7 +11,7 @@ from torch_checkpointing import FileSystemStorage
 
 
 class Chunked:
-    """Test-only implementation of the sharded-tensor protocol of DESIGN.md."""
+    """Test-only implementation of the sharded-tensor protocol (docs/design.md)."""
 
     def __init__(self, global_shape, dtype, chunks):
         self.global_shape = tuple(global_shape)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from torch_checkpointing import FsspecStorage, StateMismatchError, load_hf, save_hf
+from torch_checkpointing import FsspecStorage, StateMismatchError, load_hf, parse_size, save_hf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _checkpointing_cases import Chunked
@@ -203,3 +203,17 @@ def test_bad_config_is_refused_before_any_file(tmp_path):
     with pytest.raises(ValueError, match="generation_config needs config"):
         save_hf(sd, tmp_path / "c", generation_config={"eos_token_id": 2})
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("size", "expected"),
+    [(1000, 1000), ("5GB", 5 * 10**9), ("512MiB", 512 * 2**20), ("1.5kb", 1500), ("10 B", 10)],
+)
+def test_shard_sizes_parse(size, expected):
+    assert parse_size(size) == expected
+
+
+@pytest.mark.parametrize("size", ["five", "0", 0, "3 parsecs"])
+def test_bad_shard_size_is_refused(size):
+    with pytest.raises(ValueError, match="max_shard_size"):
+        parse_size(size)

@@ -51,18 +51,22 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def resolve_backend(backend: str, device: torch.device) -> Literal["torch", "triton"]:
-    """``"auto"`` → Triton on CUDA when importable, torch elsewhere; explicit names pass."""
+def resolve_backend(
+    backend: str, device: torch.device, *, what: str = "kernel backend"
+) -> Literal["torch", "triton"]:
+    """``"auto"`` → Triton on CUDA when importable, torch elsewhere; explicit names are
+    checked (``what`` names the setting in errors; titan_models' linear attention shares
+    this choice)."""
     if backend not in _BACKENDS:
-        raise ValueError(f"kernel backend must be one of {_BACKENDS}, got {backend!r}")
+        raise ValueError(f"{what} must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "torch"
     if backend == "triton":
         if not triton_available():
-            raise RuntimeError("kernel backend 'triton' requested but triton is not importable")
+            raise RuntimeError(f"{what} 'triton' requested but triton is not importable")
         if device.type != "cuda" and not _interpreting():
             raise RuntimeError(
-                f"kernel backend 'triton' needs CUDA tensors (got {device.type}); on CPU set "
+                f"{what} 'triton' needs CUDA tensors (got {device.type}); on CPU set "
                 "TRITON_INTERPRET=1 before triton is first imported to run the interpreter"
             )
     return backend  # type: ignore[return-value]

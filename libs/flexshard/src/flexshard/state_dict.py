@@ -3,7 +3,7 @@
 A sharded state dict maps each key of ``module.state_dict()`` to:
 
 * a :class:`ShardedParam` for ``Shard`` / ``Owned`` / ``BlockShard`` parameters — the
-  sharded-tensor protocol of ``DESIGN.md``: ``global_shape``, ``dtype`` and
+  sharded-tensor protocol of ``docs/design.md``: ``global_shape``, ``dtype`` and
   ``local_chunks()`` (global offset, tensor). The chunk tensors *alias* the local
   parameters, so a checkpoint loader that fills them in place loads the model directly;
 * a plain tensor for ``Replicate`` parameters (every rank holds the same values) and for

@@ -5,7 +5,6 @@ the file; and the shard-size strings of exports."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -68,20 +67,3 @@ def _safe_open(file: Path) -> Any:
         return safe_open(file, framework="pt")
     except Exception as e:  # safetensors raises its own SafetensorError
         raise ValueError(f"{file} is not a readable safetensors file ({e})") from None
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes in ``size``: an int, or a number with B/KB/MB/GB/TB (powers of 1000) or
-    KiB/MiB/GiB/TiB (powers of 1024)."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(size), re.IGNORECASE)
-        if not match:
-            raise ValueError(f"max_shard_size={size!r} is not a size like 5GB, 512MiB or 1000000")
-        unit = (match.group(2) or "B").upper()
-        power = "BKMGT".index(unit[0])
-        value = int(float(match.group(1)) * (1024 if "I" in unit else 1000) ** power)
-    if value < 1:
-        raise ValueError(f"max_shard_size must be at least one byte, got {size!r}")
-    return value

@@ -15,11 +15,8 @@ folder that is renamed into place only when complete.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
-import shutil
-import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -27,19 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from .components import Transformer, TransformerConfig, local_chunks
 from .config_fields import replace_config
 from .hf_adapter import HFAdapter, HFTensor
 from .hf_files import (
-    INDEX_FILE,
-    SINGLE_FILE,
     _read_json,
     _safe_open,
     checkpoint_files,
-    parse_size,
 )
 from .registry import family_for_hf, family_of
 
@@ -371,85 +364,34 @@ def to_hf(
     dtype: torch.dtype | None = None,
 ) -> Path:
     """Write ``model`` as an HF checkpoint folder that ``AutoModelForCausalLM`` loads, from
-    this process alone (a sharded model is written from every rank at once by
-    ``torch_checkpointing.save_hf`` with ``hf_export``'s mapping instead).
+    this process alone: ``hf_export``'s mapping written by ``torch_checkpointing.save_hf`` (the
+    writer a sharded model uses from every rank at once), so both name and shard files alike.
 
     Args:
         path: a folder that does not exist yet (or is empty).
         max_shard_size: bytes per safetensors shard, an int or a string such as ``"5GB"``
             (decimal units) or ``"512MiB"``; a tensor larger than this gets a shard of its own.
         dtype: dtype of the written tensors; the parameters' own by default.
+
+    ``config.json`` is written last: a folder that has one is complete.
     """
-    limit = parse_size(max_shard_size)
+    from torch_checkpointing import parse_size, save_hf
+
+    parse_size(max_shard_size)  # a bad size is refused before anything is written
     root = Path(path)
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise ValueError(f"{root} exists and is not an empty folder; to_hf writes a new one")
     _check_whole(model)
     export = hf_export(dict(named_state(model)), model.config, dtype=dtype)
-
-    shards: list[list[str]] = [[]]
-    shard_bytes = 0
-    for key, pieces in export.tensors.items():
-        size = math.prod(pieces.global_shape) * pieces.dtype.itemsize
-        if shards[-1] and shard_bytes + size > limit:
-            shards.append([])
-            shard_bytes = 0
-        shards[-1].append(key)
-        shard_bytes += size
-    names = (
-        [SINGLE_FILE]
-        if len(shards) == 1
-        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    save_hf(
+        export.tensors,
+        root,
+        process_group="self",
+        max_shard_size=max_shard_size,
+        transforms=export.transforms,
+        config=export.config,
     )
-
-    partial = root.parent / f".{root.name}.partial-{uuid.uuid4().hex[:8]}"
-    partial.mkdir(parents=True)
-    try:
-        weight_map, total = {}, 0
-        for name, keys in zip(names, shards, strict=True):
-            state, storages = {}, set()
-            for key in keys:
-                tensor = _standalone(export, key)
-                if tensor.untyped_storage().data_ptr() in storages:
-                    tensor = tensor.clone()  # one parameter under two keys (MTP's head copy)
-                storages.add(tensor.untyped_storage().data_ptr())
-                state[key] = tensor
-            save_file(state, partial / name, metadata={"format": "pt"})
-            total += sum(t.numel() * t.element_size() for t in state.values())
-            weight_map.update(dict.fromkeys(state, name))
-            del state
-        if len(shards) > 1:
-            index = {
-                "metadata": {"total_size": total},
-                "weight_map": dict(sorted(weight_map.items())),
-            }
-            (partial / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        (partial / "config.json").write_text(json.dumps(export.config, indent=2) + "\n")
-        if root.exists():
-            root.rmdir()
-        os.replace(partial, root)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     return root
-
-
-def _standalone(export: HFExport, key: str) -> torch.Tensor:
-    """One HF tensor whole, in HF's layout, as a CPU tensor owning exactly its own bytes
-    (safetensors refuses shared storage)."""
-    pieces = export.tensors[key]
-    chunks = pieces.local_chunks()  # one process holds all of it
-    if len(chunks) == 1 and tuple(chunks[0][1].shape) == tuple(pieces.global_shape):
-        tensor = chunks[0][1]
-    else:  # the parts of a fused tensor, stacked
-        tensor = torch.empty(pieces.global_shape, dtype=pieces.dtype, device=chunks[0][1].device)
-        for offset, chunk in chunks:
-            tensor[tuple(slice(o, o + n) for o, n in zip(offset, chunk.shape, strict=True))] = chunk
-    transform = export.transforms.get(key)
-    tensor = (transform(tensor) if transform is not None else tensor).to("cpu").contiguous()
-    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-        tensor = tensor.clone()
-    return tensor
 
 
 def _declared_dtype(hf_config: dict) -> torch.dtype | None:

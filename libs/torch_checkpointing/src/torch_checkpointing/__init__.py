@@ -22,6 +22,7 @@ _EXPORTS = {
     "FsspecStorage": "storage",
     "save_hf": "hf",
     "load_hf": "hf",
+    "parse_size": "hf",
     "CheckpointError": "_errors",
     "CheckpointLockedError": "_errors",
     "CheckpointWarning": "_errors",
@@ -51,6 +52,7 @@ __all__ = [
     "Storage",
     "__version__",
     "load_hf",
+    "parse_size",
     "save_hf",
 ]
 
@@ -66,7 +68,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from ._stats import LoadStats
     from ._tree import PerRank
-    from .hf import load_hf, save_hf
+    from .hf import load_hf, parse_size, save_hf
     from .manager import CheckpointManager, SaveHandle
     from .policy import ASYNC_MODES, CheckpointPolicy
     from .storage import FileSystemStorage, FsspecStorage, Storage

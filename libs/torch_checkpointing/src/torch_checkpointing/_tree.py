@@ -44,7 +44,7 @@ def is_dtensor(obj: Any) -> bool:
 
 
 def is_sharded(obj: Any) -> bool:
-    """The sharded-tensor protocol of DESIGN.md (anything but a torch.Tensor)."""
+    """The sharded-tensor protocol of docs/design.md (anything but a torch.Tensor)."""
     return (
         not isinstance(obj, torch.Tensor)
         and not isinstance(obj, type)

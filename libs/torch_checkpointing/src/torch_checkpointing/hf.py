@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,7 +32,7 @@ from . import _tree as tr
 from ._errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from .storage import FileSystemStorage, PrefixedStorage, Storage
 
-__all__ = ["load_hf", "save_hf"]
+__all__ = ["load_hf", "parse_size", "save_hf"]
 
 INDEX = hw.INDEX
 SINGLE = hw.SINGLE
@@ -48,6 +49,8 @@ def _storage(path: Any, storage: Storage | None, create: bool) -> Storage:
 
 
 def _resolve_group(pg: Any) -> Any:
+    if pg == "self":  # this process alone, whatever torch.distributed holds
+        return None
     if pg is not None:
         if not (callable(getattr(pg, "rank", None)) and callable(getattr(pg, "size", None))):
             raise TypeError(f"save_hf: process_group must be a ProcessGroup, got {pg!r}")
@@ -59,18 +62,21 @@ def _resolve_group(pg: Any) -> Any:
     return None
 
 
-def _parse_size(size: int | str) -> int:
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-        return size
-    if isinstance(size, str):
-        units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-        s = size.strip().upper()
-        for u in sorted(units, key=len, reverse=True):
-            if s.endswith(u) and s[: -len(u)].strip().isdigit():
-                return int(s[: -len(u)]) * units[u]
-        if s.isdigit():
-            return int(s)
-    raise ValueError(f"max_shard_size must be a positive int or a string like '5GB', got {size!r}")
+def parse_size(size: int | str) -> int:
+    """Bytes in ``size``: a positive int, or a number with B/KB/MB/GB/TB (powers of 1000) or
+    KiB/MiB/GiB/TiB (powers of 1024), e.g. ``"5GB"``, ``"512MiB"``, ``"1.5KB"``."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(size), re.IGNORECASE)
+        if not match:
+            raise ValueError(f"max_shard_size={size!r} is not a size like 5GB, 512MiB or 1000000")
+        unit = (match.group(2) or "B").upper()
+        power = "BKMGT".index(unit[0])
+        value = int(float(match.group(1)) * (1024 if "I" in unit else 1000) ** power)
+    if value < 1:
+        raise ValueError(f"max_shard_size must be at least one byte, got {size!r}")
+    return value
 
 
 def _config_json(config: Any, field: str) -> bytes | None:
@@ -112,7 +118,7 @@ def save_hf(
     """Write HF-style safetensors (shard files + index) from the pieces each rank holds.
 
     Every rank of ``process_group`` (default: the default group when torch.distributed is
-    initialised, else this process alone) passes what it holds: plain tensors (whole; a
+    initialised, else this process alone; ``"self"``: this process alone) passes what it holds: plain tensors (whole; a
     replicated one may come from several ranks), DTensors (their local shards) or sharded
     tensors (``global_shape``, ``dtype``, ``local_chunks()``). Ranks may pass different keys
     (pipeline stages); together their pieces must cover every tensor (replicas count once).
@@ -137,7 +143,7 @@ def save_hf(
         raise TypeError(
             f"save_hf: state_dict must be a dict of name -> tensor, got {type(state_dict).__name__}"
         )
-    limit = _parse_size(max_shard_size)
+    limit = parse_size(max_shard_size)
     meta = {"format": "pt", **(metadata or {})}
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise TypeError("save_hf: metadata must map str to str")
