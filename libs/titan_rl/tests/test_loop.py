@@ -157,3 +157,30 @@ def test_minibatches_reuse_a_batch_and_the_clip_range_acts(model_factory, tokeni
     with pytest.raises(ValueError, match="num_minibatches=3 must divide the 8 rows"):
         trainer.config.num_minibatches = 3
         trainer.train(1)
+
+
+def test_a_loss_is_chosen_by_name_and_a_registered_one_is_used(model_factory, tokenizer):
+    """``LossConfig.name`` picks the policy loss the learner calls: a registered function
+    is called on every minibatch, and the built-ins differ where they should (Dr. GRPO's
+    advantages keep the group's scale)."""
+    import titan_rl
+
+    calls = []
+
+    def halved(logprobs, old_logprobs, advantages, mask, config, **kw):
+        calls.append(tuple(advantages.shape))
+        out = titan_rl.grpo_loss(logprobs, old_logprobs, advantages, mask, config, **kw)
+        return dataclasses.replace(out, loss=out.loss * 0.5)
+
+    titan_rl.register_loss("halved_grpo", halved, replace=True)
+    with pytest.raises(ValueError, match="registered already"):
+        titan_rl.register_loss("halved_grpo", halved)
+    loss = LossConfig(name="halved_grpo", correction="tis")
+    _run(model_factory, tokenizer, 2, loss=loss, num_minibatches=2)
+    assert calls == [(4,)] * 4  # 2 steps x 2 minibatches of 4 rows
+    _, grpo = _run(model_factory, tokenizer, 1)
+    _, dr = _run(model_factory, tokenizer, 1, loss=LossConfig(name="dr_grpo", correction="tis"))
+    assert grpo[0]["reward_mean"] == dr[0]["reward_mean"]  # the same rollouts
+    assert grpo[0]["loss"] != dr[0]["loss"]  # std-normalised vs raw advantages, other means
+    with pytest.raises(ValueError, match=r"LossConfig.name='ppo' is not a registered loss"):
+        LossConfig(name="ppo")

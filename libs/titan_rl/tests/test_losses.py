@@ -208,3 +208,21 @@ def test_nan_under_the_mask_stays_out_of_the_loss():
     lp = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, float("nan")]])
     out = grpo_loss(lp, torch.zeros(2, 3), torch.tensor([1.0, 1.0]), MASK, LossConfig())
     assert math.isfinite(out.loss.item())
+
+
+def test_the_named_losses_are_grpo_loss_with_their_aggregation():
+    import titan_rl
+
+    torch.manual_seed(0)
+    lp, old = torch.randn(4, 6), torch.randn(4, 6)
+    adv, mask = torch.randn(4), torch.rand(4, 6) > 0.3
+    seq = LossConfig(aggregation="seq_mean_token_mean")
+    assert titan_rl.loss_names()[:3] == ["dapo", "dr_grpo", "grpo"]
+    dapo = titan_rl.get_loss("dapo").fn(lp, old, adv, mask, seq).loss
+    assert torch.equal(dapo, grpo_loss(lp, old, adv, mask, LossConfig()).loss)
+    dr = titan_rl.get_loss("dr_grpo")
+    want = grpo_loss(lp, old, adv, mask, LossConfig(aggregation="seq_mean_token_sum_norm")).loss
+    assert torch.equal(dr.fn(lp, old, adv, mask, seq).loss, want)
+    assert dr.normalize_std is False and titan_rl.get_loss("grpo").normalize_std is None
+    with pytest.raises(ValueError, match="must be an identifier"):
+        titan_rl.register_loss("my loss", grpo_loss)

@@ -18,6 +18,7 @@ from .generator import Generation, Generator, SamplingParams, TorchGenerator
 from .learner import AllReduceGradients, DataParallel, GRPOLearner
 from .logprobs import pack_sequences, sequence_logprobs, token_logprobs
 from .loop import GRPOConfig, GRPOTrainer
+from .loss_registry import PolicyLoss, get_loss, loss_names, register_loss
 from .losses import (
     LossConfig,
     LossOutput,
@@ -89,6 +90,7 @@ __all__ = [
     "NoReplicasError",
     "PackedRows",
     "Policy",
+    "PolicyLoss",
     "Prompt",
     "PromptImages",
     "RenderedTokens",
@@ -134,15 +136,18 @@ __all__ = [
     "episode_tensors",
     "evaluate_accuracy",
     "exact_match_reward",
+    "get_loss",
     "group_advantages",
     "grpo_loss",
     "invariant_attention",
     "invariant_linear",
     "last_boxed",
     "logprob_diagnostics",
+    "loss_names",
     "pack_rows",
     "pack_sequences",
     "packed_sequence_logprobs",
+    "register_loss",
     "reward_diagnostics",
     "rollout_seed",
     "run_episode",

@@ -24,7 +24,8 @@ from torch import nn
 from .batch_invariant import batch_invariant
 from .diagnostics import logprob_diagnostics, reward_diagnostics
 from .logprobs import sequence_logprobs
-from .losses import group_advantages, grpo_loss
+from .loss_registry import get_loss
+from .losses import group_advantages
 from .packing import packed_sequence_logprobs
 from .rollout import RolloutBatch
 
@@ -146,7 +147,11 @@ class GRPOLearner:
                 "ranks (each needs >= 1): raise num_prompts or lower num_minibatches"
             )
         device = _device(self.model)
-        advantages = group_advantages(batch.rewards, c.group_size, normalize_std=c.normalize_std)
+        policy_loss = get_loss(c.loss.name)
+        normalize = (
+            c.normalize_std if policy_loss.normalize_std is None else policy_loss.normalize_std
+        )
+        advantages = group_advantages(batch.rewards, c.group_size, normalize_std=normalize)
         advantages, mask = advantages.to(device), gen.mask.to(device)
         rollout = gen.logprobs.to(device)
         self.model.train()
@@ -163,7 +168,7 @@ class GRPOLearner:
             logprobs = self._logprobs(self.model, batch, mb, grad=True)
             if first_logprobs is None:
                 first_logprobs = logprobs.detach()
-            out = grpo_loss(
+            out = policy_loss.fn(
                 logprobs,
                 logprobs.detach() if old is None else old[i],
                 advantages[mb],

@@ -34,6 +34,9 @@ _LEVELS = ("token", "sequence")
 class LossConfig:
     """How the policy-gradient loss is clipped, corrected, regularised and averaged."""
 
+    name: str = "grpo"
+    """The policy loss by name (``titan_rl.loss_names()``: grpo, dapo, dr_grpo and any
+    registered with ``register_loss``)."""
     eps_low: float = 0.2
     """Lower clip range: the ratio is clipped below at ``1 - eps_low`` (in (0, 1))."""
     eps_high: float = 0.28
@@ -57,6 +60,9 @@ class LossConfig:
     loss is at most ``clip_ratio_c · |A|`` however large the ratio; > 1; None disables it."""
 
     def __post_init__(self) -> None:
+        from .loss_registry import get_loss
+
+        get_loss(self.name)  # a ValueError naming the registered losses
         if not 0.0 < self.eps_low < 1.0:
             raise ValueError(f"LossConfig.eps_low={self.eps_low!r} must be in (0, 1)")
         if not self.eps_high > 0.0:
