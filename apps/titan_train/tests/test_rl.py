@@ -162,6 +162,7 @@ def test_short_pretrain_then_grpo_runs_end_to_end(tmp_path):
     lines = _lines(run_dir)
     train = [x for x in lines if x["split"] == "train"]
     assert len(train) == 4 and all(0 <= x["policy_lag_max"] <= 1 for x in train)
+    assert [x["step"] for x in train] == [1, 2, 3, 4] and (run_dir / "loss.png").is_file()
     for key in ("reward_mean", "max_abs_logprob_diff", "generator_tokens_per_s",
                 "trainer_tokens_per_s", "trainer_idle_fraction"):  # fmt: skip
         assert all(key in x for x in train), key
@@ -199,7 +200,7 @@ def test_resume_from_a_checkpoint_continues_the_run_bitwise(tmp_path):
     assert any("resuming" in x and "from step 2" in x for x in said)
     assert summary["steps"] == 2
     train = [x for x in _lines(tmp_path / "cut") if x["split"] == "train"]
-    assert [x["step"] for x in train] == [0, 1, 2, 3]
+    assert [x["step"] for x in train] == [1, 2, 3, 4]  # steps done, as pre-training logs them
     whole = safetensors.torch.load_file(tmp_path / "whole" / "hf" / "model.safetensors")
     cut = safetensors.torch.load_file(tmp_path / "cut" / "hf" / "model.safetensors")
     assert whole.keys() == cut.keys()

@@ -56,8 +56,12 @@ class MetricsLogger:
         enabled: bool = True,
         resumed_step: int = 0,
         wandb: dict[str, Any] | None = None,
+        echo: bool = True,
     ) -> None:
+        """``echo``: print each record's console line (off for a caller that prints its
+        own)."""
         self.run_dir, self.total_steps, self.enabled = run_dir, total_steps, enabled
+        self.echo = echo
         self._start = time.perf_counter()
         self._start_step = resumed_step
         self._history: dict[str, list[tuple[int, float]]] = {}
@@ -80,23 +84,31 @@ class MetricsLogger:
         if wandb is not None:
             self._wandb = start_wandb(run_dir, **wandb)
 
-    def log(self, step: int, values: dict[str, float], *, prefix: str = "train") -> None:
-        """Record ``values`` for ``step`` (1-based) under ``prefix``."""
-        for k, v in values.items():
-            self._history.setdefault(f"{prefix}/{k}", []).append((step, float(v)))
+    def log(self, step: int, values: dict[str, Any], *, prefix: str = "train") -> None:
+        """Record ``values`` for ``step`` (1-based) under ``prefix``: every value goes to
+        ``metrics.jsonl``, the numbers also to the history, TensorBoard and W&B."""
+        numbers = {
+            k: float(v)
+            for k, v in values.items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        for k, v in numbers.items():
+            self._history.setdefault(f"{prefix}/{k}", []).append((step, v))
         if not self.enabled:
             return
         self._jsonl.write(json.dumps({"step": step, "split": prefix, **values}) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
-            for k, v in values.items():
+            for k, v in numbers.items():
                 self._tb.add_scalar(f"{prefix}/{k}", v, step)
         if self._wandb is not None:
-            self._wandb.log({f"{prefix}/{k}": v for k, v in values.items()}, step=step)
+            self._wandb.log({f"{prefix}/{k}": v for k, v in numbers.items()}, step=step)
+        if not self.echo:
+            return
         if self._console is not None:
-            self._console.print(self._line(step, values, prefix, rich=True))
+            self._console.print(self._line(step, numbers, prefix, rich=True))
         else:
-            print(self._line(step, values, prefix, rich=False), flush=True)
+            print(self._line(step, numbers, prefix, rich=False), flush=True)
 
     def _line(self, step: int, values: dict[str, float], prefix: str, *, rich: bool) -> str:
         elapsed = time.perf_counter() - self._start

@@ -30,6 +30,7 @@ import torch
 import titan_rl
 from titan_train.checkpointing import write_hf
 from titan_train.data.tokenizers import ByteTokenizer
+from titan_train.metrics import MetricsLogger
 from titan_train.rl.checkpoint import (
     ControllerCheckpoints,
     close_trainer,
@@ -47,6 +48,7 @@ from titan_train.rl.parallel import (
     full_weights,
 )
 from titan_train.rl.tasks import TASKS, BuiltTask
+from titan_train.run_folder import RunLock, archive_outputs
 
 
 def grpo_config(job: RLJob, task: BuiltTask) -> titan_rl.GRPOConfig:
@@ -70,31 +72,6 @@ def _distributed(job: RLJob) -> bool:
     return job.rl.generators > 0 or job.rl.trainer_ranks > 1
 
 
-class _Log:
-    """``metrics.jsonl`` (appended to on a resume, cut back to the resumed step first)."""
-
-    def __init__(self, run_dir: Path, resume_step: int | None) -> None:
-        path = run_dir / "metrics.jsonl"
-        kept = []
-        if resume_step is not None and path.is_file():
-            for line in path.read_text().splitlines():
-                record = json.loads(line)
-                if record["step"] < resume_step or (
-                    record["split"] == "eval" and record["step"] == resume_step
-                ):
-                    kept.append(line + "\n")
-        self.file = path.open("w")
-        self.file.writelines(kept)
-        self.file.flush()
-
-    def write(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-
-    def close(self) -> None:
-        self.file.close()
-
-
 def run_rl(job: RLJob, *, announce=print) -> dict[str, Any]:
     """Post-train ``job``; returns the summary (held-out reward before / after, steps, s)."""
     validate_rl(job)
@@ -110,7 +87,19 @@ def run_rl(job: RLJob, *, announce=print) -> dict[str, Any]:
     if threads:
         torch.set_num_threads(threads)
     task = TASKS[job.task].build(job, tokenizer, model)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(run_dir)  # the run folder's lock, as a pre-training run takes it
+    try:
+        return _run_locked(job, run_dir, model, init_dir, task, announce)
+    except BaseException:
+        lock.release()
+        lock.discard_failed_start()
+        raise
+    finally:
+        lock.release()
+
+
+def _run_locked(job, run_dir, model, init_dir, task, announce) -> dict[str, Any]:
+    r = job.rl
     resume_step = _resume_step(run_dir)
     config_json = json.dumps(dataclasses.asdict(job), indent=2)
     if resume_step is not None:
@@ -121,8 +110,16 @@ def run_rl(job: RLJob, *, announce=print) -> dict[str, Any]:
                 "config.json); resume with the same options or choose another name"
             )
         announce(f"titan-train rl: resuming {run_dir} from step {resume_step}")
-    (run_dir / "config.json").write_text(config_json)
-    log = _Log(run_dir, resume_step)
+    elif (run_dir / "metrics.jsonl").exists():  # a start that saved nothing: kept, moved aside
+        archived = archive_outputs(run_dir)
+        announce(f"titan-train rl: the earlier outputs without a checkpoint are in {archived}")
+    tmp = run_dir / "config.json.tmp"
+    tmp.write_text(config_json)
+    tmp.replace(run_dir / "config.json")
+    # The app's metrics logger: metrics.jsonl (cut back to the resumed step), loss.png.
+    log = MetricsLogger(
+        run_dir, total_steps=r.steps, tensorboard=False, resumed_step=resume_step or 0, echo=False
+    )
     announce(
         f"titan-train rl: {job.name}: task {job.task}, from {init_dir}; "
         f"{r.trainer_ranks} trainer rank(s), "
@@ -200,8 +197,9 @@ def _on_step(job, log, announce, evaluate, start, checkpoints):
     def on_step(m: dict[str, Any]) -> bool:
         elapsed = time.perf_counter() - start
         record = {k: v for k, v in m.items() if not isinstance(v, torch.Tensor)}
-        log.write({**record, "split": "train", "elapsed_s": elapsed})
-        done = m["step"] + 1
+        done = m["step"] + 1  # steps done, as pre-training counts them
+        record.pop("step")
+        log.log(done, {**record, "elapsed_s": elapsed}, prefix="train")
         line = (
             f"step {done:4d}  reward {m['reward_mean']:.3f}  loss {m['loss']:+.4f}  "
             f"max|dlogp| {m['max_abs_logprob_diff']:.1e}  lag {m['policy_lag_max']}  "
@@ -210,7 +208,7 @@ def _on_step(job, log, announce, evaluate, start, checkpoints):
         )
         if job.eval.every and done % job.eval.every == 0:
             ev = evaluate()
-            log.write({"step": done, "split": "eval", **ev})
+            log.log(done, ev, prefix="eval")
             line += f"  held-out reward {ev['reward_mean']:.3f}"
         if r.checkpoint_interval and done % r.checkpoint_interval == 0:
             checkpoints.save(done)
@@ -311,7 +309,7 @@ def _loop(
     if before_final_eval is not None:
         before_final_eval()
     after = evaluate()
-    log.write({"step": first + len(history), "split": "eval", **after})
+    log.log(first + len(history), after, prefix="eval")
     return history, before, after, wall
 
 
@@ -319,7 +317,7 @@ def _start(job, log, announce, evaluate, checkpoints, resume_step):
     """The held-out evaluation before RL (read back on a resume) and the first step."""
     if resume_step is None:
         before = evaluate()
-        log.write({"step": 0, "split": "eval", **before})
+        log.log(0, before, prefix="eval")
         announce(f"held-out before RL: reward {before['reward_mean']:.3f}")
         return before, 0
     checkpoints.resume(resume_step)
