@@ -1,4 +1,4 @@
-"""The layer rules of DESIGN.md hold for the repository and catch a bad import."""
+"""The layer rules of docs/architecture.md hold for the repository and catch a bad import."""
 
 from __future__ import annotations
 
