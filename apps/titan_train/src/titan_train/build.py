@@ -137,6 +137,11 @@ def _check_supported(cfg: JobConfig, dims: ParallelDims) -> None:
             "yet: pipeline stages and sequence shards take token ids only, not the images "
             "(use parallel.pp=1, parallel.cp=1)"
         )
+    if cfg.moe.dispatch == "symm_mem" and dims.ep == 1:
+        raise ValueError(
+            "moe.dispatch='symm_mem' exchanges tokens between expert-parallel ranks: it needs "
+            f"parallel.ep > 1, got parallel.ep={dims.ep}"
+        )
     if cfg.comm.fake_world_size and "LOCAL_RANK" in os.environ:
         raise ValueError(
             "comm.fake_world_size runs one process standing for a whole job: do not combine it "

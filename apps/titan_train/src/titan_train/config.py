@@ -68,6 +68,19 @@ class ParallelConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class MoEConfig:
+    """How MoE layers run (their sizes are the model's)."""
+
+    dispatch: Literal["all_to_all", "symm_mem"] = "all_to_all"
+    """Expert-parallel token exchange (parallel.ep > 1): all_to_all (NCCL / gloo collectives)
+    or symm_mem (dist_moe's one-sided puts into a symmetric-memory heap: CUDA with NCCL, a
+    shared-memory emulation on CPU; capacity-padded buffers, no host sync)."""
+    symm_mem_max_tokens: int = 0
+    """symm_mem: most tokens one rank passes to a MoE layer in one call, which sizes the
+    static buffers (0: the call's own count, the same on every rank in training)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class OptimizerConfig:
     """Optimizer and its hyper-parameters."""
 
@@ -324,6 +337,7 @@ class JobConfig:
     """Folder that holds run folders."""
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
@@ -380,6 +394,10 @@ def validate(cfg: JobConfig) -> None:
             f"metrics.peak_flops={cfg.metrics.peak_flops} must be > 0 (FLOP/s per rank), or 0 "
             "to measure it"
         )
+    if cfg.moe.dispatch not in ("all_to_all", "symm_mem"):
+        raise ValueError(f"moe.dispatch={cfg.moe.dispatch!r} must be 'all_to_all' or 'symm_mem'")
+    if cfg.moe.symm_mem_max_tokens < 0:
+        raise ValueError(f"moe.symm_mem_max_tokens={cfg.moe.symm_mem_max_tokens} must be >= 0")
     s = cfg.lr_schedule
     if s.warmup_steps < 0:
         raise ValueError(f"lr_schedule.warmup_steps={s.warmup_steps} must be >= 0")

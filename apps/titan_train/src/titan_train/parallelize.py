@@ -308,7 +308,8 @@ def parallelize(
         if dims.tp > 1:
             _apply_tensor_parallel(part, plan.tensor_parallel, meshes["tp"])
         if dims.ep > 1:
-            pm.experts += _apply_expert_parallel(part, plan, pm.group("ep"))
+            mesh_type = next(iter(meshes.values())).device_type
+            pm.experts += _apply_expert_parallel(part, plan, pm.group("ep"), cfg, mesh_type)
         _apply_remat(part, plan, cfg)
         if cfg.compile.enabled:
             _apply_compile(part, plan)
@@ -365,15 +366,26 @@ def _matching(modules: dict[str, nn.Module], pattern: str) -> list[str]:
 
 
 def _apply_expert_parallel(
-    module: nn.Module, plan: Any, group: dist.ProcessGroup
+    module: nn.Module, plan: Any, group: dist.ProcessGroup, cfg: JobConfig, device_type: str
 ) -> list[tuple[str, nn.Module, Any]]:
-    """Split each MoE's routed experts over ``group`` (all-to-all dispatch)."""
+    """Split each MoE's routed experts over ``group``, tokens exchanged by ``moe.dispatch``:
+    all-to-all collectives, or dist_moe's symmetric-memory puts (emulated in shared memory
+    when the group has no CUDA devices)."""
     import dist_moe
 
     out = []
     for n, sub in list(module.named_modules()):
         if any(titan_models.fqn_matches(p, n) for p in plan.experts):
-            placement = dist_moe.expert_parallel(sub, group)
+            dispatcher: Any = "all_to_all"
+            if cfg.moe.dispatch == "symm_mem":
+                dispatcher = dist_moe.SymmMemDispatcher(
+                    sub.config.router.num_experts,
+                    group,
+                    sub.config.permute,
+                    max_tokens=cfg.moe.symm_mem_max_tokens or None,
+                    emulate=device_type != "cuda",
+                )
+            placement = dist_moe.expert_parallel(sub, group, dispatcher=dispatcher)
             out.append((f"{n}.experts", sub.experts, placement))
     return out
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import shutil
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -373,7 +374,8 @@ def to_hf(
             (decimal units) or ``"512MiB"``; a tensor larger than this gets a shard of its own.
         dtype: dtype of the written tensors; the parameters' own by default.
 
-    ``config.json`` is written last: a folder that has one is complete.
+    ``config.json`` is written last: a folder that has one is complete. A failed write removes
+    what it wrote (the folder was new or empty), so the same call can simply be run again.
     """
     from torch_checkpointing import parse_size, save_hf
 
@@ -383,14 +385,23 @@ def to_hf(
         raise ValueError(f"{root} exists and is not an empty folder; to_hf writes a new one")
     _check_whole(model)
     export = hf_export(dict(named_state(model)), model.config, dtype=dtype)
-    save_hf(
-        export.tensors,
-        root,
-        process_group="self",
-        max_shard_size=max_shard_size,
-        transforms=export.transforms,
-        config=export.config,
-    )
+    created = not root.exists()
+    try:
+        save_hf(
+            export.tensors,
+            root,
+            process_group="self",
+            max_shard_size=max_shard_size,
+            transforms=export.transforms,
+            config=export.config,
+        )
+    except BaseException:  # the folder was new or empty: whatever is in it now is ours
+        if created:
+            shutil.rmtree(root, ignore_errors=True)
+        elif root.is_dir():
+            for child in root.iterdir():
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+        raise
     return root
 
 
