@@ -328,6 +328,18 @@ class MetricsConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ProfilingConfig:
+    """Traces and memory snapshots (the per-phase step times are always logged)."""
+
+    trace_steps: str = ""
+    """``a:b``: run torch.profiler over steps a to b (1-based) and write
+    ``<run>/profiling/trace_rank<r>.json`` (Chrome / Perfetto); empty: no trace."""
+    memory_snapshot: bool = False
+    """CUDA: record the allocator's history and dump it (``memory_snapshot_rank<r>.pickle``);
+    CPU: a table of the bytes each module saves for backward in the first step."""
+
+
+@dataclass(kw_only=True, slots=True)
 class JobConfig:
     """A complete training job: what a recipe returns and the CLI overrides."""
 
@@ -346,6 +358,7 @@ class JobConfig:
     remat: RematConfig = field(default_factory=RematConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     flexshard: FlexShardConfig = field(default_factory=FlexShardConfig)
@@ -394,6 +407,9 @@ def validate(cfg: JobConfig) -> None:
             f"metrics.peak_flops={cfg.metrics.peak_flops} must be > 0 (FLOP/s per rank), or 0 "
             "to measure it"
         )
+    from titan_train.profiling import parse_steps
+
+    parse_steps(cfg.profiling.trace_steps)
     if cfg.moe.dispatch not in ("all_to_all", "symm_mem"):
         raise ValueError(f"moe.dispatch={cfg.moe.dispatch!r} must be 'all_to_all' or 'symm_mem'")
     if cfg.moe.symm_mem_max_tokens < 0:

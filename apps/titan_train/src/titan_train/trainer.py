@@ -50,6 +50,13 @@ from titan_train.moe_balance import expert_counts, moe_load, update_expert_biase
 from titan_train.numerics import NonFiniteGuard
 from titan_train.parallelize import ParallelModel, build_stages
 from titan_train.pipelined import pipeline_micro_step
+from titan_train.profiling import (
+    ActivationMemory,
+    StepPhases,
+    Tracer,
+    cuda_memory_history,
+    parse_steps,
+)
 from titan_train.run_folder import (
     RunLock,
     apply_resumed_changes,
@@ -91,19 +98,22 @@ def train_step(
     *,
     on_grads: Any = None,
     skip_nonfinite: bool = False,
+    phases: StepPhases | None = None,
 ) -> StepResult:
     """One optimizer step over ``grad_accum`` micro-batches of ``batch`` (on the training
     device); the loss is the mean over every target token of the global batch (see the module
     doc). Forces no host synchronisation. ``on_grads()`` runs once the gradients are
     complete, before clipping. ``skip_nonfinite``: read whether the gradient norm is finite
-    (one host read) and skip the update when it is not."""
+    (one host read) and skip the update when it is not. ``phases``: time the step's phases."""
     import flexshard
 
+    phase = phases.phase if phases is not None else _untimed
     dims = pm.dims
     batch = pm.shard_batch(batch)
     num_tokens = (batch.labels != IGNORE_INDEX).sum().to(torch.float32)
     if dims.dp_cp > 1:
-        dist.all_reduce(num_tokens, group=pm.group("dp_cp"))
+        with phase("collectives"):
+            dist.all_reduce(num_tokens, group=pm.group("dp_cp"))
     scale = dims.dp_cp / num_tokens.clamp(min=1)
     micro = batch.split(cfg.training.grad_accum)
     total = torch.zeros((), dtype=torch.float32, device=num_tokens.device)
@@ -113,11 +123,13 @@ def train_step(
             for part in pm.parts:
                 part.set_requires_gradient_sync(last)
         if pm.schedule is not None:
-            total += pipeline_micro_step(pm, mb, scale, cfg, sync=last)
+            with phase("forward_backward"):
+                total += pipeline_micro_step(pm, mb, scale, cfg, sync=last)
             continue
-        with autocast(cfg, mb.input_ids.device):
+        with phase("forward"), autocast(cfg, mb.input_ids.device):
             loss = loss_sum(pm.parts[0], mb) * scale
-        loss.backward()
+        with phase("backward"):
+            loss.backward()
         total += loss.detach()
     if on_grads is not None:
         on_grads()
@@ -126,22 +138,28 @@ def train_step(
         disjoint={pm.group("ep"): pm.expert_params} if pm.experts else None,
     )
     params = pm.parameters()
-    if cfg.training.max_grad_norm > 0:
-        norm = flexshard.clip_grad_norm_(params, cfg.training.max_grad_norm, **clip)
-    else:
-        norm = flexshard.global_grad_norm(params, **clip)
-    skipped = skip_nonfinite and not bool(torch.isfinite(norm))  # the same on every rank
-    if not skipped:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    counts = expert_counts(pm)
-    if not skipped:
-        update_expert_biases(pm)
-    if dims.dp_cp > 1:  # each rank's share (of dp x cp times the mean); tp ranks agree
-        dist.all_reduce(total, group=pm.group("dp_cp"))
-    if dims.pp > 1:  # only the last stage holds the loss
-        dist.all_reduce(total, group=pm.group("pp"))
+    with phase("optimizer"):
+        if cfg.training.max_grad_norm > 0:
+            norm = flexshard.clip_grad_norm_(params, cfg.training.max_grad_norm, **clip)
+        else:
+            norm = flexshard.global_grad_norm(params, **clip)
+        skipped = skip_nonfinite and not bool(torch.isfinite(norm))  # the same on every rank
+        if not skipped:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        counts = expert_counts(pm)
+        if not skipped:
+            update_expert_biases(pm)
+    with phase("collectives"):
+        if dims.dp_cp > 1:  # each rank's share (of dp x cp times the mean); tp ranks agree
+            dist.all_reduce(total, group=pm.group("dp_cp"))
+        if dims.pp > 1:  # only the last stage holds the loss
+            dist.all_reduce(total, group=pm.group("pp"))
     return StepResult(total / dims.dp_cp, norm, counts, skipped)
+
+
+def _untimed(name: str) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
 
 
 def _check_memory(pm: ParallelModel, cfg: JobConfig, device: torch.device) -> None:
@@ -273,13 +291,27 @@ def _train(job: Job, stop_after: int | None) -> dict[str, Any]:
     end = cfg.training.steps if stop_after is None else min(stop_after, cfg.training.steps)
     watchdog = StepWatchdog(_watchdog_limit(cfg), rank=rank) if dims.world_size > 1 else None
     stop = run_report.StopRequest()
+    p = cfg.profiling
+    phases, profiling_dir = StepPhases(device), run_dir / "profiling"
+    tracer = Tracer(parse_steps(p.trace_steps), profiling_dir, rank)
+    saved_bytes = (
+        ActivationMemory(pm.parts[0]) if p.memory_snapshot and device.type == "cpu" else None
+    )
     failed = True  # until the loop ends well: a failed peer never completes its last save
     try:
-        with stop:
+        with stop, cuda_memory_history(p.memory_snapshot, profiling_dir, rank):
             try:
                 while state.step < end and not stop.requested:
-                    batch = next(loader).to(device)
-                    result = train_step(pm, optimizer, batch, cfg, skip_nonfinite=guard.per_step)
+                    tracer.before_step(state.step + 1)
+                    with phases.phase("data"):
+                        batch = next(loader).to(device)
+                    with saved_bytes.measure() if saved_bytes else contextlib.nullcontext():
+                        result = train_step(
+                            pm, optimizer, batch, cfg, skip_nonfinite=guard.per_step, phases=phases
+                        )
+                    if saved_bytes is not None:  # the first step's table
+                        saved_bytes, _ = None, saved_bytes.write(profiling_dir, rank)
+                    phases.steps += 1
                     lr = scheduler.get_last_lr()[0]
                     scheduler.step()
                     state.step += 1
@@ -299,18 +331,22 @@ def _train(job: Job, stop_after: int | None) -> dict[str, Any]:
                                 "mfu": tps * flops_per_token / (peak * dims.world_size),
                                 **moe_load(result.expert_counts),
                                 **memory_bytes(device),
+                                **phases.read(),
                             },
                         )
                         last_log, steps_since_log = time.perf_counter(), 0
                     every = cfg.metrics.validate_every
                     if every and (state.step % every == 0 or state.step == cfg.training.steps):
-                        val = validate_run(pm, job, val_src, device)
+                        with phases.phase("validation"):
+                            val = validate_run(pm, job, val_src, device)
                         logger.log(state.step, val, prefix="validation")
                     last = state.step == cfg.training.steps
                     if ckpt is not None and (state.step % cfg.checkpoint.interval == 0 or last):
                         losses += guard.read()  # never save weights a non-finite step touched
-                        ckpt.save(state.step, stateful)
+                        with phases.phase("checkpoint"):
+                            ckpt.save(state.step, stateful)
                         saved = state.step
+                    tracer.after_step(state.step)
                     if watchdog is not None:
                         watchdog.beat(state.step)
             except Exception:
@@ -328,6 +364,7 @@ def _train(job: Job, stop_after: int | None) -> dict[str, Any]:
             ckpt.wait()
         failed = False
     finally:
+        tracer.close()
         if watchdog is not None:
             watchdog.close()
         if ckpt is not None:
