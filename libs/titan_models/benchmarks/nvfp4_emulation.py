@@ -6,7 +6,9 @@ earlier git revision in the same process (its losses and gradients must agree bi
         [--batch 8] [--seq 128] [--steps 5] [--threads 1] [--against REV]
 
 Times are per step, the best of ``--steps`` steps, as CPU time of this process (on a shared
-machine less noisy than wall time), and wall time next to it.
+machine less noisy than wall time), and wall time next to it. With ``--against``, also the
+codec alone: the six operands of the largest linear's three GEMMs (x, w; dy, w.T; dy.T, x.T
+for 1024 tokens, 256 -> 768), best of 20.
 """
 
 from __future__ import annotations
@@ -45,6 +47,21 @@ def _codec_at(rev: str):
     return module
 
 
+def _codec_times(previous, rev: str) -> None:
+    """CPU ms of ``round_trip`` over one linear's six GEMM operands, ``rev`` and this tree."""
+    g = torch.Generator().manual_seed(0)
+    x, w, dy = (torch.randn(*s, generator=g) for s in ((1024, 256), (768, 256), (1024, 768)))
+    operands = (x, w, dy, w.T, dy.T, x.T)
+    for name, codec in ((f"@ {rev}", previous), ("this tree", nvfp4)):
+        best = float("inf")
+        for _ in range(20):
+            c = time.process_time()
+            for op in operands:
+                codec.round_trip(op)
+            best = min(best, time.process_time() - c)
+        print(f"codec, one linear's six operands, {name:16s} cpu {best * 1e3:7.1f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
@@ -81,6 +98,8 @@ def main() -> None:
             cpu, wall = min(cpu, time.process_time() - c), min(wall, time.perf_counter() - w)
         return cpu, wall, out
 
+    if args.against:
+        _codec_times(_codec_at(args.against), args.against)
     rows = [("fp32", timed(fp32))]
     if args.against:
         scaled_mm.nvfp4 = _codec_at(args.against)
