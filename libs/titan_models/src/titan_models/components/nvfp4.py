@@ -153,7 +153,8 @@ def _quantized_magnitudes(x: torch.Tensor, stochastic: bool, generator):
         math.prod(shape[dim + 1 :]),
     )
     a = store.view(blocked).view(torch.int32).bitwise_and(_ABS_BITS)  # |x|
-    bmax = (a.amax(2, keepdim=True) if a.numel() else a.sum(2, keepdim=True)).view(torch.float32)
+    bmax = a.amax(2, keepdim=True) if a.numel() else a.new_zeros((*blocked[:2], 1, blocked[3]))
+    bmax = bmax.view(torch.float32)
     amax = bmax.amax() if bmax.numel() else xf.new_zeros(())
     t = (amax / (E2M1_MAX * E4M3_MAX)).clamp_min(_TINY)
     t = torch.where(amax == 0, torch.ones_like(t), t)
