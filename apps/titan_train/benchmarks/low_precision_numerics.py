@@ -12,7 +12,9 @@ run is its mean over the last 10 % of the steps (single-step losses are noisy); 
 with ``--seeds`` seeds (weights and data order), and the gap is that of the mean final losses,
 relative to fp32, printed next to the seed-to-seed spread of fp32 itself so that a gap can be
 told from noise. A loss gap transfers to accelerators as is: the emulation rounds exactly as
-the kernels do.
+the kernels do. On a CPU whose cores other jobs share, run it with ``OMP_NUM_THREADS=1``
+(the runs inherit the environment): two contended OpenMP threads make every elementwise
+pass, and so the emulated steps, many times slower.
 """
 
 from __future__ import annotations

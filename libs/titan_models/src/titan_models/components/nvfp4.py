@@ -87,18 +87,26 @@ def _scales(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return t, ideal, s
 
 
-def _round_e2m1(v: torch.Tensor, stochastic: bool, generator) -> torch.Tensor:
-    """``v`` (fp32) rounded onto the signed E2M1 grid, saturating at 6 (a negative value that
-    rounds to zero gives -0; NaN stays NaN). Below 2, from 2 and from 4 the grid is evenly
-    spaced by 0.5, 1 and 2, and ties to even multiples of the spacing are ties to even codes."""
-    a = v.abs().clamp_max(E2M1_MAX)
-    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
-    if stochastic:  # floor(a / step + u): up with probability (a - below) / step
-        u = torch.rand(a.shape, generator=generator, device=a.device)
-        q = (a / step + u).floor_() * step
-    else:
-        q = torch.round(a / step) * step  # round half to even
-    return torch.copysign(q, v)
+# fp32 bit patterns: magnitude mask, exponent field, 1.0, and 22 as an exponent increment
+_ABS_BITS, _EXP_BITS, _ONE_BITS, _EXP_22 = 0x7FFFFFFF, 0x7F800000, 0x3F800000, 22 << 23
+
+
+def _round_e2m1_(a: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+    """``a`` (fp32, >= 0 or NaN) rounded in place onto the E2M1 magnitudes, saturating at 6.
+
+    Below 2, from 2 and from 4 the grid is evenly spaced by ``step = pow2floor(max(a, 1)) / 2``
+    (0.5, 1, 2). With ``C = 2^23 * step`` (from the exponent bits of ``max(a, 1)``) the fp32 sum
+    ``a + C`` has a unit in the last place of exactly ``step``, so ``(a + C) - C`` is ``a``
+    rounded to a multiple of ``step``, ties to the even multiple, which is the even code.
+    ``u`` (uniform in [0, 1), shaped like ``a``): stochastic, ``floor(a / step + u) * step``,
+    up with probability (a - below) / step."""
+    a.clamp_(max=E2M1_MAX)  # NaN stays NaN
+    c = a.view(torch.int32).clamp(min=_ONE_BITS).bitwise_and_(_EXP_BITS)  # pow2floor(max(a, 1))
+    if u is not None:
+        step = c.sub_(1 << 23).view(torch.float32)  # halved
+        return a.div_(step).add_(u).floor_().mul_(step)
+    magic = c.add_(_EXP_22).view(torch.float32)
+    return a.add_(magic).sub_(magic)
 
 
 def _codes(q: torch.Tensor) -> torch.Tensor:
@@ -108,17 +116,58 @@ def _codes(q: torch.Tensor) -> torch.Tensor:
     return (code + 8 * (torch.signbit(q) & ~torch.isnan(q))).to(torch.uint8)
 
 
-def _quantized_values(
-    x: torch.Tensor, stochastic: bool, generator
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(E2M1 values (..., K / 16, 16) fp32, e4m3 block scales as fp32, tensor scale)."""
+def _storage_layout(xf: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(``xf`` in its memory order, the dim of it that holds ``xf``'s last): a transposed
+    ``xf`` (``xf.mT`` contiguous, as the GEMMs' transposed operands) is worked on as stored,
+    blocked along the rows, with no copy and the 16-element maxima vectorised across columns."""
+    if xf.dim() >= 2 and not xf.is_contiguous() and xf.mT.is_contiguous():
+        return xf.mT, xf.dim() - 2
+    return xf.contiguous(), xf.dim() - 1
+
+
+def _from_storage(y: torch.Tensor, store: torch.Tensor, dim: int, per_block: bool):
+    """Blocked ``y`` back to the logical shape: (..., K) elements or (..., K / 16) scales."""
+    shape = list(store.shape)
+    if per_block:
+        shape[dim] //= NVFP4_BLOCK
+    y = y.reshape(shape)
+    return y if dim == store.dim() - 1 else y.mT
+
+
+def _quantized_magnitudes(x: torch.Tensor, stochastic: bool, generator):
+    """(|E2M1 values|, e4m3 block scales as fp32, tensor scale, ``x`` as fp32, its storage,
+    block dim), the first two blocked: the storage viewed (P, K / 16, 16, Q), the block axis
+    third (Q = 1 unless ``x`` is a transposed view).
+
+    The fp32 arithmetic of the module doc, elementwise and in place where it can be; |x| and
+    the block maxima on the bit patterns (the max of non-negative floats is that of their
+    bits: NaN above inf above every finite value)."""
     _check(x)
     xf = x.float()
-    t, _, s = _scales(xf)
-    scale = (s * t).unsqueeze(-1)  # s * t per block: one fp32 product
+    store, dim = _storage_layout(xf)
+    shape = store.shape
+    blocked = (
+        math.prod(shape[:dim]),
+        shape[dim] // NVFP4_BLOCK,
+        NVFP4_BLOCK,
+        math.prod(shape[dim + 1 :]),
+    )
+    a = store.view(blocked).view(torch.int32).bitwise_and(_ABS_BITS)  # |x|
+    bmax = a.amax(2, keepdim=True) if a.numel() else a.new_zeros((*blocked[:2], 1, blocked[3]))
+    bmax = bmax.view(torch.float32)
+    amax = bmax.amax() if bmax.numel() else xf.new_zeros(())
+    t = (amax / (E2M1_MAX * E4M3_MAX)).clamp_min(_TINY)
+    t = torch.where(amax == 0, torch.ones_like(t), t)
+    t = torch.where(torch.isfinite(amax), t, torch.full_like(t, math.nan))
+    s = (bmax / (E2M1_MAX * t)).clamp_max(E4M3_MAX).to(torch.float8_e4m3fn).float()
+    scale = s * t  # one fp32 product per block
     scale = torch.where(scale == 0, math.inf, scale)  # an underflowed block: (signed) zeros
-    v = xf.unflatten(-1, (-1, NVFP4_BLOCK)) / scale
-    return _round_e2m1(v, stochastic, generator), s, t
+    a = a.view(torch.float32).div_(scale)  # |x / (s * t)|
+    u = None
+    if stochastic:  # drawn in x's logical order, whatever its layout
+        u = torch.rand(xf.shape, generator=generator, device=xf.device)
+        u = (u if dim == xf.dim() - 1 else u.mT).reshape(blocked)
+    return _round_e2m1_(a, u), s, t, xf, store, dim
 
 
 def quantize(
@@ -130,18 +179,22 @@ def quantize(
     ``stochastic``: round each element up or down at random, unbiased (gradients only).
     ``ValueError`` when K is not a multiple of 16.
     """
-    q, s, t = _quantized_values(x, stochastic, generator)
-    codes = _codes(q).flatten(-2)
+    mag, s, t, xf, store, dim = _quantized_magnitudes(x, stochastic, generator)
+    q = _from_storage(mag, store, dim, per_block=False).copysign(xf)  # x / (s t) has x's sign
+    codes = _codes(q)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed, s.to(torch.float8_e4m3fn), t
+    return packed, _from_storage(s, store, dim, per_block=True).to(torch.float8_e4m3fn), t
 
 
 def round_trip(
     x: torch.Tensor, *, stochastic: bool = False, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """``dequantize(*quantize(x))`` (bitwise) without packing codes: what emulated GEMMs use."""
-    q, s, t = _quantized_values(x, stochastic, generator)
-    return ((q * s.unsqueeze(-1)) * t).flatten(-2)
+    """``dequantize(*quantize(x))`` (bitwise but for NaN's sign) without packing codes: what
+    emulated GEMMs use. A transposed view (``x.mT`` contiguous) gives one, quantised as
+    stored."""
+    mag, s, t, xf, store, dim = _quantized_magnitudes(x, stochastic, generator)
+    y = mag.mul_(s).mul_(t)  # (|e2m1| * s) * t: the first product is exact
+    return _from_storage(y, store, dim, per_block=False).copysign_(xf)
 
 
 def _unpack(packed: torch.Tensor) -> torch.Tensor:
