@@ -47,6 +47,11 @@ def test_a_cpu_tensor_reaching_the_step_raises(monkeypatch):
     job = resolve(cfg)
     batches = [next(build_loaders(job)[0])]
     monkeypatch.setattr(Batch, "to", lambda self, device: self)
+    # _run_rank registers the fake fused-attention backend (it runs in a child process in a
+    # real fake-mode run): keep this process's registry as it was.
+    from titan_models.components import backends
+
+    monkeypatch.setattr(backends, "_BACKENDS", dict(backends._BACKENDS))
     # torch's device check, or the host read of a host tensor (fake tensors have no value)
     with pytest.raises(RuntimeError, match="device|_local_scalar_dense"):
         _run_rank(job, 0, batches)
