@@ -49,6 +49,7 @@ from titan_train.device import (
 )
 from titan_train.errors import ConfigError, ExportError, NonFiniteError
 from titan_train.evaluation import validate_run
+from titan_train.fault_tolerance import FaultTolerance, data_shard, replica_config
 from titan_train.loaders import IMAGE_TEXT, check_data
 from titan_train.loaders import loaders as _loaders
 from titan_train.lora import apply_lora_config, check_lora
@@ -200,12 +201,14 @@ def train_step(
     *,
     on_grads: Any = None,
     skip_nonfinite: bool = False,
+    ft: FaultTolerance | None = None,
 ) -> StepResult:
     """One optimizer step over ``grad_accum`` micro-batches of ``batch`` (on the training
     device); the loss is the mean over every target token of the global batch (see the module
     doc). Forces no host synchronisation. ``on_grads()`` runs once the gradients are
     complete, before clipping. ``skip_nonfinite``: read whether the gradient norm is finite
-    (one host read) and skip the update when it is not."""
+    (one host read) and skip the update when it is not. ``ft``: fault tolerance (tokens and
+    gradients summed over the live replica groups, the update only if torchft commits)."""
     import flexshard
 
     dims = pm.dims
@@ -213,7 +216,8 @@ def train_step(
     num_tokens = (batch.labels != IGNORE_INDEX).sum().to(torch.float32)
     if dims.dp_cp > 1:
         dist.all_reduce(num_tokens, group=pm.group("dp_cp"))
-    scale = dims.dp_cp / num_tokens.clamp(min=1)
+    live = ft.sync_tokens(num_tokens) if ft is not None else 1  # replica groups: HSDP's sums
+    scale = dims.dp_cp * live / num_tokens.clamp(min=1)
     micro = batch.split(cfg.training.grad_accum)
     total = torch.zeros((), dtype=torch.float32, device=num_tokens.device)
     for i, mb in enumerate(micro):
@@ -228,6 +232,8 @@ def train_step(
             loss = loss_sum(pm.parts[0], mb) * scale
         loss.backward()
         total += loss.detach()
+    if ft is not None:
+        ft.sync_grads(pm.parameters(), total)
     if on_grads is not None:
         on_grads()
     clip = dict(
@@ -240,17 +246,18 @@ def train_step(
     else:
         norm = flexshard.global_grad_norm(params, **clip)
     skipped = skip_nonfinite and not bool(torch.isfinite(norm))  # the same on every rank
-    if not skipped:
+    commit = ft is None or ft.should_commit()
+    if not skipped and commit:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     counts = expert_counts(pm)
-    if not skipped:
+    if not skipped and commit:
         update_expert_biases(pm)
     if dims.dp_cp > 1:  # each rank's share (of dp x cp times the mean); tp ranks agree
         dist.all_reduce(total, group=pm.group("dp_cp"))
     if dims.pp > 1:  # only the last stage holds the loss
         dist.all_reduce(total, group=pm.group("pp"))
-    return StepResult(total / dims.dp_cp, norm, counts, skipped)
+    return StepResult(total / (dims.dp_cp * live), norm, counts, skipped)
 
 
 def _check_memory(pm: ParallelModel, cfg: JobConfig, device: torch.device) -> None:
@@ -354,6 +361,7 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict[str, Any]:
     A non-finite loss or gradient norm raises ``NonFiniteError`` naming the step (see
     ``training.skip_nonfinite``); no checkpoint is written after it.
     """
+    cfg = replica_config(cfg)  # fault tolerance: this replica group's own run folder
     dims, tokenizer, model_cls, config = prepare(cfg)
     if cfg.comm.fake_world_size:
         from titan_train.fake import run_fake
@@ -398,9 +406,10 @@ def _train(
     if dims.pp > 1:
         build_stages(pm, cfg)
     rank = dist.get_rank() if dims.world_size > 1 else 0
-    torch.manual_seed(cfg.training.seed + pm.dp_rank)
-    random.seed(cfg.training.seed + pm.dp_rank)
-    loader, val_src = _loaders(cfg, tokenizer, dp_rank=pm.dp_rank, dp_size=dims.dp)
+    dp_rank, dp_size = data_shard(cfg, pm)
+    torch.manual_seed(cfg.training.seed + dp_rank)
+    random.seed(cfg.training.seed + dp_rank)
+    loader, val_src = _loaders(cfg, tokenizer, dp_rank=dp_rank, dp_size=dp_size)
     optimizer = build_optimizer(pm, cfg)
     scheduler = build_lr_scheduler(optimizer, cfg.training.steps, cfg.lr_schedule)
     state = TrainState(device)
@@ -412,6 +421,10 @@ def _train(
     stateful = checkpoint_state(
         pm, optimizer, scheduler, loader, state, adapters_only=cfg.lora.rank > 0
     )
+    ft = None
+    if cfg.fault_tolerance.enable:
+        ft = FaultTolerance(cfg, pm, optimizer, scheduler, loader, state, plan.run_dir)
+        stateful.update(ft.checkpoint_items())
     ckpt = resume(cfg, plan, stateful)  # before anything else is written to the run folder
     apply_resumed_changes(plan, cfg, optimizer, scheduler)
     if rank == 0:
@@ -465,8 +478,12 @@ def _train(
         with stop:
             try:
                 while state.step < end and not stop.requested:
-                    batch = next(loader).to(device)
-                    result = train_step(pm, optimizer, batch, cfg, skip_nonfinite=guard.per_step)
+                    batch = (ft.next_batch() if ft else next(loader)).to(device)
+                    result = train_step(
+                        pm, optimizer, batch, cfg, skip_nonfinite=guard.per_step, ft=ft
+                    )
+                    if ft is not None and not ft.committed:
+                        continue  # discarded by torchft: the same batch with the next quorum
                     lr = scheduler.get_last_lr()[0]
                     scheduler.step()
                     state.step += 1
@@ -486,6 +503,7 @@ def _train(
                                 "mfu": tps * flops_per_token / (peak * dims.world_size),
                                 **moe_load(result.expert_counts),
                                 **memory_bytes(device),
+                                **(ft.metrics() if ft else {}),
                             },
                         )
                         last_log, steps_since_log = time.perf_counter(), 0
@@ -515,6 +533,8 @@ def _train(
             ckpt.wait()
         failed = False
     finally:
+        if ft is not None:
+            ft.close()
         if watchdog is not None:
             watchdog.close()
         if ckpt is not None:
