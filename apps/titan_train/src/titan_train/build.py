@@ -32,6 +32,7 @@ from titan_train.config_file import model_config_changes
 from titan_train.data.tokenizers import Tokenizer, build_tokenizer
 from titan_train.device import resolve_device
 from titan_train.errors import ConfigError
+from titan_train.fault_tolerance import replica_config
 from titan_train.loaders import IMAGE_TEXT, check_data, loaders
 from titan_train.lora import apply_lora_config, check_lora
 from titan_train.low_precision import apply_quantize, check_low_precision
@@ -78,7 +79,9 @@ class Job:
 def resolve(cfg: JobConfig, *, world_size: int | None = None) -> Job:
     """Every check that can reject ``cfg``, before any process group, allocation or file:
     ``ConfigError`` naming the field. ``world_size``: that of a job about to be launched
-    (default: the fake world size, or torchrun's ``WORLD_SIZE``)."""
+    (default: the fake world size, or torchrun's ``WORLD_SIZE``). With fault tolerance on, the
+    job is this replica group's (its own run folder, ``fault_tolerance.replica_config``)."""
+    cfg = replica_config(cfg)
     try:
         validate(cfg)
         check_paths(cfg)
@@ -189,9 +192,11 @@ def build_parallel(
         raise ConfigError(str(e)) from e
 
 
-def build_loaders(job: Job, *, dp_rank: int = 0) -> tuple[Any, Any]:
-    """Data-parallel rank ``dp_rank``'s training stream and the validation source."""
-    return loaders(job.cfg, job.tokenizer, job.model_config, dp_rank=dp_rank, dp_size=job.dims.dp)
+def build_loaders(job: Job, *, dp_rank: int = 0, dp_size: int | None = None) -> tuple[Any, Any]:
+    """Data-parallel rank ``dp_rank``'s training stream (of ``dp_size`` shards, default the
+    job's data-parallel size) and the validation source."""
+    size = job.dims.dp if dp_size is None else dp_size
+    return loaders(job.cfg, job.tokenizer, job.model_config, dp_rank=dp_rank, dp_size=size)
 
 
 def build_optimizer(pm: ParallelModel, cfg: JobConfig) -> torch.optim.Optimizer:

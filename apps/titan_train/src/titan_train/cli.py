@@ -4,7 +4,8 @@ Launcher flags (``--recipe``, ``--config``, ``--list-recipes``, ``--print-config
 ``--dry-run``, ``--nproc``) are read first; ``--config FILE`` (TOML, or a run's
 ``config.json``) sets fields on top of the recipe, and every other argument overrides a field
 through tyro (``--optimizer.lr 3e-4``, ``--parallel.tp 2``). ``titan-train rl ...`` runs GRPO
-post-training instead (``titan_train.rl``).
+post-training instead (``titan_train.rl``); ``titan-train lighthouse`` runs torchft's
+lighthouse for fault-tolerant replica groups (``titan_train.replicas``).
 
 Nothing here imports torch: ``--help``, ``--list-recipes`` and config errors answer at once;
 the trainer is imported once a job is about to run.
@@ -67,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         from titan_train.rl import main as rl_main
 
         return rl_main(argv[1:])
+    if argv[:1] == ["lighthouse"]:
+        from titan_train.replicas import lighthouse_main
+
+        return lighthouse_main(argv[1:])
     launcher, rest = _launcher_parser().parse_known_args(argv)
     if launcher.help:
         _launcher_parser().print_help()
@@ -101,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
+        if cfg.fault_tolerance.local_replicas and not launcher.dry_run:
+            return _run_replicas(cfg, launcher.nproc, argv)
         return _run(cfg, launcher.nproc, argv)
     except KeyboardInterrupt:  # before the first step (or a second Ctrl-C): nothing saved
         print("titan-train: interrupted before any step was saved", file=sys.stderr)
@@ -111,15 +118,44 @@ EXIT_INTERRUPTED = 130
 """Exit status of a job stopped by Ctrl-C (128 + SIGINT)."""
 
 
+def _run_replicas(cfg: JobConfig, nproc: int, argv: list[str]) -> int:
+    """``--fault-tolerance.local-replicas N``: every check of replica group 0's config first."""
+    from titan_train.build import resolve
+    from titan_train.errors import ConfigError
+    from titan_train.fault_tolerance import replica_config
+    from titan_train.replicas import run_local_replicas
+
+    ft = dataclasses.replace(
+        cfg.fault_tolerance,
+        enable=True,
+        group_size=cfg.fault_tolerance.local_replicas,
+        local_replicas=0,
+    )
+    try:
+        resolve(replica_config(dataclasses.replace(cfg, fault_tolerance=ft)), world_size=nproc)
+    except ConfigError as e:
+        print(f"titan-train: error: {e}", file=sys.stderr)
+        return 2
+    return run_local_replicas(cfg, argv)
+
+
 def _run(cfg: JobConfig, nproc: int, argv: list[str]) -> int:
     from titan_train.build import resolve
-    from titan_train.errors import ConfigError, ExportError, NonFiniteError
+    from titan_train.errors import (
+        ConfigError,
+        ExportError,
+        FaultToleranceError,
+        NonFiniteError,
+        NoPeerToRejoin,
+    )
+    from titan_train.fault_tolerance import replica_config
+    from titan_train.replicas import EXIT_NO_PEER
     from titan_train.run_report import Interrupted
     from torch_checkpointing import CheckpointError
 
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         try:  # every check that needs no process, before launching any
-            resolve(dataclasses.replace(cfg), world_size=nproc)
+            resolve(replica_config(dataclasses.replace(cfg)), world_size=nproc)
         except ConfigError as e:
             print(f"titan-train: error: {e}", file=sys.stderr)
             return 2
@@ -136,9 +172,12 @@ def _run(cfg: JobConfig, nproc: int, argv: list[str]) -> int:
     except ConfigError as e:
         print(f"titan-train: error: {e}", file=sys.stderr)
         return 2
-    except (NonFiniteError, ExportError) as e:
+    except (NonFiniteError, ExportError, FaultToleranceError) as e:
         print(f"titan-train: error: {e}", file=sys.stderr)
         return 1
+    except NoPeerToRejoin as e:
+        print(f"titan-train: {e}", file=sys.stderr)
+        return EXIT_NO_PEER
     except CheckpointError as e:  # a disk that is full or read-only, a lost connection
         print(f"titan-train: error: checkpoint: {e}", file=sys.stderr)
         return 1

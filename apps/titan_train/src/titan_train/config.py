@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from titan_train.fault_tolerance_config import FaultToleranceConfig, validate_fault_tolerance
+
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
@@ -363,6 +365,7 @@ class JobConfig:
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     flexshard: FlexShardConfig = field(default_factory=FlexShardConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     overwrite: bool = False
     """With --checkpoint.no-resume in a run folder that holds checkpoints: move the old run's
     outputs to <run>/archive/<time>/ and start over (nothing is deleted)."""
@@ -523,6 +526,7 @@ def validate(cfg: JobConfig) -> None:
             "matrices Owned, whole on one rank: there is nothing to gather in tiles)"
         )
     _validate_lora(cfg.lora)
+    validate_fault_tolerance(cfg)
     if not cfg.name or "/" in cfg.name or cfg.name in (".", ".."):
         raise ValueError(f"name={cfg.name!r} must be a non-empty folder name without '/'")
 

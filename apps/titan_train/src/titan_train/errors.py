@@ -14,3 +14,12 @@ class NonFiniteError(RuntimeError):
 
 class ExportError(RuntimeError):
     """The HF export of a trained model failed; the message says where the weights are."""
+
+
+class FaultToleranceError(RuntimeError):
+    """A replica group of a fault-tolerant job cannot go on (no lighthouse, no quorum within
+    the timeout); the message names the replica and the address."""
+
+
+class NoPeerToRejoin(RuntimeError):
+    """A restarted replica group found no live peer to heal from: the others have finished."""

@@ -53,6 +53,12 @@ FREE_FIELDS = (
     "model.attention_backend",
     "compile.",
     "remat.",
+    "fault_tolerance.lighthouse",
+    "fault_tolerance.local_replicas",
+    "fault_tolerance.max_restarts",
+    "fault_tolerance.min_replicas",
+    "fault_tolerance.process_group",
+    "fault_tolerance.timeout_s",
 )
 """Fields that say how or where the job runs, not what it trains: never compared."""
 

@@ -42,6 +42,7 @@ from titan_train.data.packing import IGNORE_INDEX, Batch
 from titan_train.device import device_type, free_memory_bytes, init_process_group, resolve_device
 from titan_train.errors import ConfigError, ExportError, NonFiniteError
 from titan_train.evaluation import validate_run
+from titan_train.fault_tolerance import FaultTolerance, data_shard
 from titan_train.losses import autocast, loss_sum
 from titan_train.lr_schedule import build_lr_scheduler
 from titan_train.materialize import local_bytes, materialize
@@ -99,12 +100,15 @@ def train_step(
     on_grads: Any = None,
     skip_nonfinite: bool = False,
     phases: StepPhases | None = None,
+    ft: FaultTolerance | None = None,
 ) -> StepResult:
     """One optimizer step over ``grad_accum`` micro-batches of ``batch`` (on the training
     device); the loss is the mean over every target token of the global batch (see the module
     doc). Forces no host synchronisation. ``on_grads()`` runs once the gradients are
     complete, before clipping. ``skip_nonfinite``: read whether the gradient norm is finite
-    (one host read) and skip the update when it is not. ``phases``: time the step's phases."""
+    (one host read) and skip the update when it is not. ``phases``: time the step's phases.
+    ``ft``: fault tolerance (tokens and gradients summed over the live replica groups, the
+    update only if torchft commits)."""
     import flexshard
 
     phase = phases.phase if phases is not None else _untimed
@@ -114,7 +118,8 @@ def train_step(
     if dims.dp_cp > 1:
         with phase("collectives"):
             dist.all_reduce(num_tokens, group=pm.group("dp_cp"))
-    scale = dims.dp_cp / num_tokens.clamp(min=1)
+    live = ft.sync_tokens(num_tokens) if ft is not None else 1  # replica groups: HSDP's sums
+    scale = dims.dp_cp * live / num_tokens.clamp(min=1)
     micro = batch.split(cfg.training.grad_accum)
     total = torch.zeros((), dtype=torch.float32, device=num_tokens.device)
     for i, mb in enumerate(micro):
@@ -131,6 +136,8 @@ def train_step(
         with phase("backward"):
             loss.backward()
         total += loss.detach()
+    if ft is not None:
+        ft.sync_grads(pm.parameters(), total)
     if on_grads is not None:
         on_grads()
     clip = dict(
@@ -144,18 +151,19 @@ def train_step(
         else:
             norm = flexshard.global_grad_norm(params, **clip)
         skipped = skip_nonfinite and not bool(torch.isfinite(norm))  # the same on every rank
-        if not skipped:
+        commit = ft is None or ft.should_commit()
+        if not skipped and commit:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         counts = expert_counts(pm)
-        if not skipped:
+        if not skipped and commit:
             update_expert_biases(pm)
     with phase("collectives"):
         if dims.dp_cp > 1:  # each rank's share (of dp x cp times the mean); tp ranks agree
             dist.all_reduce(total, group=pm.group("dp_cp"))
         if dims.pp > 1:  # only the last stage holds the loss
             dist.all_reduce(total, group=pm.group("pp"))
-    return StepResult(total / dims.dp_cp, norm, counts, skipped)
+    return StepResult(total / (dims.dp_cp * live), norm, counts, skipped)
 
 
 def _untimed(name: str) -> contextlib.AbstractContextManager[None]:
@@ -230,9 +238,10 @@ def _train(job: Job, stop_after: int | None) -> dict[str, Any]:
     if dims.pp > 1:
         build_stages(pm, cfg)
     rank = dist.get_rank() if dims.world_size > 1 else 0
-    torch.manual_seed(cfg.training.seed + pm.dp_rank)
-    random.seed(cfg.training.seed + pm.dp_rank)
-    loader, val_src = build_loaders(job, dp_rank=pm.dp_rank)
+    dp_rank, dp_size = data_shard(cfg, pm)  # fault tolerance: this group's shards
+    torch.manual_seed(cfg.training.seed + dp_rank)
+    random.seed(cfg.training.seed + dp_rank)
+    loader, val_src = build_loaders(job, dp_rank=dp_rank, dp_size=dp_size)
     optimizer = build_optimizer(pm, cfg)
     scheduler = build_lr_scheduler(optimizer, cfg.training.steps, cfg.lr_schedule)
     state = TrainState(device)
@@ -244,6 +253,10 @@ def _train(job: Job, stop_after: int | None) -> dict[str, Any]:
     stateful = checkpoint_state(
         pm, optimizer, scheduler, loader, state, adapters_only=cfg.lora.rank > 0
     )
+    ft = None
+    if cfg.fault_tolerance.enable:
+        ft = FaultTolerance(cfg, pm, optimizer, scheduler, loader, state, plan.run_dir)
+        stateful.update(ft.checkpoint_items())
     ckpt = resume(cfg, plan, stateful)  # before anything else is written to the run folder
     apply_resumed_changes(plan, cfg, optimizer, scheduler)
     if rank == 0:
@@ -304,13 +317,16 @@ def _train(job: Job, stop_after: int | None) -> dict[str, Any]:
                 while state.step < end and not stop.requested:
                     tracer.before_step(state.step + 1)
                     with phases.phase("data"):
-                        batch = next(loader).to(device)
+                        batch = (ft.next_batch() if ft else next(loader)).to(device)
                     with saved_bytes.measure() if saved_bytes else contextlib.nullcontext():
                         result = train_step(
-                            pm, optimizer, batch, cfg, skip_nonfinite=guard.per_step, phases=phases
-                        )
+                            pm, optimizer, batch, cfg, skip_nonfinite=guard.per_step,
+                            phases=phases, ft=ft,
+                        )  # fmt: skip
                     if saved_bytes is not None:  # the first step's table
                         saved_bytes, _ = None, saved_bytes.write(profiling_dir, rank)
+                    if ft is not None and not ft.committed:
+                        continue  # discarded by torchft: the same batch with the next quorum
                     phases.steps += 1
                     lr = scheduler.get_last_lr()[0]
                     scheduler.step()
@@ -332,6 +348,7 @@ def _train(job: Job, stop_after: int | None) -> dict[str, Any]:
                                 **moe_load(result.expert_counts),
                                 **memory_bytes(device),
                                 **phases.read(),
+                                **(ft.metrics() if ft else {}),
                             },
                         )
                         last_log, steps_since_log = time.perf_counter(), 0
@@ -365,6 +382,8 @@ def _train(job: Job, stop_after: int | None) -> dict[str, Any]:
         failed = False
     finally:
         tracer.close()
+        if ft is not None:
+            ft.close()
         if watchdog is not None:
             watchdog.close()
         if ckpt is not None:
