@@ -49,6 +49,7 @@ from titan_train.device import (
 )
 from titan_train.errors import ConfigError, ExportError, NonFiniteError
 from titan_train.evaluation import validate_run
+from titan_train.graph import build_graph_step, check_graph
 from titan_train.loaders import IMAGE_TEXT, check_data
 from titan_train.loaders import loaders as _loaders
 from titan_train.lora import apply_lora_config, check_lora
@@ -92,8 +93,9 @@ __all__ = [
 
 def check_supported(cfg: JobConfig, dims: ParallelDims) -> None:
     """Reject combinations this trainer cannot run yet, before anything is built or written."""
-    if dims.pp > 1 and cfg.compile.enabled:
-        raise ValueError("compile.enabled with parallel.pp > 1 is not supported yet")
+    if dims.pp > 1 and (cfg.compile.enabled or cfg.compile.mode == "local"):
+        raise ValueError("compile.mode='local' with parallel.pp > 1 is not supported yet")
+    check_graph(cfg, dims)
     chunked = any(n == "chunked_cross_entropy" for _, n in parse_overrides(cfg.model.overrides))
     if chunked and (dims.pp > 1 or dims.tp > 1):
         raise ValueError(
@@ -216,6 +218,8 @@ def train_step(
     scale = dims.dp_cp / num_tokens.clamp(min=1)
     micro = batch.split(cfg.training.grad_accum)
     total = torch.zeros((), dtype=torch.float32, device=num_tokens.device)
+    if pm.graph is not None:  # compile.mode='graph': every micro-batch in one captured graph
+        total, micro = pm.graph.run(scale, micro), []
     for i, mb in enumerate(micro):
         last = i == len(micro) - 1
         if pm.sharded:  # accumulate locally, reduce in the last micro-batch's backward
@@ -397,6 +401,8 @@ def _train(
     materialize(pm, device, seed=cfg.training.seed, hf_path=cfg.checkpoint.init_from_hf)
     if dims.pp > 1:
         build_stages(pm, cfg)
+    if cfg.compile.mode == "graph":
+        pm.graph = build_graph_step(pm, cfg)
     rank = dist.get_rank() if dims.world_size > 1 else 0
     torch.manual_seed(cfg.training.seed + pm.dp_rank)
     random.seed(cfg.training.seed + pm.dp_rank)
