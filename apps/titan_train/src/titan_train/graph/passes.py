@@ -187,12 +187,9 @@ def bucket_collectives(gm: fx.GraphModule, cap_bytes: int) -> str:
         waits = [next(iter(c.users)) for c in run]
         gather = run[0].target == C10D.all_gather_into_tensor.default
         world = run[0].args[1]
-        new_nodes: list[fx.Node] = []
 
         def call(op: Any, args: tuple, like: fx.Node = run[0]) -> fx.Node:
-            node = _fake_call(g, op, args, like)
-            new_nodes.append(node)
-            return node
+            return _fake_call(g, op, args, like)
 
         with g.inserting_after(anchor):
             numels = [a.meta["val"].numel() for a in inputs]

@@ -34,6 +34,8 @@ class GraphStats:
     trace_s: float = 0.0
     passes: list[str] = field(default_factory=list)
     """Passes applied to the latest graph, in order."""
+    applied: list[tuple[str, str]] = field(default_factory=list)
+    """(pass, what it did) for the latest traced graph."""
 
 
 def graph_key(inputs: Sequence[torch.Tensor], num_micro: int) -> str:
@@ -63,6 +65,8 @@ class GraphStep:
         self.graphs: dict[str, torch.fx.GraphModule] = {}
         self.runnable: dict[str, Any] = {}
         self.stats = GraphStats()
+        self.on_new_graph: Any = None
+        """Called after a graph is traced and passed (the pre-compile writer)."""
 
     # -- graphs ------------------------------------------------------------------------------
     def graph_for(self, scale: torch.Tensor, micro: Sequence[Batch]) -> tuple[str, list]:
@@ -74,22 +78,34 @@ class GraphStep:
             gm = trace_step(self.model, self.cfg, self.sig, inputs, len(micro))
             self.stats.traces += 1
             self.stats.trace_s += time.perf_counter() - t0
-            self.add_graph(key, gm, inputs)
+            self.add_graph(key, gm)
+            if self.on_new_graph is not None:
+                self.on_new_graph()
         return key, inputs
 
-    def add_graph(self, key: str, gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> None:
+    def add_graph(self, key: str, gm: torch.fx.GraphModule) -> None:
         """Pass ``gm`` through the configured passes and cache it under ``key``."""
         from titan_train.graph.passes import run_passes
 
         before = gm.graph.python_code("self").src if self.dump_dir else None
         applied = run_passes(gm, self.passes, self.sig, self.cfg)
         self.stats.passes = [name for name, _ in applied]
+        self.stats.applied = applied
         self.graphs[key] = gm
-        self.runnable[key] = _compile(gm, inputs, self.passes)
         if self.dump_dir is not None:
             from titan_train.graph.dump import dump_step
 
             dump_step(self.dump_dir, key, gm, applied, self.sig, before=before)
+
+    def install(self, key: str, gm: torch.fx.GraphModule, passes: Sequence[str]) -> None:
+        """Use ``gm`` (already passed through ``passes``) for ``key``: no tracing."""
+        self.graphs[key] = gm
+        self.stats.loaded += 1
+        self.stats.passes = list(passes)
+        if self.dump_dir is not None:
+            from titan_train.graph.dump import dump_step
+
+            dump_step(self.dump_dir, key, gm, [(p, "loaded") for p in passes], self.sig)
 
     # -- one step ----------------------------------------------------------------------------
     def run(self, scale: torch.Tensor, micro: Sequence[Batch]) -> torch.Tensor:
@@ -97,6 +113,8 @@ class GraphStep:
         summed (scaled) loss on the device."""
         host_checks(micro)
         key, inputs = self.graph_for(scale, micro)
+        if key not in self.runnable:
+            self.runnable[key] = _compile(self.graphs[key], inputs, self.passes)
         out = self.runnable[key](*inputs)
         self.stats.runs += 1
         self._set_grads(out[1:])
@@ -126,7 +144,14 @@ def _compile(gm: torch.fx.GraphModule, inputs: list[torch.Tensor], passes: Seque
     when the opt-in ``inductor`` pass is on (numerics may differ from eager)."""
     if "inductor" not in passes:
         return gm
-    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.compile_fx import compile_fx
 
-    # The step graph mutates its inputs in place (buffers): compile_fx_inner keeps that.
-    return compile_fx_inner(gm, inputs)
+    # compile_fx functionalises the graph first (its in-place buffer updates included) and
+    # writes the mutations back to the inputs.
+    with torch.no_grad():
+        compiled = compile_fx(gm, inputs)
+    return lambda *args: compiled(list(args)) if _takes_list(compiled) else compiled(*args)
+
+
+def _takes_list(fn: Any) -> bool:
+    return bool(getattr(fn, "_boxed_call", False))

@@ -1,4 +1,6 @@
-"""Shared by the graph-mode tests: the same job stepped eagerly and in graph mode."""
+"""Parity check: the same job stepped eagerly and in graph mode, side by side, on the same
+batches (what the tests and ``benchmarks/graph_vs_eager.py`` run; useful to check a config of
+one's own: ``compare(out, recipe, steps, graph_argv, *argv)``)."""
 
 from __future__ import annotations
 
@@ -7,21 +9,23 @@ from typing import Any
 
 import torch
 
-SMALL = [
+SMALL = [  # short rows and batches: a few seconds per step on a loaded CPU
     "--training.batch-size", "2", "--training.seq-len", "16", "--training.grad-accum", "1",
     "--model.attention-backend", "sdpa", "--checkpoint.interval", "0",
     "--metrics.no-tensorboard", "--metrics.peak-flops", "1e11",
 ]  # fmt: skip
 
 
-def build_job(out: str, recipe: str, *argv: str) -> tuple[Any, Any, Any, Any]:
+def build_job(out: str, recipe: str, *argv: str, small: bool = True) -> tuple[Any, Any, Any, Any]:
     """(cfg, parallel model, optimizer, loader) of ``recipe`` with ``argv``, materialised."""
     from titan_train import trainer
     from titan_train.cli import parse_config
     from titan_train.loaders import loaders
     from titan_train.materialize import materialize
 
-    cfg = parse_config(["--output-dir", out, "--name", "g", *SMALL, *argv], recipe)
+    cfg = parse_config(
+        ["--output-dir", out, "--name", "g", *(SMALL if small else []), *argv], recipe
+    )
     dims, tok, model_cls, config = trainer.prepare(cfg)
     pm = trainer.build(cfg, dims, model_cls, config)
     device = torch.device("cpu")
