@@ -53,7 +53,7 @@ def fingerprint(step: Any, pm: Any, cfg: Any) -> dict[str, Any]:
         "config": _plain(config),
         "model": _plain(model),
         "parallelism": _plain(dims),
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),
     }
 
 

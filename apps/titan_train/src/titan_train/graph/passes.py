@@ -138,12 +138,26 @@ def remove_dead_code(gm: fx.GraphModule) -> str:
 
 
 def _fake_call(graph: fx.Graph, op: Any, args: tuple, meta_from: fx.Node) -> fx.Node:
-    """A new node ``op(*args)`` with its ``val`` computed on the fake values of its inputs."""
+    """A new node ``op(*args)`` with its ``val`` computed on meta tensors shaped like the
+    values of its inputs (collectives: their output shape)."""
     node = graph.call_function(op, args)
-    fake_args = fx.node.map_arg(args, lambda a: a.meta["val"])
-    mode = meta_from.meta["val"].fake_mode
-    with mode:
-        node.meta["val"] = op(*fake_args)
+
+    def meta(a: fx.Node) -> torch.Tensor:
+        v = a.meta["val"]
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+
+    margs = fx.node.map_arg(args, meta)
+    if op == C10D.all_gather_into_tensor.default:
+        x, world = margs[0], margs[1]
+        val = x.new_empty((x.shape[0] * world, *x.shape[1:]))
+    elif op == C10D.reduce_scatter_tensor.default:
+        x, world = margs[0], margs[2]
+        val = x.new_empty((x.shape[0] // world, *x.shape[1:]))
+    elif op == C10D.wait_tensor.default:
+        val = margs[0]
+    else:
+        val = op(*margs)
+    node.meta["val"] = val
     node.meta["phase"] = meta_from.meta.get("phase")
     node.meta["micro"] = meta_from.meta.get("micro")
     return node
@@ -186,7 +200,7 @@ def bucket_collectives(gm: fx.GraphModule, cap_bytes: int) -> str:
         anchor = max(inputs, key=lambda a: order[a])
         waits = [next(iter(c.users)) for c in run]
         gather = run[0].target == C10D.all_gather_into_tensor.default
-        world = run[0].args[1]
+        world = run[0].args[1] if gather else run[0].args[2]
 
         def call(op: Any, args: tuple, like: fx.Node = run[0]) -> fx.Node:
             return _fake_call(g, op, args, like)
