@@ -150,8 +150,4 @@ def _compile(gm: torch.fx.GraphModule, inputs: list[torch.Tensor], passes: Seque
     # writes the mutations back to the inputs.
     with torch.no_grad():
         compiled = compile_fx(gm, inputs)
-    return lambda *args: compiled(list(args)) if _takes_list(compiled) else compiled(*args)
-
-
-def _takes_list(fn: Any) -> bool:
-    return bool(getattr(fn, "_boxed_call", False))
+    return compiled
