@@ -74,12 +74,16 @@ common=(--training.device cuda --training.mixed-precision bf16 --metrics.peak-fl
 step "llama3_debug on one GPU" 90 uv run titan-train --recipe llama3_debug \
   "${common[@]}" --training.steps 50 --metrics.log-every 10
 step "Llama 1B, 50 steps, local compile" 240 uv run titan-train --recipe llama3_debug \
-  --name llama3_1b --model.flavor 1B --model.vocab-size 128256 --compile.enabled \
+  --name llama3_1b --model.flavor 1B --model.vocab-size 128256 --compile.mode local \
   --training.seq-len 2048 --training.batch-size 8 --training.steps 50 \
   --metrics.log-every 10 --lr-schedule.warmup-steps 10 "${common[@]}"
 for r in llama3_debug llama3_1b; do
   [ -f "$run/$r/metrics.jsonl" ] && log "$r last: $(grep '"split": "train"' "$run/$r/metrics.jsonl" | tail -n 1)"
 done
+
+# Graph mode (issue 37): step time and peak memory, eager vs local vs graph (+ Inductor).
+step "graph mode vs eager vs local compile" 240 uv run python \
+  apps/titan_train/benchmarks/graph_vs_eager.py --device cuda --batch-size 8 --seq-len 512
 
 step "checkpoint benchmark, state on the GPU" 120 uv run python \
   libs/torch_checkpointing/benchmarks/vs_dcp.py --device cuda --gib 1 --ranks 1 --reps 3

@@ -28,8 +28,9 @@ def build_job(out: str, recipe: str, *argv: str, small: bool = True) -> tuple[An
     )
     dims, tok, model_cls, config = trainer.prepare(cfg)
     pm = trainer.build(cfg, dims, model_cls, config)
-    device = torch.device("cpu")
-    materialize(pm, device, seed=cfg.training.seed)
+    from titan_train.device import resolve_device
+
+    materialize(pm, resolve_device(cfg.training.device), seed=cfg.training.seed)
     if cfg.compile.mode == "graph":
         pm.graph = trainer.build_graph_step(pm, cfg)
     loader, _ = loaders(cfg, tok, dp_rank=pm.dp_rank, dp_size=dims.dp)
@@ -56,9 +57,12 @@ def compare(out: str, recipe: str, steps: int, graph_argv: list[str], *argv: str
     cfg_g, pm_g, opt_g, _ = build_job(
         os.path.join(out, "g"), recipe, "--compile.mode", "graph", *graph_argv, *argv
     )
+    from titan_train.device import resolve_device
+
+    device = resolve_device(cfg_e.training.device)
     equal_losses = []
     for _ in range(steps):
-        batch = next(loader)
+        batch = next(loader).to(device)
         a = train_step(pm_e, opt_e, batch, cfg_e)
         b = train_step(pm_g, opt_g, batch, cfg_g)
         equal_losses.append(bool(torch.equal(a.loss, b.loss)))
