@@ -146,3 +146,22 @@ def test_fsdp2_tp2_bucketing_and_precompile_on_two_ranks_are_bitwise(tmp_path):
         assert coll, "TP's collectives are nodes of the graph"
         assert res["precompile"] == (1, 0, 1, [True] * 3) and res["precompile_params"]
     assert len(ranks) == 2
+
+
+def test_graph_mode_trains_checkpoints_and_resumes_like_eager(tmp_path):
+    from titan_train.cli import parse_config
+    from titan_train.trainer import train
+
+    common = [
+        "--output-dir", str(tmp_path), "--training.steps", "4", "--training.batch-size", "2",
+        "--training.seq-len", "16", "--metrics.log-every", "2", "--metrics.validate-every", "4",
+        "--metrics.validation-batches", "1", "--metrics.peak-flops", "1e11",
+        "--checkpoint.interval", "2", "--model.attention-backend", "sdpa",
+        "--metrics.no-tensorboard",
+    ]  # fmt: skip
+    graph = [*common, "--compile.mode", "graph"]
+    eager = train(parse_config([*common, "--name", "eager"]))["losses"]
+    assert train(parse_config([*graph, "--name", "g"]))["losses"] == eager
+    first = train(parse_config([*graph, "--name", "r"]), stop_after=2)["losses"]
+    rest = train(parse_config([*graph, "--name", "r"]))["losses"]
+    assert first + rest == eager
