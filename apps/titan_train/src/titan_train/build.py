@@ -33,6 +33,7 @@ from titan_train.data.tokenizers import Tokenizer, build_tokenizer
 from titan_train.device import resolve_device
 from titan_train.errors import ConfigError
 from titan_train.fault_tolerance import replica_config
+from titan_train.graph import check_graph
 from titan_train.loaders import IMAGE_TEXT, check_data, loaders
 from titan_train.lora import apply_lora_config, check_lora
 from titan_train.low_precision import apply_quantize, check_low_precision
@@ -126,8 +127,9 @@ def resolve(cfg: JobConfig, *, world_size: int | None = None) -> Job:
 
 def _check_supported(cfg: JobConfig, dims: ParallelDims) -> None:
     """Combinations the app cannot run yet, whatever the model."""
-    if dims.pp > 1 and cfg.compile.enabled:
-        raise ValueError("compile.enabled with parallel.pp > 1 is not supported yet")
+    if dims.pp > 1 and (cfg.compile.enabled or cfg.compile.mode == "local"):
+        raise ValueError("compile.mode='local' with parallel.pp > 1 is not supported yet")
+    check_graph(cfg, dims)
     chunked = any(n == "chunked_cross_entropy" for _, n in parse_overrides(cfg.model.overrides))
     if chunked and (dims.pp > 1 or dims.tp > 1):
         raise ValueError(

@@ -249,10 +249,25 @@ class RematConfig:
 
 @dataclass(kw_only=True, slots=True)
 class CompileConfig:
-    """Per-block torch.compile ("local compile")."""
+    """How the train step runs: eagerly, with each block compiled, or as one graph."""
 
+    mode: Literal["eager", "local", "graph"] = "eager"
+    """local: each block torch.compile'd; graph: the step's forward, loss, backward and
+    gradient reduction as one FX graph (titan_train.graph), bitwise equal to eager."""
     enabled: bool = False
-    """Compile each transformer block separately."""
+    """Older spelling of mode='local'."""
+    passes: tuple[str, ...] = ("noop", "dce", "bucket")
+    """Graph passes (mode=graph): noop, dce, bucket, memory keep every bit; inductor (opt-in)
+    may change numerics."""
+    bucket_mb: float = 25.0
+    """bucket pass: most MiB of input per merged all-gather / reduce-scatter."""
+    memory_budget: float = 0.0
+    """memory pass: keep at most this fraction of the graph's saved activation bytes,
+    recomputing the rest (0: follow remat.policy)."""
+    dump_graph: str = ""
+    """Folder to write each step graph to as text (per-node memory, passes applied)."""
+    precompile: str = ""
+    """Artifact file: written (traced on rank 0) when missing, else loaded without tracing."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -122,6 +122,8 @@ class ParallelModel:
     MoE layer this rank holds."""
     context_parallel: titan_models.ContextParallel | None = None
     """Under context parallelism: the group's collectives and algorithm every part runs with."""
+    graph: Any = None
+    """``compile.mode='graph'``: the ``titan_train.graph.GraphStep`` that runs the step."""
 
     @property
     def has_head(self) -> bool:
@@ -310,8 +312,9 @@ def parallelize(
         if dims.ep > 1:
             mesh_type = next(iter(meshes.values())).device_type
             pm.experts += _apply_expert_parallel(part, plan, pm.group("ep"), cfg, mesh_type)
-        _apply_remat(part, plan, cfg)
-        if cfg.compile.enabled:
+        if not (cfg.compile.mode == "graph" and "memory" in cfg.compile.passes):
+            _apply_remat(part, plan, cfg)  # else the graph's memory pass applies the policy
+        if cfg.compile.mode == "local" or cfg.compile.enabled:
             _apply_compile(part, plan)
         if dims.dp_cp > 1:
             _apply_data_parallel(part, cfg, pm)

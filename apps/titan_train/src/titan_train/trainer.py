@@ -43,6 +43,7 @@ from titan_train.device import device_type, free_memory_bytes, init_process_grou
 from titan_train.errors import ConfigError, ExportError, NonFiniteError
 from titan_train.evaluation import validate_run
 from titan_train.fault_tolerance import FaultTolerance, data_shard
+from titan_train.graph import build_graph_step
 from titan_train.losses import autocast, loss_sum
 from titan_train.lr_schedule import build_lr_scheduler
 from titan_train.materialize import local_bytes, materialize
@@ -122,6 +123,9 @@ def train_step(
     scale = dims.dp_cp * live / num_tokens.clamp(min=1)
     micro = batch.split(cfg.training.grad_accum)
     total = torch.zeros((), dtype=torch.float32, device=num_tokens.device)
+    if pm.graph is not None:  # compile.mode='graph': every micro-batch in one captured graph
+        with phase("forward_backward"):
+            total, micro = pm.graph.run(scale, micro), []
     for i, mb in enumerate(micro):
         last = i == len(micro) - 1
         if pm.sharded:  # accumulate locally, reduce in the last micro-batch's backward
@@ -237,6 +241,8 @@ def _train(job: Job, stop_after: int | None) -> dict[str, Any]:
     materialize(pm, device, seed=cfg.training.seed, hf_path=cfg.checkpoint.init_from_hf)
     if dims.pp > 1:
         build_stages(pm, cfg)
+    if cfg.compile.mode == "graph":
+        pm.graph = build_graph_step(pm, cfg)
     rank = dist.get_rank() if dims.world_size > 1 else 0
     dp_rank, dp_size = data_shard(cfg, pm)  # fault tolerance: this group's shards
     torch.manual_seed(cfg.training.seed + dp_rank)
