@@ -31,10 +31,11 @@ def image_text_loader(
     cfg: JobConfig,
     tokenizer: Tokenizer,
     source: ShapesSource | ImageFilesSource,
-    config: VisionLanguageConfig,
+    config: titan_models.TransformerConfig,
 ) -> ImageTextLoader:
     """An ``ImageTextLoader`` over ``source`` for the model of config ``config`` (its image
     processor and special tokens)."""
+    config = _vision_language(cfg, config)
     d, t = cfg.data, cfg.training
     processor = ImageProcessor(
         config.vision, min_pixels=d.image_min_pixels, max_pixels=d.image_max_pixels
@@ -61,12 +62,7 @@ def _image_text_sources(
     dp_size: int,
 ) -> tuple[ImageTextLoader, ShapesSource | ImageFilesSource]:
     d = cfg.data
-    if not isinstance(config, VisionLanguageConfig):
-        raise ValueError(
-            f"data.source={d.source!r} needs a vision-language model; {cfg.model.family} has no "
-            "vision tower (e.g. --model.family qwen3_vl)"
-        )
-    vision = config.vision
+    vision = _vision_language(cfg, config).vision
 
     def source(split: Literal["train", "validation"]) -> ShapesSource | ImageFilesSource:
         if d.source == "shapes":
@@ -91,6 +87,18 @@ def _image_text_sources(
 
     train, val = source("train"), source("validation")
     return image_text_loader(cfg, tokenizer, train, config), val
+
+
+def _vision_language(
+    cfg: JobConfig, config: titan_models.TransformerConfig
+) -> VisionLanguageConfig:
+    """``config`` as a vision-language model's; ``ValueError`` for a text-only model."""
+    if not isinstance(config, VisionLanguageConfig):
+        raise ValueError(
+            f"data.source={cfg.data.source!r} needs a vision-language model; {cfg.model.family} "
+            "has no vision tower (e.g. --model.family qwen3_vl)"
+        )
+    return config
 
 
 def loaders(
