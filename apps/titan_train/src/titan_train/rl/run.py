@@ -229,7 +229,9 @@ def _run_local(job, task, model, log, announce, resume_step):
     generator = titan_rl.TorchGenerator(gen_model, batch_invariant=r.batch_invariant)
     workers = r.rollout_workers or 2
     controller = titan_rl.Controller(
-        titan_rl.LocalPolicy(learner),
+        # titan_rl.Policy declares `version` a settable attribute; LocalPolicy's is a read-only
+        # property, and the Controller only reads it (a titan_rl Protocol to fix).
+        titan_rl.LocalPolicy(learner),  # pyrefly: ignore[bad-argument-type]
         generator,
         task.source,
         config,
@@ -276,18 +278,20 @@ def _run_distributed(job, task, init_dir, log, announce, resume_step):
         mesh=mesh,
         dataflow=dataflow,
     ) as rl:
-        router = rl.router
+        trainer, router, controller = rl.trainer, rl.router, rl.controller
+        if trainer is None or router is None or controller is None:
+            raise RuntimeError("DistributedGRPO.__enter__ did not start its trainer and replicas")
 
         def evaluate() -> dict[str, Any]:  # greedy, on the replicas' newest weights
             return task.evaluate(router)
 
-        checkpoints = _Checkpoints(Path(job.output_dir) / job.name, rl.trainer.run, rl)
+        checkpoints = _Checkpoints(Path(job.output_dir) / job.name, trainer.run, rl)
         history, before, after, wall = _loop(
             job, log, announce, evaluate, checkpoints, resume_step, rl.train,
-            before_final_eval=lambda: router.wait_loaded(rl.trainer.version),
+            before_final_eval=lambda: router.wait_loaded(trainer.version),
         )  # fmt: skip
-        weights = rl.trainer.run(full_weights)[0]
-        timeline = rl.controller.timeline.intervals
+        weights = trainer.run(full_weights)[0]
+        timeline = controller.timeline.intervals
     return history, timeline, before, after, weights, wall
 
 
