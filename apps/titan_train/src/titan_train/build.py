@@ -37,7 +37,7 @@ from titan_train.graph import check_graph
 from titan_train.loaders import IMAGE_TEXT, check_data, loaders
 from titan_train.lora import apply_lora_config, check_lora
 from titan_train.low_precision import apply_quantize, check_low_precision
-from titan_train.model_config import model_config
+from titan_train.model_config import ModelClass, model_config
 from titan_train.parallelize import (
     ParallelDims,
     ParallelModel,
@@ -65,8 +65,9 @@ class Job:
     dims: ParallelDims
     """Parallel degrees (``dp_shard=-1`` filled in from the world size)."""
     tokenizer: Tokenizer
-    model_cls: type[nn.Module]
-    model_config: Any
+    model_cls: ModelClass
+    """The family's model class, built as ``model_cls(model_config)``."""
+    model_config: titan_models.TransformerConfig
     """The family's config dataclass (flavour or HF folder, ``model.*`` fields applied)."""
     plan: titan_models.ModelPlan
     """The model's parallelism plan and what it supports."""

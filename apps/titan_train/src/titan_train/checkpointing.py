@@ -37,7 +37,7 @@ class TrainState:
         self.device = device
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"step": self.step, "rng": torch.get_rng_state()}
+        state: dict[str, Any] = {"step": self.step, "rng": torch.get_rng_state()}
         state["python"] = list(random.getstate()[1])
         if self.device.type == "cuda":
             state["device_rng"] = torch.cuda.get_rng_state(self.device)
@@ -198,7 +198,10 @@ def resume(cfg: JobConfig, plan: RunFolderPlan, stateful: dict[str, Any]) -> Any
 
 
 def export_hf(
-    pm: ParallelModel, model_config: Any, path: Path, cfg: JobConfig | None = None
+    pm: ParallelModel,
+    model_config: titan_models.TransformerConfig,
+    path: Path,
+    cfg: JobConfig | None = None,
 ) -> None:
     """HF safetensors of the final weights, written by every rank at once from the pieces it
     holds (flexshard shards, tensor-parallel slices); see ``write_hf``. With ``cfg.lora`` on,
@@ -211,7 +214,9 @@ def export_hf(
     write_hf(state, model_config, path)
 
 
-def write_hf(state: Mapping[str, Any], model_config: Any, path: Path) -> None:
+def write_hf(
+    state: Mapping[str, Any], model_config: titan_models.TransformerConfig, path: Path
+) -> None:
     """``state`` (FQN -> whole tensor or this rank's pieces) as an HF folder: titan_models maps
     it to HF keys (``hf_export``) and ``torch_checkpointing.save_hf`` writes every rank's
     pieces into the files in place, nothing gathered. ``config.json`` comes last, so a folder

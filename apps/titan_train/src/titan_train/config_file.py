@@ -20,6 +20,9 @@ from typing import Any, Literal
 
 from titan_train.config import JobConfig
 
+if typing.TYPE_CHECKING:
+    import titan_models
+
 SKIPPED_KEYS = ("history",)
 """Top-level keys of a run's ``config.json`` that are records, not fields."""
 
@@ -68,7 +71,9 @@ def _merge(obj: Any, data: dict[str, Any], *, prefix: str, path: Path) -> Any:
     return dataclasses.replace(obj, **changes)
 
 
-def model_config_changes(config: Any, entries: tuple[str, ...]) -> dict[str, Any]:
+def model_config_changes(
+    config: titan_models.TransformerConfig, entries: tuple[str, ...]
+) -> dict[str, Any]:
     """``model.config`` entries (``"max_seq_len=16384"``, ``"rope.theta=1e6"``) as typed
     values for ``titan_models.replace_config``. A value is read as JSON when it parses
     (``16384``, ``1e6``, ``true``, ``null``, ``[1, 2]``), else as a string; each is checked

@@ -4,7 +4,8 @@ cross-entropy, target tokens, and for image-text batches the answers predicted r
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -14,8 +15,9 @@ from titan_train.config import JobConfig
 from titan_train.data.image_files import ImageFilesSource
 from titan_train.data.image_text import ShapesSource
 from titan_train.data.packing import IGNORE_INDEX, Batch, PackedLoader
-from titan_train.loaders import image_text_loader
+from titan_train.loaders import ValidationSource, image_text_loader
 from titan_train.losses import cross_entropy_sum, loss_sum
+from titan_train.parallelize import ParallelModel
 from titan_train.pipelined import evaluate_pipeline
 
 if TYPE_CHECKING:
@@ -25,10 +27,10 @@ if TYPE_CHECKING:
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
-    loader: Any,
+    loader: Iterator[Batch],
     num_batches: int,
     device: torch.device,
-    shard: Any = None,
+    shard: Callable[[Batch], Batch] | None = None,
     *,
     exact_match: bool = False,
 ) -> tuple[float, int, int, int]:
@@ -51,6 +53,7 @@ def evaluate(
             continue
         answers += int(batch.answers.max()) + 1
         batch = batch.to(device)
+        assert batch.answers is not None  # Batch.to keeps them
         logits = model(batch.input_ids, **batch.model_inputs())
         total += cross_entropy_sum(logits, batch.labels).double()
         right += answers_right(logits, batch.labels, batch.answers)
@@ -80,10 +83,13 @@ def answers_right(
     return ((per_sample == 0) & (seen > 0)).sum()
 
 
-def validate_run(pm: Any, job: Job, val_src: Any, device: torch.device) -> dict[str, float]:
+def validate_run(
+    pm: ParallelModel, job: Job, val_src: ValidationSource, device: torch.device
+) -> dict[str, float]:
     """Mean validation loss over every data-parallel rank's batches (under pipelining: the
     schedule's forward actions only), and the answer accuracy of image-text data."""
     cfg, tokenizer, t = job.cfg, job.tokenizer, job.cfg.training
+    val_loader: Iterator[Batch]
     if isinstance(val_src, (ShapesSource, ImageFilesSource)):
         val_loader = image_text_loader(cfg, tokenizer, val_src, job.model_config)
     else:

@@ -26,6 +26,7 @@ import multiprocessing
 import resource
 import time
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ from titan_train.build import Job, build_loaders, build_optimizer, build_paralle
 from titan_train.config import JobConfig
 from titan_train.device import FAKE_DEVICE, init_fake_process_group
 from titan_train.errors import ConfigError
-from titan_train.parallelize import ParallelDims
+from titan_train.parallelize import ParallelDims, ParallelModel
 
 
 class _FusedAttentionMemory(torch.autograd.Function):
@@ -57,13 +58,25 @@ class _FusedAttentionMemory(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         q, k, v, _, _ = ctx.saved_tensors
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _fused_attention_memory(q, k, v, meta, prepared, *, window, sinks, scale, softcap):
-    return _FusedAttentionMemory.apply(q, k, v)
+def _fused_attention_memory(
+    q_BSHE: torch.Tensor,
+    k_BLKE: torch.Tensor,
+    v_BLKV: torch.Tensor,
+    meta: titan_models.AttentionMetadata,
+    prepared: Any,
+    *,
+    window: int | None,
+    sinks: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """A ``titan_models`` attention backend (``BackendForward``) with a fused kernel's memory."""
+    return _FusedAttentionMemory.apply(q_BSHE, k_BLKE, v_BLKV)
 
 
 FAKE_ATTENTION = "fused_memory_model"
@@ -129,7 +142,7 @@ class MemoryTracker(TorchDispatchMode):
         return peak
 
 
-def _nbytes(tensors: list[torch.Tensor]) -> int:
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
     seen, total = set(), 0
     for t in tensors:
         t = t.to_local() if hasattr(t, "to_local") else t
@@ -245,7 +258,7 @@ def _fake_steps(job: Job, rank: int, batches: list[Any]) -> dict[str, Any]:
             train_step(pm, optimizer, batch.to(FAKE_DEVICE), cfg, on_grads=on_grads)
         flats = {
             tracker.key_of(b.flat)
-            for part in (pm.parts if pm.sharded else [])
+            for part in (pm.flexshard_parts() if pm.sharded else [])
             for st in part.flexshard_state.all_states()
             for b in st.buckets
             if b.flat is not None
@@ -272,12 +285,18 @@ def _fake_steps(job: Job, rank: int, batches: list[Any]) -> dict[str, Any]:
             row["gathered_params_peak_bytes"] = need["gathered"]
             row["activations_estimate_bytes"] = activation_estimate(cfg, dims, config, pm)
         if pm.sharded and batches:  # flexshard's count of gathered buffers (peak above shards)
-            mems = [st.mem for part in pm.parts for st in part.flexshard_state.all_states()]
+            parts = pm.flexshard_parts()
+            mems = [st.mem for part in parts for st in part.flexshard_state.all_states()]
             row["gathered_params_peak_bytes"] = sum(m.peak - m.current for m in mems)
     return row
 
 
-def activation_estimate(cfg: JobConfig, dims: ParallelDims, config: Any, pm: Any) -> int:
+def activation_estimate(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    config: titan_models.TransformerConfig,
+    pm: ParallelModel,
+) -> int:
     """Activation bytes one rank keeps for backward, from the shapes (``--dry-run``, where no
     step runs). Per transformer block ``s·b·h·(10 + 24/tp)`` bytes in 16-bit compute
     (Korthikanti et al. 2022 without sequence parallelism, fused attention: no ``s²`` term);

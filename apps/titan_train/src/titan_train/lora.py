@@ -13,12 +13,17 @@ LoRA run). The merged HF export is ``titan_train.lora_export``.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 import titan_models
 from titan_train.config import JobConfig
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = ["apply_lora_config", "check_lora", "lora_tensor_parallel"]
 
@@ -63,7 +68,7 @@ def check_lora(cfg: JobConfig, dims: Any) -> None:
         )
 
 
-def lora_tensor_parallel(style: Any) -> Any:
+def lora_tensor_parallel(style: ParallelStyle) -> ParallelStyle:
     """The tensor-parallel style of a ``LoRALinear`` whose base gets ``style``: column-wise
     (base rows split) splits ``B``'s rows and replicates ``A``; row-wise (base columns split)
     splits ``A``'s columns and replicates ``B``, whose input is then a partial sum, reduced
@@ -71,25 +76,26 @@ def lora_tensor_parallel(style: Any) -> Any:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    colwise = isinstance(style, ColwiseParallel)
-    if not colwise and not isinstance(style, RowwiseParallel):
+    # The class's own partition of the base weight and bias (style's is replaced below).
+    if isinstance(style, ColwiseParallel):
+        adapters = {"lora_a": Replicate(), "lora_b": Shard(0)}
+        partition_base = functools.partial(type(style)._partition_linear_fn, style)
+    elif isinstance(style, RowwiseParallel):
+        adapters = {"lora_a": Shard(1), "lora_b": Replicate()}
+        partition_base = functools.partial(type(style)._partition_linear_fn, style)
+    else:
         raise TypeError(f"no LoRA form of tensor-parallel style {type(style).__name__}")
-    adapters = (
-        {"lora_a": Replicate(), "lora_b": Shard(0)}
-        if colwise
-        else {
-            "lora_a": Shard(1),
-            "lora_b": Replicate(),
-        }
-    )
 
-    def partition(name: str, module: nn.Module, mesh: Any) -> None:
+    def partition(name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         if "lora_a" not in module._parameters:  # called for every submodule (the dropout)
             return
         base = {n: module._parameters.pop(n) for n in list(adapters)}
-        type(style)._partition_linear_fn(style, name, module, mesh)  # weight and bias
+        partition_base(name, module, device_mesh)  # weight and bias
         for n, p in base.items():
-            dist = distribute_tensor(p, mesh, [adapters[n]], src_data_rank=style.src_data_rank)
+            assert p is not None, f"LoRALinear.{n} is a parameter"
+            # src_data_rank: set on the style by parallelize_module before it partitions
+            placement = [adapters[n]]
+            dist = distribute_tensor(p, device_mesh, placement, src_data_rank=style.src_data_rank)
             module.register_parameter(n, nn.Parameter(dist, requires_grad=p.requires_grad))
 
     style._partition_linear_fn = partition

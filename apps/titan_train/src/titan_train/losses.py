@@ -26,14 +26,16 @@ def loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
         with head.targets(batch.labels):
             return model(batch.input_ids, **batch.model_inputs())
     inputs = batch.model_inputs()
-    num_mtp = getattr(model.config, "num_mtp_modules", 0)
-    if num_mtp and model.training:  # multi-token prediction: its weighted mean, per token
+    config = model.config
+    mtp = isinstance(config, titan_models.DeepSeekV3Config) and config.num_mtp_modules > 0
+    if mtp and model.training:  # multi-token prediction (DeepSeek-V3, Kimi): weighted, per token
+        assert isinstance(config, titan_models.DeepSeekV3Config)
         logits, mtp_logits = model(batch.input_ids, **inputs, return_mtp=True)
         mtp = titan_models.mtp_loss(
             mtp_logits,
             batch.labels,
             document_ids=batch.document_ids,
-            weight=model.config.mtp_loss_weight,
+            weight=config.mtp_loss_weight,
             ignore_index=IGNORE_INDEX,
         )
         targets = (batch.labels != IGNORE_INDEX).sum()

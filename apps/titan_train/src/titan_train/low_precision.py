@@ -18,7 +18,7 @@ direct quantisation would also put on the subnormal grid).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -36,7 +36,9 @@ def recipes(
     q = cfg.quantize
     emulate = emulate or q.kernels == "emulated"
 
-    def one(mode: str) -> titan_models.Float8Recipe | None:
+    def one(
+        mode: Literal["none", "fp8_tensorwise", "fp8_rowwise", "mxfp8", "nvfp4"],
+    ) -> titan_models.Float8Recipe | None:
         if mode == "none":
             return None
         return titan_models.Float8Recipe(mode, grad_dtype=q.grad_dtype, emulate=emulate)
@@ -73,7 +75,7 @@ def apply_quantize(
     )
 
 
-def _fp8_weights(module: nn.Module) -> dict[int, tuple[str, nn.Parameter]]:
+def _fp8_weights(module: nn.Module) -> dict[int, tuple[str, torch.Tensor]]:
     """id -> (FQN, weight) of every FP8 linear's weight that no other module shares."""
     from titan_models.components import Float8Linear
 

@@ -11,6 +11,7 @@ expert parallelism or the pipeline.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ class Chunks:
         self,
         global_shape: tuple[int, ...],
         dtype: torch.dtype,
-        chunks: list[tuple[tuple[int, ...], torch.Tensor]],
+        chunks: Sequence[tuple[tuple[int, ...], torch.Tensor]],
     ) -> None:
         self.global_shape = tuple(global_shape)
         self.dtype = dtype
@@ -145,7 +146,7 @@ def _largest_gathered(pm: ParallelModel) -> int:
         return 0
     sizes = [
         bucket.layout.full_numel
-        for part in pm.parts
+        for part in pm.flexshard_parts()
         for state in part.flexshard_state.all_states()
         for bucket in state.buckets
     ]

@@ -4,17 +4,23 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import TypeAlias, cast
 
 import titan_models
 from titan_train.config import JobConfig
 from titan_train.config_file import model_config_changes
 from titan_train.data.tokenizers import Tokenizer
 
-__all__ = ["model_config"]
+__all__ = ["ModelClass", "model_config"]
+
+ModelClass: TypeAlias = Callable[[titan_models.TransformerConfig], titan_models.Transformer]
+"""A family's model class, built as ``model_cls(config)``."""
 
 
-def model_config(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[type, Any]:
+def model_config(
+    cfg: JobConfig, tokenizer: Tokenizer
+) -> tuple[ModelClass, titan_models.TransformerConfig]:
     """The model class and config: from the HF folder when initialising from one, else the
     family's flavour (vocabulary from the tokenizer unless set); ``model.config`` fields set
     last."""
@@ -37,10 +43,16 @@ def model_config(cfg: JobConfig, tokenizer: Tokenizer) -> tuple[type, Any]:
             f"the model ({source}) has vocab_size={config.vocab_size}, smaller than the "
             f"tokenizer's {tokenizer.vocab_size} (data.tokenizer={cfg.data.tokenizer!r})"
         )
-    return model_cls, config
+    # titan_models types the class as type[Transformer], whose own constructor also takes the
+    # blocks; every family's class is built from its config alone.
+    return cast(ModelClass, model_cls), config
 
 
-def _set_fields(config: Any, cfg: JobConfig) -> Any:
+def _set_fields(
+    config: titan_models.TransformerConfig, cfg: JobConfig
+) -> titan_models.TransformerConfig:
     if not cfg.model.config:
         return config
-    return titan_models.replace_config(config, model_config_changes(config, cfg.model.config))
+    changed = titan_models.replace_config(config, model_config_changes(config, cfg.model.config))
+    assert isinstance(changed, type(config))  # replace_config keeps the config's class
+    return changed

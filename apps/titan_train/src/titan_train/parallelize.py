@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,11 @@ from torch import nn
 import titan_models
 from titan_train.config import JobConfig
 from titan_train.data.packing import Batch
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from flexshard import FlexShardModule
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +105,7 @@ class ParallelDims:
 class ParallelModel:
     """This rank's part of the model and what the train step needs to drive it."""
 
-    parts: list[nn.Module]
+    parts: list[titan_models.Transformer]
     """The whole model, or this rank's pipeline stages in stage order."""
     dims: ParallelDims
     meshes: dict[str, Any] = field(default_factory=dict)
@@ -135,6 +140,21 @@ class ParallelModel:
         """This rank's routed-expert weights (different on every rank of the ``ep`` group)."""
         return [p for _, module, _ in self.experts for p in module.parameters()]
 
+    def flexshard_parts(self) -> list[FlexShardModule]:
+        """``parts`` as the flexshard modules they are once ``sharded``: their gradient-sync
+        switch and bucket states."""
+        from flexshard import FlexShardModule
+
+        out: list[FlexShardModule] = []
+        for part in self.parts:
+            if not isinstance(part, FlexShardModule):
+                raise TypeError(
+                    f"{type(part).__name__} is not sharded by flexshard (ParallelModel.sharded="
+                    f"{self.sharded})"
+                )
+            out.append(part)
+        return out
+
     def parameters(self) -> list[torch.nn.Parameter]:
         """Local parameters of every part, each once."""
         seen: dict[int, torch.nn.Parameter] = {}
@@ -167,8 +187,12 @@ class ParallelModel:
         cp = self.context_parallel
         if cp is None:
             return batch
-        fields = (batch.input_ids, batch.labels, batch.document_ids, batch.positions)
-        return Batch(*(cp.shard(t, dim=1) for t in fields))
+        return Batch(
+            cp.shard(batch.input_ids, dim=1),
+            cp.shard(batch.labels, dim=1),
+            cp.shard(batch.document_ids, dim=1),
+            cp.shard(batch.positions, dim=1),
+        )
 
 
 def check_plan(cfg: JobConfig, dims: ParallelDims, plan: titan_models.ModelPlan) -> None:
@@ -277,7 +301,7 @@ def build_mesh(dims: ParallelDims, device_type: str) -> dict[str, Any]:
 
 
 def parallelize(
-    model: nn.Module,
+    model: titan_models.Transformer,
     cfg: JobConfig,
     dims: ParallelDims,
     meshes: dict[str, Any],
@@ -325,7 +349,9 @@ def parallelize(
 # --- tensor parallelism -------------------------------------------------------------------
 
 
-def _apply_tensor_parallel(module: nn.Module, tp_plan: Any, tp_mesh: Any) -> None:
+def _apply_tensor_parallel(
+    module: nn.Module, tp_plan: titan_models.TensorParallelPlan, tp_mesh: DeviceMesh
+) -> None:
     """Megatron-style TP from the plan: column-wise / row-wise linears, a vocab-parallel
     embedding, full logits gathered at the head. Norms on the residual stream stay replicated
     (no sequence parallelism yet). The plan's ``replicated`` norms run on the local heads: they
@@ -369,16 +395,25 @@ def _matching(modules: dict[str, nn.Module], pattern: str) -> list[str]:
 
 
 def _apply_expert_parallel(
-    module: nn.Module, plan: Any, group: dist.ProcessGroup, cfg: JobConfig, device_type: str
+    module: nn.Module,
+    plan: titan_models.ModelPlan,
+    group: dist.ProcessGroup | None,
+    cfg: JobConfig,
+    device_type: str,
 ) -> list[tuple[str, nn.Module, Any]]:
     """Split each MoE's routed experts over ``group``, tokens exchanged by ``moe.dispatch``:
     all-to-all collectives, or dist_moe's symmetric-memory puts (emulated in shared memory
     when the group has no CUDA devices)."""
     import dist_moe
 
-    out = []
+    out: list[tuple[str, nn.Module, Any]] = []
     for n, sub in list(module.named_modules()):
         if any(titan_models.fqn_matches(p, n) for p in plan.experts):
+            if not isinstance(sub, dist_moe.MoE):
+                raise TypeError(
+                    f"the model plan's experts pattern matches {n}, a {type(sub).__name__}, not "
+                    "a dist_moe.MoE"
+                )
             dispatcher: Any = "all_to_all"
             if cfg.moe.dispatch == "symm_mem":
                 dispatcher = dist_moe.SymmMemDispatcher(
@@ -396,7 +431,7 @@ def _apply_expert_parallel(
 # --- rematerialisation and compile --------------------------------------------------------
 
 
-def _apply_remat(module: nn.Module, plan: Any, cfg: JobConfig) -> None:
+def _apply_remat(module: nn.Module, plan: titan_models.ModelPlan, cfg: JobConfig) -> None:
     if cfg.remat.policy == "none":
         return
     import torch_remat
@@ -411,7 +446,7 @@ def _apply_remat(module: nn.Module, plan: Any, cfg: JobConfig) -> None:
         torch_remat.apply(module, policy, units=units)
 
 
-def _apply_compile(module: nn.Module, plan: Any) -> None:
+def _apply_compile(module: nn.Module, plan: titan_models.ModelPlan) -> None:
     """Local compile: each block compiled on its own (small graphs, one recompile per shape)."""
     for _, block in _units(module, plan.remat_units):
         block.compile()
@@ -499,7 +534,9 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 # --- pipeline -----------------------------------------------------------------------------
 
 
-def _split_pipeline(pm: ParallelModel, model: nn.Module, plan: Any, cfg: JobConfig) -> None:
+def _split_pipeline(
+    pm: ParallelModel, model: titan_models.Transformer, plan: titan_models.ModelPlan, cfg: JobConfig
+) -> None:
     """Cut the model into stages by parameter count and keep this rank's (FQNs unchanged)."""
     import titan_pipeline
 
@@ -519,7 +556,7 @@ def _split_pipeline(pm: ParallelModel, model: nn.Module, plan: Any, cfg: JobConf
         pm.parts.append(_prune(model, keep))
 
 
-def _prune(model: nn.Module, keep: set[str]) -> nn.Module:
+def _prune(model: titan_models.Transformer, keep: set[str]) -> titan_models.Transformer:
     """A copy of ``model`` holding only the top-level modules / blocks in ``keep``; dropped
     parts become ``None`` (the model's forward skips them), FQNs stay those of the whole."""
     memo = {id(m): None for n, m in model.named_children() if n not in ("layers", "rope")}

@@ -3,13 +3,14 @@ microbatches, with flexshard's gradient reduction in each stage's last microbatc
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from titan_train.config import JobConfig
-from titan_train.data.packing import Batch, PackedLoader
+from titan_train.data.packing import Batch
 from titan_train.losses import autocast, cross_entropy_sum
 from titan_train.parallelize import ParallelModel
 
@@ -71,9 +72,7 @@ def _run_pipeline(
     return total
 
 
-def _side_inputs(
-    batch: Batch, m: int, extra: tuple[str, ...] = ()
-) -> list[dict[str, torch.Tensor]]:
+def _side_inputs(batch: Batch, m: int, extra: tuple[str, ...] = ()) -> list[dict[str, object]]:
     """What every pipeline stage needs besides its input, per microbatch: positions, document
     ids and the plan's ``stage_inputs`` (``token_ids``: the input ids)."""
     fields = {"positions": batch.positions, "document_ids": batch.document_ids}
@@ -87,7 +86,7 @@ def _side_inputs(
 
 @torch.no_grad()
 def evaluate_pipeline(
-    pm: ParallelModel, loader: PackedLoader, cfg: JobConfig, device: torch.device
+    pm: ParallelModel, loader: Iterator[Batch], cfg: JobConfig, device: torch.device
 ) -> tuple[float, int]:
     """Summed validation cross-entropy (the schedule's forward actions only) and the target
     token count over ``cfg.metrics.validation_batches`` batches, on every stage."""

@@ -128,19 +128,22 @@ class RunLock:
         created = bool(self.created)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / LOCK_NAME
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self._fd: int | None = None
+        """The lock file's descriptor while locked."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            holder = os.pread(self._fd, 4096, 0).decode(errors="replace").strip()
-            os.close(self._fd)
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            os.close(fd)
             if created:  # leave nothing behind
                 with contextlib.suppress(OSError):
                     self.path.unlink()
                     run_dir.rmdir()
             raise ConfigError(_in_use(run_dir, holder)) from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"pid {os.getpid()} since {time.strftime('%H:%M:%S')}".encode(), 0)
+        self._fd = fd
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} since {time.strftime('%H:%M:%S')}".encode(), 0)
 
     def release(self) -> None:
         """Unlock (the file stays: it is empty of meaning once unlocked)."""
@@ -260,7 +263,7 @@ def apply_resumed_changes(
         return
     old = plan.changes.get("optimizer.lr", (cfg.optimizer.lr, cfg.optimizer.lr))[0]
     old_muon = plan.changes.get("optimizer.muon_lr", (cfg.optimizer.muon_lr,) * 2)[0]
-    peaks = []
+    peaks: list[torch.Tensor | float] = []  # LRScheduler.base_lrs's type
     for base in scheduler.base_lrs:  # each group's peak: the AdamW lr or the Muon lr
         is_muon = cfg.optimizer.name == "muon" and base == old_muon and base != old
         peaks.append(cfg.optimizer.muon_lr if is_muon else cfg.optimizer.lr)

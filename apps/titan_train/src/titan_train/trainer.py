@@ -60,6 +60,7 @@ from titan_train.profiling import (
     parse_steps,
 )
 from titan_train.run_folder import (
+    RunFolderPlan,
     RunLock,
     apply_resumed_changes,
     archive_outputs,
@@ -129,7 +130,7 @@ def train_step(
     for i, mb in enumerate(micro):
         last = i == len(micro) - 1
         if pm.sharded:  # accumulate locally, reduce in the last micro-batch's backward
-            for part in pm.parts:
+            for part in pm.flexshard_parts():
                 part.set_requires_gradient_sync(last)
         if pm.schedule is not None:
             with phase("forward_backward"):
@@ -227,6 +228,7 @@ def _train(job: Job, stop_after: int | None) -> dict[str, Any]:
     plan = plan_run_folder(cfg, check_lock=False)  # on every rank, before any rank writes
     rank = int(os.environ.get("RANK", "0"))
     if _finished(cfg, plan):  # a rerun of a complete run: nothing to do, nothing touched
+        assert plan.resume_step is not None  # _finished: a checkpoint at the last step
         if rank == 0:
             print(run_report.finished(plan.run_dir, plan.resume_step), flush=True)
         return {"losses": [], "run_dir": plan.run_dir, "model": None, "step": plan.resume_step}
@@ -404,7 +406,7 @@ def _train(job: Job, stop_after: int | None) -> dict[str, Any]:
     return summary
 
 
-def _finished(cfg: JobConfig, plan: Any) -> bool:
+def _finished(cfg: JobConfig, plan: RunFolderPlan) -> bool:
     """The run folder's latest checkpoint is the last step, and its export (if asked) exists."""
     if plan.resume_step is None or plan.resume_step < cfg.training.steps:
         return False
@@ -421,7 +423,13 @@ def _interrupted(step: int, ckpt: Any, cfg: JobConfig) -> run_report.Interrupted
     return run_report.Interrupted(step, latest, cfg.checkpoint.interval > 0)
 
 
-def _export(pm: ParallelModel, config: Any, cfg: JobConfig, stateful: Any, saved: int) -> None:
+def _export(
+    pm: ParallelModel,
+    config: titan_models.TransformerConfig,
+    cfg: JobConfig,
+    stateful: Any,
+    saved: int,
+) -> None:
     """The HF export, after the last checkpoint is complete. If it fails the error names that
     checkpoint (with checkpoints off, one is written now): nothing trained is lost."""
     run_dir = Path(cfg.output_dir) / cfg.name

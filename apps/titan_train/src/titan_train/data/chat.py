@@ -20,9 +20,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from titan_train.data.file_records import FileRecords, in_validation
+
+if TYPE_CHECKING:
+    from titan_train.config import JobConfig
+    from titan_train.data.tokenizers import Tokenizer
 
 Document = tuple[list[int], list[bool]]
 """A rendered sample: token ids and, per token, whether it carries a loss."""
@@ -98,8 +102,10 @@ class ChatSource:
             records = self.files.split(self.split, self.validation_fraction, epoch=epoch)
             mine = ((self.files.name(rec), self._messages(rec)) for rec in records)
         else:  # endless and deterministic: epochs never end
+            conversations = self.conversations
+            assert conversations is not None, "ChatSource: __init__ requires paths or conversations"
             in_split = (
-                (f"conversation {i}", self.conversations(i))
+                (f"conversation {i}", conversations(i))
                 for i in itertools.count()
                 if in_validation(i, self.validation_fraction) == (self.split == "validation")
             )
@@ -135,7 +141,7 @@ class ChatSource:
 
 
 def chat_sources(
-    cfg: Any, tokenizer: Any, *, dp_rank: int = 0, dp_size: int = 1
+    cfg: JobConfig, tokenizer: Tokenizer, *, dp_rank: int = 0, dp_size: int = 1
 ) -> tuple[ChatSource, ChatSource]:
     """The training and validation ``ChatSource`` of a job's ``data`` config (``source=chat``)
     for one data-parallel rank."""
@@ -145,22 +151,27 @@ def chat_sources(
         from titan_train.data.chat_corpus import builtin_conversations
 
         conversations = builtin_conversations(d.chat_environment, cfg.training.seed)
-    common = dict(
-        renderer=chat_renderer(tokenizer, d.tokenizer if d.tokenizer != "byte" else ""),
-        max_tokens=cfg.training.seq_len,
-        rank=dp_rank,
-        world_size=dp_size,
-        seed=cfg.training.seed,
-        validation_fraction=d.validation_fraction,
-        paths=d.paths,
-        messages_field=d.messages_field,
-        conversations=conversations,
-        train_on=d.chat_train_on,
-        overlong=d.chat_overlong,
-        streaming=d.streaming,
-        shuffle_buffer=d.shuffle_buffer,
-    )
-    return ChatSource(split="train", **common), ChatSource(split="validation", **common)
+    renderer = chat_renderer(tokenizer, d.tokenizer if d.tokenizer != "byte" else "")
+
+    def source(split: Literal["train", "validation"]) -> ChatSource:
+        return ChatSource(
+            split=split,
+            renderer=renderer,
+            max_tokens=cfg.training.seq_len,
+            rank=dp_rank,
+            world_size=dp_size,
+            seed=cfg.training.seed,
+            validation_fraction=d.validation_fraction,
+            paths=d.paths,
+            messages_field=d.messages_field,
+            conversations=conversations,
+            train_on=d.chat_train_on,
+            overlong=d.chat_overlong,
+            streaming=d.streaming,
+            shuffle_buffer=d.shuffle_buffer,
+        )
+
+    return source("train"), source("validation")
 
 
 def chat_renderer(tokenizer: Any, tokenizer_path: str) -> Any:

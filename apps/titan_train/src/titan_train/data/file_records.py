@@ -29,7 +29,7 @@ tokenizing) this rank's records of the epoch up to it. HF's own
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -153,7 +153,7 @@ class FileRecords:
         return f"record {record[_ROW]} of {self.paths[record[_FILE]]}"
 
     @staticmethod
-    def fields(record: dict[str, Any]) -> list[str]:
+    def fields(record: Mapping[str, Any]) -> list[str]:
         """The record's own fields (without the two the stream adds)."""
         return sorted(k for k in record if k not in (_FILE, _ROW))
 

@@ -124,11 +124,12 @@ class ImageFilesSource:
                     f"{sorted(rec)})"
                 )
         encoded = dict(rec.get(image_field) or {})
-        if encoded.get("bytes") is None and encoded.get("path") is None:
-            raise ValueError(f"data.image_field={image_field!r}: record {index} has no image")
         path = encoded.get("path")
-        if encoded.get("bytes") is None and not Path(path).is_absolute():
-            encoded["path"] = str(self._root / path)
+        if encoded.get("bytes") is None:
+            if path is None:
+                raise ValueError(f"data.image_field={image_field!r}: record {index} has no image")
+            if not Path(path).is_absolute():
+                encoded["path"] = str(self._root / path)
         return ImageRecord(encoded, rec[question_field], rec[answer_field])
 
 

@@ -82,8 +82,8 @@ class ImageProcessor:
             out = self._processor(images=[image.convert("RGB")], return_tensors="pt")
         except Exception as e:  # PIL / processor errors on a corrupt image
             raise _BadImage(f"{name}: the image processor cannot read this image ({e})") from e
-        grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
-        return out["pixel_values"].float(), grid
+        t, h, w = (int(x) for x in out["image_grid_thw"][0].tolist())
+        return out["pixel_values"].float(), (t, h, w)
 
 
 def image_question_ids(

@@ -10,12 +10,13 @@ positions and, for validation accuracy, which targets belong to which sample's a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from titan_train.data.chat import ChatSource, Document
 from titan_train.data.sources import DocumentSource
 from titan_train.data.tokenizers import Tokenizer
 
@@ -105,10 +106,11 @@ class Batch:
 
     def to(self, device: torch.device) -> Batch:
         """The same batch on ``device`` (asynchronous copies from the host)."""
-        fields = (self.input_ids, self.labels, self.document_ids, self.positions)
-        moved = (t.to(device, non_blocking=True) for t in fields)
         return Batch(
-            *moved,
+            self.input_ids.to(device, non_blocking=True),
+            self.labels.to(device, non_blocking=True),
+            self.document_ids.to(device, non_blocking=True),
+            self.positions.to(device, non_blocking=True),
             None if self.images is None else self.images.to(device),
             None if self.answers is None else self.answers.to(device, non_blocking=True),
         )
@@ -132,7 +134,12 @@ class PackedLoader:
     target token off the mask carries no loss); exactly resumable."""
 
     def __init__(
-        self, source: DocumentSource, tokenizer: Tokenizer, *, seq_len: int, batch_size: int
+        self,
+        source: DocumentSource | ChatSource,
+        tokenizer: Tokenizer,
+        *,
+        seq_len: int,
+        batch_size: int,
     ) -> None:
         if seq_len < 2:
             raise ValueError(f"training.seq_len={seq_len} must be >= 2")
@@ -145,7 +152,7 @@ class PackedLoader:
         self._doc_ids: list[int] = []
         self._positions: list[int] = []
         self._loss_mask: list[bool] = []
-        self._docs: Iterator[Any] | None = None
+        self._docs: Iterator[str | Document] | None = None
 
     def __iter__(self) -> PackedLoader:
         return self
@@ -158,7 +165,7 @@ class PackedLoader:
 
         # Row r holds tokens [r*S, r*S + S] (S+1 tokens): consecutive rows overlap by one token,
         # so every token is a target exactly once. The last token stays for the next batch.
-        def rows(values: list[int]) -> torch.Tensor:
+        def rows(values: Sequence[int]) -> torch.Tensor:
             return torch.tensor(values[:need]).unfold(0, s + 1, s)
 
         ids, docs, pos = rows(self._tokens), rows(self._doc_ids), rows(self._positions)

@@ -39,18 +39,33 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
+# veRL lives in its own environment (apps/titan_train/verl_env), not the repository's: the
+# type checker of the repository cannot see it.
 try:
-    from verl.trainer.config import CheckpointConfig
-    from verl.utils import tensordict_utils as tu
-    from verl.utils import torch_functional as verl_F
-    from verl.workers.config import ActorConfig, EngineConfig, FSDPOptimizerConfig, HFModelConfig
-    from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
-    from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
+    from verl.trainer.config import CheckpointConfig  # pyrefly: ignore[missing-import]
+    from verl.utils import tensordict_utils as tu  # pyrefly: ignore[missing-import]
+    from verl.utils import torch_functional as verl_F  # pyrefly: ignore[missing-import]
+    from verl.workers.config import (  # pyrefly: ignore[missing-import]
+        ActorConfig,
+        EngineConfig,
+        FSDPOptimizerConfig,
+        HFModelConfig,
+    )
+    from verl.workers.engine.base import (  # pyrefly: ignore[missing-import]
+        BaseEngine,
+        BaseEngineCtx,
+        EngineRegistry,
+    )
+    from verl.workers.engine.utils import (  # pyrefly: ignore[missing-import]
+        detach_tree,
+        postprocess_batch_func,
+        prepare_micro_batches,
+    )
 except ImportError as e:  # the app itself never imports this module
     raise ImportError(
         "titan_train.integrations.verl needs verl==0.9.1, which cannot share the repository's "
@@ -70,6 +85,7 @@ from titan_train.config import (
 from titan_train.device import resolve_device
 from titan_train.losses import autocast
 from titan_train.materialize import global_state, materialize
+from titan_train.model_config import ModelClass
 from titan_train.parallelize import ParallelDims, ParallelModel, build_mesh, check_plan, parallelize
 
 __all__ = ["TitanActorConfig", "TitanEngine", "TitanEngineConfig", "TitanEngineWithLMHead"]
@@ -82,6 +98,15 @@ VerlBatch = Any
 
 BACKEND = "titan"
 """The ``strategy`` / registry backend name that selects this engine."""
+
+_DEVICES: tuple[Literal["auto", "cpu", "cuda"], ...] = ("auto", "cpu", "cuda")
+_PRECISIONS: tuple[Literal["fp32", "bf16"], ...] = ("fp32", "bf16")
+_REMAT: tuple[Literal["none", "full", "selective", "every_nth"], ...] = (
+    "none",
+    "full",
+    "selective",
+    "every_nth",
+)
 
 
 # veRL's configs are ``verl.base_config.BaseConfig`` dataclasses, whose frozen-field check reads
@@ -114,9 +139,9 @@ class TitanEngineConfig(EngineConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_choice("strategy", self.strategy, (BACKEND,))
-        _check_choice("device", self.device, ("auto", "cpu", "cuda"))
-        _check_choice("mixed_precision", self.mixed_precision, ("fp32", "bf16"))
-        _check_choice("remat", self.remat, ("none", "full", "selective", "every_nth"))
+        _check_choice("device", self.device, _DEVICES)
+        _check_choice("mixed_precision", self.mixed_precision, _PRECISIONS)
+        _check_choice("remat", self.remat, _REMAT)
         titan_models.resolve_attention_backend(self.attention_backend, "cpu")  # registered?
         if self.dp_replicate < 1:
             raise ValueError(f"TitanEngineConfig: dp_replicate={self.dp_replicate} must be >= 1")
@@ -152,26 +177,33 @@ class TitanActorConfig(ActorConfig):
         self.engine = self.titan
 
 
-def _check_choice(name: str, value: Any, allowed: tuple[Any, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"TitanEngineConfig: {name}={value!r} must be one of {list(allowed)}")
+_Choice = TypeVar("_Choice", bound=str)
+
+
+def _check_choice(name: str, value: str, allowed: tuple[_Choice, ...]) -> _Choice:
+    """``value`` as the one of ``allowed`` it equals; ``ValueError`` naming it otherwise."""
+    for choice in allowed:
+        if value == choice:
+            return choice
+    raise ValueError(f"TitanEngineConfig: {name}={value!r} must be one of {list(allowed)}")
 
 
 def _job_config(engine_config: TitanEngineConfig, max_grad_norm: float) -> JobConfig:
     """The app's job config for the parts of a job the engine runs: layout, precision, remat,
     compile (data, schedule and checkpoints are veRL's)."""
+    c = engine_config  # its choices were checked in __post_init__; narrowed here
     return JobConfig(
         model=ModelConfig(attention_backend=engine_config.attention_backend),
         parallel=ParallelConfig(
             dp_replicate=engine_config.dp_replicate, dp_shard=engine_config.dp_shard
         ),
         training=TrainingConfig(
-            mixed_precision=engine_config.mixed_precision,
+            mixed_precision=_check_choice("mixed_precision", c.mixed_precision, _PRECISIONS),
             max_grad_norm=max_grad_norm,
             seed=engine_config.seed,
-            device=engine_config.device,
+            device=_check_choice("device", c.device, _DEVICES),
         ),
-        remat=RematConfig(policy=engine_config.remat),
+        remat=RematConfig(policy=_check_choice("remat", c.remat, _REMAT)),
         compile=CompileConfig(enabled=engine_config.compile),
     )
 
@@ -211,7 +243,10 @@ class TitanEngine(BaseEngine):
         self.job = _job_config(engine_config, clip)
         self.device = resolve_device(engine_config.device)
         # Everything that can reject the model or the layout, before any allocation.
-        self._model_cls, config = titan_models.hf_model_config(model_config.local_path)
+        model_cls, config = titan_models.hf_model_config(model_config.local_path)
+        # titan_models types the class as type[Transformer], whose own constructor also takes
+        # the blocks; every family's class is built from its config alone.
+        self._model_cls = cast(ModelClass, model_cls)
         self.titan_config = dataclasses.replace(
             config, attention_backend=engine_config.attention_backend
         )
@@ -242,18 +277,33 @@ class TitanEngine(BaseEngine):
         if self.engine_config.forward_only:
             self.optimizer = self.lr_scheduler = None
             return
-        from verl.workers.config.optimizer import build_optimizer
+        from verl.workers.config.optimizer import (  # pyrefly: ignore[missing-import]
+            build_optimizer,
+        )
 
         params = [p for p in self.pm.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(params, self.optimizer_config)
         self.lr_scheduler = _lr_scheduler(self.optimizer, self.optimizer_config)
 
     @property
-    def module(self) -> torch.nn.Module:
-        """The model (this rank's shards of it)."""
+    def parallel_model(self) -> ParallelModel:
+        """This rank's parts of the model (built by ``initialize``)."""
         if self.pm is None:
             raise RuntimeError("the titan engine is not initialised: call initialize() first")
-        return self.pm.parts[0]
+        return self.pm
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model (this rank's shards of it)."""
+        return self.parallel_model.parts[0]
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise RuntimeError(
+                "the titan engine has no optimizer: it is forward_only, or initialize() was not "
+                "called"
+            )
+        return self.optimizer
 
     @property
     def is_param_offload_enabled(self) -> bool:
@@ -308,8 +358,9 @@ class TitanEngine(BaseEngine):
         outputs = []
         grad_ctx = torch.no_grad() if forward_only else nullcontext()
         for i, micro_batch in enumerate(micro_batches):
-            if self.pm.sharded and not forward_only:  # accumulate locally until the last one
-                for part in self.pm.parts:
+            pm = self.parallel_model
+            if pm.sharded and not forward_only:  # accumulate locally until the last one
+                for part in pm.flexshard_parts():
                     part.set_requires_gradient_sync(i == len(micro_batches) - 1)
             with grad_ctx:
                 loss, output = self.forward_step(micro_batch, loss_function, forward_only)
@@ -326,24 +377,25 @@ class TitanEngine(BaseEngine):
         raise NotImplementedError("forward_step is the model head's (TitanEngineWithLMHead)")
 
     def optimizer_zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        self._optimizer().zero_grad(set_to_none=True)
 
     def optimizer_step(self) -> float:
         """Clip to ``optimizer_config.clip_grad`` by the global norm (flexshard) and step;
         a non-finite norm skips the update (as veRL's engines do). Returns the norm."""
         import flexshard
 
-        params = self.pm.parameters()
+        optimizer = self._optimizer()
+        params = self.parallel_model.parameters()
         clip = self.job.training.max_grad_norm
         if clip > 0:
             norm = flexshard.clip_grad_norm_(params, clip)
         else:
             norm = flexshard.global_grad_norm(params)
         if torch.isfinite(norm):
-            self.optimizer.step()
+            optimizer.step()
         else:
             logger.warning("titan engine: grad norm is %s, update skipped", norm.item())
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         return norm.item()
 
     def lr_scheduler_step(self) -> float:
@@ -379,7 +431,7 @@ class TitanEngine(BaseEngine):
 
     def _full_state(self) -> dict[str, torch.Tensor]:
         part = self.module
-        if self.pm.sharded:
+        if self.parallel_model.sharded:
             import flexshard
 
             return flexshard.full_state_dict(part, rank0_only=False, cpu_offload=False)
@@ -409,7 +461,8 @@ class TitanEngine(BaseEngine):
         if "hf_model" in contents:
             from titan_train.checkpointing import write_hf
 
-            write_hf(global_state(self.pm), self.titan_config, Path(local_path) / "huggingface")
+            state = global_state(self.parallel_model)
+            write_hf(state, self.titan_config, Path(local_path) / "huggingface")
         self._saved.append(local_path)
         if max_ckpt_to_keep and len(self._saved) > max_ckpt_to_keep:
             old, self._saved = self._saved[:-max_ckpt_to_keep], self._saved[-max_ckpt_to_keep:]
@@ -445,12 +498,13 @@ class TitanEngine(BaseEngine):
         # HSDP replicas hold the same shards, so their pieces are saved per rank (as the app does).
         per_rank = self.dims.dp_replicate > 1
         state: dict[str, Any] = {}
+        pm = self.parallel_model
         if "model" in contents:
-            model = ModelState(self.pm)
+            model = ModelState(pm)
             state["model"] = PerRank(model) if per_rank else model
         if "optimizer" in contents and self.optimizer is not None:
-            if self.pm.sharded:  # moments with their parameter's layout: reshardable
-                optim = OptimizerState(self.pm.parts[0], self.optimizer)
+            if pm.sharded:  # moments with their parameter's layout: reshardable
+                optim = OptimizerState(pm.parts[0], self.optimizer)
             else:
                 flexshard.init_optim_state(self.optimizer)  # a fresh one: targets to load into
                 optim = self.optimizer

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 import flexshard
 from torch_checkpointing import CheckpointManager
@@ -26,7 +27,7 @@ _MANAGERS: dict[str, CheckpointManager] = {}
 class _Model:
     """The model item: flexshard's sharded pieces (filled in place on load), or the tensors."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.model = model
 
     def state_dict(self) -> dict[str, Any]:
@@ -43,7 +44,7 @@ class _Model:
 class _Optimizer:
     """The optimizer item: state keyed by parameter name, moments as sharded pieces."""
 
-    def __init__(self, model: Any, optimizer: Any) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:

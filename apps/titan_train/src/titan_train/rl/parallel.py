@@ -74,7 +74,7 @@ class FlexShardDataParallel:
 
 def full_weights(learner: Any) -> dict[str, torch.Tensor] | None:
     """``trainer.run`` target: the whole model's weights on rank 0 (gathered), None elsewhere."""
-    model = learner.model
+    model: nn.Module = learner.model
     if not isinstance(model, flexshard.FlexShardModule):
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     return flexshard.full_state_dict(model) or None  # {} off rank 0

@@ -22,11 +22,14 @@ import copy
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch import nn
 
+import titan_models
 import titan_rl
 from titan_train.checkpointing import write_hf
 from titan_train.data.tokenizers import ByteTokenizer
@@ -49,6 +52,12 @@ from titan_train.rl.parallel import (
 )
 from titan_train.rl.tasks import TASKS, BuiltTask
 from titan_train.run_folder import RunLock, archive_outputs
+
+Announce = Callable[[str], None]
+"""Prints one line of progress."""
+
+Evaluation = Callable[[], dict[str, Any]]
+"""Held-out metrics of the current policy."""
 
 
 def grpo_config(job: RLJob, task: BuiltTask) -> titan_rl.GRPOConfig:
@@ -98,7 +107,14 @@ def run_rl(job: RLJob, *, announce=print) -> dict[str, Any]:
         lock.release()
 
 
-def _run_locked(job, run_dir, model, init_dir, task, announce) -> dict[str, Any]:
+def _run_locked(
+    job: RLJob,
+    run_dir: Path,
+    model: nn.Module,
+    init_dir: Path,
+    task: BuiltTask,
+    announce: Announce,
+) -> dict[str, Any]:
     r = job.rl
     resume_step = _resume_step(run_dir)
     config_json = json.dumps(dataclasses.asdict(job), indent=2)
@@ -134,7 +150,8 @@ def _run_locked(job, run_dir, model, init_dir, task, announce) -> dict[str, Any]
     finally:
         log.close()
     history, timeline, before, after, weights, wall = result
-    write_hf(weights, model.config, run_dir / "hf")
+    config = cast(titan_models.TransformerConfig, model.config)  # nn.Module's __getattr__
+    write_hf(weights, config, run_dir / "hf")
     (run_dir / "timeline.json").write_text(json.dumps(timeline))
     draw_timeline(timeline, run_dir / "timeline.png")
     summary = {
@@ -189,7 +206,14 @@ class _Checkpoints:
         self.run(close_trainer, self.trainer_root)
 
 
-def _on_step(job, log, announce, evaluate, start, checkpoints):
+def _on_step(
+    job: RLJob,
+    log: MetricsLogger,
+    announce: Announce,
+    evaluate: Evaluation,
+    start: float,
+    checkpoints: _Checkpoints,
+) -> Callable[[dict[str, Any]], bool]:
     """The controller's per-step callback: log, evaluate every ``eval.every`` steps, save
     every ``rl.checkpoint_interval`` steps, and stop at the time budget."""
     r = job.rl
@@ -219,7 +243,14 @@ def _on_step(job, log, announce, evaluate, start, checkpoints):
     return on_step
 
 
-def _run_local(job, task, model, log, announce, resume_step):
+def _run_local(
+    job: RLJob,
+    task: BuiltTask,
+    model: nn.Module,
+    log: MetricsLogger,
+    announce: Announce,
+    resume_step: int | None,
+):
     """Everything in this process."""
     r, config = job.rl, grpo_config(job, task)
     optimizer = AdamW(r.lr)(model.parameters())
@@ -229,7 +260,9 @@ def _run_local(job, task, model, log, announce, resume_step):
     generator = titan_rl.TorchGenerator(gen_model, batch_invariant=r.batch_invariant)
     workers = r.rollout_workers or 2
     controller = titan_rl.Controller(
-        titan_rl.LocalPolicy(learner),
+        # titan_rl.Policy declares `version` a settable attribute; LocalPolicy's is a read-only
+        # property, and the Controller only reads it (a titan_rl Protocol to fix).
+        titan_rl.LocalPolicy(learner),  # pyrefly: ignore[bad-argument-type]
         generator,
         task.source,
         config,
@@ -254,7 +287,14 @@ def _run_local(job, task, model, log, announce, resume_step):
     return history, controller.timeline.intervals, before, after, weights, wall
 
 
-def _run_distributed(job, task, init_dir, log, announce, resume_step):
+def _run_distributed(
+    job: RLJob,
+    task: BuiltTask,
+    init_dir: Path,
+    log: MetricsLogger,
+    announce: Announce,
+    resume_step: int | None,
+):
     """Trainer ranks and generator replicas as Monarch actors; the loops in this process."""
     from titan_rl.actors import DistributedGRPO, MeshConfig
 
@@ -276,25 +316,35 @@ def _run_distributed(job, task, init_dir, log, announce, resume_step):
         mesh=mesh,
         dataflow=dataflow,
     ) as rl:
-        router = rl.router
+        trainer, router, controller = rl.trainer, rl.router, rl.controller
+        if trainer is None or router is None or controller is None:
+            raise RuntimeError("DistributedGRPO.__enter__ did not start its trainer and replicas")
 
         def evaluate() -> dict[str, Any]:  # greedy, on the replicas' newest weights
             return task.evaluate(router)
 
-        checkpoints = _Checkpoints(Path(job.output_dir) / job.name, rl.trainer.run, rl)
+        checkpoints = _Checkpoints(Path(job.output_dir) / job.name, trainer.run, rl)
         history, before, after, wall = _loop(
             job, log, announce, evaluate, checkpoints, resume_step, rl.train,
-            before_final_eval=lambda: router.wait_loaded(rl.trainer.version),
+            before_final_eval=lambda: router.wait_loaded(trainer.version),
         )  # fmt: skip
-        weights = rl.trainer.run(full_weights)[0]
-        timeline = rl.controller.timeline.intervals
+        weights = trainer.run(full_weights)[0]
+        timeline = controller.timeline.intervals
     return history, timeline, before, after, weights, wall
 
 
 def _loop(
-    job, log, announce, evaluate, checkpoints, resume_step, train, *, resumed=None,
-    before_final_eval=None,
-):  # fmt: skip
+    job: RLJob,
+    log: MetricsLogger,
+    announce: Announce,
+    evaluate: Evaluation,
+    checkpoints: _Checkpoints,
+    resume_step: int | None,
+    train: Callable[..., list[dict[str, Any]]],
+    *,
+    resumed: Callable[[], None] | None = None,
+    before_final_eval: Callable[[], object] | None = None,
+):
     """Evaluate, resume, ``train(steps, on_step=)`` the remaining steps, evaluate again."""
     before, first = _start(job, log, announce, evaluate, checkpoints, resume_step)
     if resume_step is not None and resumed is not None:
@@ -313,7 +363,14 @@ def _loop(
     return history, before, after, wall
 
 
-def _start(job, log, announce, evaluate, checkpoints, resume_step):
+def _start(
+    job: RLJob,
+    log: MetricsLogger,
+    announce: Announce,
+    evaluate: Evaluation,
+    checkpoints: _Checkpoints,
+    resume_step: int | None,
+) -> tuple[dict[str, Any], int]:
     """The held-out evaluation before RL (read back on a resume) and the first step."""
     if resume_step is None:
         before = evaluate()

@@ -11,10 +11,12 @@ from __future__ import annotations
 import itertools
 from typing import Any, Literal
 
+import titan_models
 import titan_rl
 from titan_train.data.image_text import ImageProcessor, ShapesSource, image_question_ids
 from titan_train.data.shapes import KINDS
 from titan_train.data.tokenizers import Tokenizer
+from titan_train.loaders import VisionLanguageConfig
 
 
 class ShapesTask:
@@ -23,7 +25,7 @@ class ShapesTask:
     def __init__(
         self,
         tokenizer: Tokenizer,
-        model_config: Any,
+        model_config: titan_models.TransformerConfig,
         *,
         split: Literal["train", "validation"],
         seed: int,
@@ -33,11 +35,11 @@ class ShapesTask:
     ) -> None:
         """``model_config``: a vision-language config (``vision``, image and vision-start /
         end token ids)."""
-        vision = getattr(model_config, "vision", None)
-        if vision is None:
+        if not isinstance(model_config, VisionLanguageConfig):
             raise ValueError(
                 "task='shapes' needs a vision-language model (e.g. init_recipe='qwen3_vl_debug')"
             )
+        vision = model_config.vision
         self.tokenizer, self.config = tokenizer, model_config
         self.processor = ImageProcessor(vision, min_pixels=min_pixels, max_pixels=max_pixels)
         unit = vision.patch_size * vision.spatial_merge_size

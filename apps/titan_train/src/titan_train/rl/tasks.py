@@ -15,12 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
+from torch import nn
+
+import titan_models
 import titan_rl
 from titan_train.config import JobConfig
 from titan_train.data.arithmetic import Problem, answer_breakdown, arithmetic_problem
 from titan_train.data.tokenizers import ByteTokenizer
+from titan_train.rl.config import RLJob
 
 Evaluate = Callable[[titan_rl.Generator], dict[str, float]]
 
@@ -48,17 +52,17 @@ class TaskSpec:
     suffix that tells that corpus apart."""
     init_steps: int
     """Training steps of the starting run by default."""
-    build: Callable[[Any, ByteTokenizer, Any], BuiltTask]
+    build: Callable[[RLJob, ByteTokenizer, nn.Module], BuiltTask]
     """``build(job, tokenizer, model)``: the task ready for ``job``."""
 
 
-def _greedy(job: Any, tokenizer: ByteTokenizer, stop: tuple[int, ...]) -> titan_rl.SamplingParams:
+def _greedy(job: RLJob, tokenizer: ByteTokenizer, stop: tuple[int, ...]) -> titan_rl.SamplingParams:
     return titan_rl.SamplingParams(
         max_new_tokens=job.rl.max_new_tokens, temperature=0.0, stop_token_ids=stop
     )
 
 
-def _sampling(job: Any, stop: tuple[int, ...]) -> titan_rl.SamplingParams:
+def _sampling(job: RLJob, stop: tuple[int, ...]) -> titan_rl.SamplingParams:
     return titan_rl.SamplingParams(
         max_new_tokens=job.rl.max_new_tokens,
         temperature=job.rl.temperature,
@@ -66,7 +70,7 @@ def _sampling(job: Any, stop: tuple[int, ...]) -> titan_rl.SamplingParams:
     )
 
 
-def _task_rollouts(job: Any, task: titan_rl.Task, sampling: titan_rl.SamplingParams) -> Any:
+def _task_rollouts(job: RLJob, task: titan_rl.Task, sampling: titan_rl.SamplingParams) -> Any:
     return titan_rl.TaskRollouts(
         task, num_prompts=job.rl.num_prompts, group_size=job.rl.group_size, sampling=sampling
     )
@@ -99,13 +103,14 @@ class _Arithmetic:
 
         return problem
 
-    def build(self, job: Any, tokenizer: ByteTokenizer, model: Any) -> BuiltTask:
+    def build(self, job: RLJob, tokenizer: ByteTokenizer, model: nn.Module) -> BuiltTask:
         stop = (tokenizer.eos_id,)
         task = titan_rl.ExactMatchTask(
             tokenizer, self.problems(job.rl.seed), digit_credit=self.digit_credit
         )
-        heldout = titan_rl.ExactMatchTask(tokenizer, self.problems(job.eval.seed))
-        problems = [heldout.problem(i) for i in range(job.eval.count)]
+        held_out_problem = self.problems(job.eval.seed)
+        heldout = titan_rl.ExactMatchTask(tokenizer, held_out_problem)
+        problems = [held_out_problem(i) for i in range(job.eval.count)]
         prompts = heldout.prompts(0, job.eval.count)
         greedy = _greedy(job, tokenizer, stop)
 
@@ -130,21 +135,23 @@ def _shapes_corpus(job: JobConfig) -> str:
     return ""
 
 
-def _shapes_build(job: Any, tokenizer: ByteTokenizer, model: Any) -> BuiltTask:
+def _shapes_build(job: RLJob, tokenizer: ByteTokenizer, model: nn.Module) -> BuiltTask:
     from titan_train.rl.shapes import ShapesTask
 
     stop = (tokenizer.eos_id,)
-    task = ShapesTask(tokenizer, model.config, split="train", seed=job.rl.seed)
-    heldout = ShapesTask(tokenizer, model.config, split="validation", seed=job.eval.seed)
+    config = cast(titan_models.TransformerConfig, model.config)  # nn.Module's __getattr__
+    task = ShapesTask(tokenizer, config, split="train", seed=job.rl.seed)
+    heldout = ShapesTask(tokenizer, config, split="validation", seed=job.eval.seed)
     prompts = heldout.prompts(0, job.eval.count)
     kinds = heldout.kinds(0, job.eval.count)
     greedy = _greedy(job, tokenizer, stop)
 
     def evaluate(generator: titan_rl.Generator) -> dict[str, float]:
         images = titan_rl.batch_images([p.images for p in prompts])
-        out = generator.generate(
-            [p.ids for p in prompts], greedy, list(range(len(prompts))), images=images
-        )
+        ids, seeds = [p.ids for p in prompts], list(range(len(prompts)))
+        # titan_rl.Generator documents images= (vision-language generators) but does not
+        # declare it (a titan_rl Protocol to fix)
+        out = generator.generate(ids, greedy, seeds, images=images)  # pyrefly: ignore[unexpected-keyword]
         out.validate(len(prompts))
         scores = [heldout.score(p, r).score for p, r in zip(prompts, out.responses(), strict=True)]
         ev = heldout.breakdown(kinds, scores)
@@ -202,11 +209,13 @@ class _Environment:
         job.training.batch_size = 16  # short conversations: more of them per step
         return f"_{self.name}"
 
-    def build(self, job: Any, tokenizer: ByteTokenizer, model: Any) -> BuiltTask:
+    def build(self, job: RLJob, tokenizer: ByteTokenizer, model: nn.Module) -> BuiltTask:
         from titan_train.environments import get_environment
 
         spec = get_environment(self.name)
-        renderer = titan_rl.SimpleChatRenderer(tokenizer)
+        # SimpleChatRenderer's stop_token_ids is inferred as tuple[int], Renderer declares
+        # tuple[int, ...] (a titan_rl class to annotate)
+        renderer: titan_rl.Renderer = titan_rl.SimpleChatRenderer(tokenizer)  # pyrefly: ignore[bad-assignment]
         sampling = _sampling(job, renderer.stop_token_ids)
         turns = dict(max_turns=job.rl.max_turns, env_workers=4)
         rollouter = titan_rl.Rollouter(
