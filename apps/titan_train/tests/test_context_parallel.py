@@ -7,7 +7,7 @@ DP-shard 2 reads the data of DP 2: its first-step loss equals one process comput
 the two ranks' batches. CP 2 x PP 2 (a dense model) and Qwen3-MoE under CP 2 x PP 2 x EP 2 read
 one process's data, Qwen3-MoE under CP 2 x DP-shard 2 x EP 4 that of DP 2. Loss falls in every
 layout. One spawn per world size (the composed layouts: one more); bad input is rejected by
-``prepare`` before any work.
+``resolve`` before any work.
 """
 
 from __future__ import annotations

@@ -80,16 +80,16 @@ def test_dump_is_readable_and_diffs_name_the_change(tmp_path):
     ],
 )
 def test_unsupported_graph_configs_are_one_clear_error(tmp_path, argv, message):
+    from titan_train.build import resolve
     from titan_train.cli import parse_config
     from titan_train.errors import ConfigError
-    from titan_train.trainer import prepare
 
     cfg = parse_config(
         ["--output-dir", str(tmp_path), "--compile.mode", "graph",
          "--model.attention-backend", "sdpa", *argv]
     )  # fmt: skip
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
-        prepare(cfg, world_size=2)
+        resolve(cfg, world_size=2)
     assert not any(tmp_path.iterdir())
 
 

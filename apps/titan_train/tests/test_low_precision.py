@@ -1,6 +1,6 @@
 """FP8 / MXFP8 GEMMs and flexshard's FP8 gather in the app: bad input, bytes, composition.
 
-Bad input fails in ``prepare`` with one line naming the field. One 2-rank gloo spawn (slow) runs the dense debug recipe (bf16 mixed precision, MXFP8 linears) with
+Bad input fails in ``resolve`` with one line naming the field. One 2-rank gloo spawn (slow) runs the dense debug recipe (bf16 mixed precision, MXFP8 linears) with
 and without the FP8 gather, and the MoE recipe with MXFP8 linears and experts under expert
 parallelism; the gather bytes come from flexshard's own collective counters.
 """

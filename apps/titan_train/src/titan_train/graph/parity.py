@@ -18,23 +18,24 @@ SMALL = [  # short rows and batches: a few seconds per step on a loaded CPU
 
 def build_job(out: str, recipe: str, *argv: str, small: bool = True) -> tuple[Any, Any, Any, Any]:
     """(cfg, parallel model, optimizer, loader) of ``recipe`` with ``argv``, materialised."""
-    from titan_train import trainer
+    from titan_train.build import build_loaders, build_optimizer, build_parallel, resolve
     from titan_train.cli import parse_config
-    from titan_train.loaders import loaders
+    from titan_train.device import device_type, init_process_group, resolve_device
+    from titan_train.graph import build_graph_step
     from titan_train.materialize import materialize
 
     cfg = parse_config(
         ["--output-dir", out, "--name", "g", *(SMALL if small else []), *argv], recipe
     )
-    dims, tok, model_cls, config = trainer.prepare(cfg)
-    pm = trainer.build(cfg, dims, model_cls, config)
-    from titan_train.device import resolve_device
-
-    materialize(pm, resolve_device(cfg.training.device), seed=cfg.training.seed)
+    job = resolve(cfg)
+    device = resolve_device(cfg.training.device)
+    init_process_group(device, cfg.comm.timeout_s)  # the runner's part (no-op when made)
+    pm = build_parallel(job, device_type(cfg.training.device))
+    materialize(pm, device, seed=cfg.training.seed)
     if cfg.compile.mode == "graph":
-        pm.graph = trainer.build_graph_step(pm, cfg)
-    loader, _ = loaders(cfg, tok, dp_rank=pm.dp_rank, dp_size=dims.dp)
-    return cfg, pm, trainer.build_optimizer(pm, cfg), loader
+        pm.graph = build_graph_step(pm, cfg)
+    loader, _ = build_loaders(job, dp_rank=pm.dp_rank)
+    return cfg, pm, build_optimizer(pm, cfg), loader
 
 
 def params(pm: Any) -> dict[str, torch.Tensor]:
