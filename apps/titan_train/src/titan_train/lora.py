@@ -1,7 +1,7 @@
 """LoRA fine-tuning in the app: adapters swapped in on the meta model, checks, the merged export.
 
 ``apply_lora_config`` swaps in titan_models' adapters (``lora.*``) wherever the model is built
-(``build_model``, ``parallelize``, the throw-away meta model of ``prepare``), after the
+(``build_model``, ``parallelize``, the throw-away meta model of ``build.resolve``), after the
 component overrides, so every layout shards and initialises the same adapted model: the
 adapters start from ``training.seed`` on every path (``adapter_inits``), the base from its
 initialisation or the HF checkpoint. Everything but the adapters is frozen: the optimizer sees

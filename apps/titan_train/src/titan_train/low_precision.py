@@ -2,7 +2,7 @@
 
 ``apply_quantize`` swaps the model's linears and routed experts for titan_models' FP8 / MXFP8
 / NVFP4 (linears only) modules (``quantize.*``) on the meta model, before parallelisation (``parallelize`` calls it
-first). ``check_low_precision`` runs every check on a throw-away meta model in ``prepare``, so a
+first). ``check_low_precision`` runs every check on a throw-away meta model in ``build.resolve``, so a
 glob that matches nothing, a dim the recipe cannot tile, a layout the FP8 GEMMs do not support
 or a device without the kernels fails before any process group, allocation or file.
 
