@@ -41,6 +41,7 @@ import re
 import signal
 import socket
 import warnings
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -177,7 +178,7 @@ class FaultTolerance:
         self.manager.allreduce(num_tokens, reduce_op=ReduceOp.SUM).wait()
         return self.manager.num_participants()
 
-    def sync_grads(self, params: list[torch.Tensor], total: torch.Tensor) -> None:
+    def sync_grads(self, params: Sequence[torch.Tensor], total: torch.Tensor) -> None:
         """Average the gradients of ``params`` over the live groups and sum ``total`` (this
         rank's loss share): one all-reduce per dtype, the loss in the first. A failure is
         recorded by torchft and the step's commit vote fails."""
@@ -280,7 +281,8 @@ class FaultTolerance:
             )
         pg_cls = ProcessGroupGloo if ft.process_group == "gloo" else ProcessGroupNCCL
         transport = HTTPTransport(timeout=timeout, num_chunks=0)
-        transport._server.RequestHandlerClass.log_message = lambda *a, **k: None
+        handler: Any = transport._server.RequestHandlerClass  # torchft's HTTP server
+        handler.log_message = lambda *a, **k: None  # no request line per heal
         try:
             self.manager = Manager(
                 pg=pg_cls(timeout=timeout),
@@ -307,7 +309,8 @@ class FaultTolerance:
                 f"{self._lighthouse} within --fault-tolerance.timeout-s {ft.timeout_s:g} "
                 f"({_first_line(e)})"
             ) from None
-        self.manager._client = _QuorumRecorder(self.manager._client, self._on_quorum)
+        manager: Any = self.manager  # torchft keeps the quorum's replica ids in its client
+        manager._client = _QuorumRecorder(manager._client, self._on_quorum)
         self.manager.register_state_dict_fn("titan", self._load_heal_state, self._heal_state)
         step = self._manager_step if self.sync_steps > 1 else self.state.step
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
@@ -318,6 +321,10 @@ class FaultTolerance:
         from torchft.local_sgd import DiLoCo
 
         model = self.pm.parts[0]
+        if self.outer is None:
+            raise FaultToleranceError(
+                "DiLoCo needs the outer optimizer (fault_tolerance.sync_steps > 1)"
+            )
         nbytes = sum(_local(p).numel() * _local(p).element_size() for p in model.parameters())
         self.diloco = DiLoCo(
             self.manager,

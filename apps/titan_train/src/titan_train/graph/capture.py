@@ -134,13 +134,14 @@ def step_function(model: nn.Module, cfg: Any, sig: StepSignature, num_micro: int
         grads: list[torch.Tensor | None] = [None] * len(wanted)
         k = len(BATCH_FIELDS)
         for m in range(num_micro):
-            mb = Batch(*data[m * k : (m + 1) * k])
+            mb = Batch(*data[m * k : (m + 1) * k])  # pyrefly: ignore[bad-argument-type]  # traced fields in Batch's order
             loss = torch.func.functional_call(wrapper, full, (mb, scale), strict=False)
             mark("fwd", m)
             new = torch.autograd.grad(loss, wanted, allow_unused=True)
             for j, g in enumerate(new):
                 if g is not None:
-                    grads[j] = g if grads[j] is None else grads[j] + g
+                    before = grads[j]
+                    grads[j] = g if before is None else before + g
             loss = loss.detach()
             total = loss if total is None else total + loss
             mark("bwd", m)
@@ -149,7 +150,7 @@ def step_function(model: nn.Module, cfg: Any, sig: StepSignature, num_micro: int
             g, spec = grads[j], sig.shards[i]
             if g is None and spec is not None:  # flexshard reduces zeros for a missing one
                 g = torch.zeros_like(leaves[i])
-            out.append(reduce_scatter(g, spec) if spec is not None else g)
+            out.append(reduce_scatter(g, spec) if spec is not None and g is not None else g)
         mark("reduce", 0)
         return out
 
@@ -192,10 +193,10 @@ def tracing_context(model: nn.Module) -> Iterator[None]:
     try:
         for d, key, _ in saved:
             d.pop(key, None)
-        meta._check_document_ids = lambda ids: ids
+        setattr(meta, "_check_document_ids", lambda ids: ids)  # noqa: B010 (a staticmethod slot)
         yield
     finally:
-        meta._check_document_ids = check
+        setattr(meta, "_check_document_ids", check)  # noqa: B010
         for key, d in dicts.items():
             d.clear()
             d.update(order[key])
@@ -212,7 +213,7 @@ def host_checks(micro: Sequence[Batch]) -> None:
 def _flexshard_states(model: nn.Module) -> list[Any]:
     out = []
     for m in model.modules():
-        st = getattr(m, "flexshard_state", None)
+        st: Any = getattr(m, "flexshard_state", None)
         if st is not None and all(st is not o for o in out):
             out += [s for s in st.all_states() if all(s is not o for o in out)]
     return out

@@ -51,7 +51,7 @@ def is_view(n: fx.Node) -> bool:
     """Whether ``n``'s output aliases one of its inputs (a view, a rename, an in-place op)."""
     t = n.target
     if not isinstance(t, torch._ops.OpOverload):
-        return n.target.__name__ == "getitem" if callable(t) else False
+        return getattr(t, "__name__", "") == "getitem" if callable(t) else False
     return any(r.alias_info is not None for r in t._schema.returns)
 
 
@@ -215,7 +215,9 @@ def apply_memory_policy(gm: fx.GraphModule, policy: Any) -> str:
             lambda x: copy(x, micro, before_node) if must_recompute(x) else x,
         )
         with g.inserting_before(before_node):
-            new = g.call_function(a.target, args[0], args[1])
+            target = a.target
+            assert callable(target), f"{a.name}: a call_function node has a callable target"
+            new = g.call_function(target, args[0], args[1])
         new.meta = {**a.meta, "phase": "bwd", "micro": micro, "recomputed": True}
         copies[key] = new
         return new

@@ -183,11 +183,18 @@ def _collective_groups(gm: fx.GraphModule, cap: int) -> list[list[fx.Node]]:
         bucket = runs.setdefault(key, [[]])
         size = x.numel() * x.element_size()
         current = bucket[-1]
-        used = sum(c.args[0].meta["val"].numel() * x.element_size() for c in current)
+        used = sum(_arg(c).meta["val"].numel() * x.element_size() for c in current)
         if current and used + size > cap:
             bucket.append([])
         bucket[-1].append(n)
     return [r for groups in runs.values() for r in groups if len(r) > 1]
+
+
+def _arg(n: fx.Node) -> fx.Node:
+    """A collective's input tensor node."""
+    first = n.args[0]
+    assert isinstance(first, fx.Node), f"{n.name}: a collective takes a tensor node first"
+    return first
 
 
 def bucket_collectives(gm: fx.GraphModule, cap_bytes: int) -> str:
@@ -196,7 +203,7 @@ def bucket_collectives(gm: fx.GraphModule, cap_bytes: int) -> str:
     before = sum(1 for n in g.nodes if n.op == "call_function" and is_collective(n))
     order = {n: i for i, n in enumerate(g.nodes)}
     for run in _collective_groups(gm, cap_bytes):
-        inputs = [c.args[0] for c in run]
+        inputs = [_arg(c) for c in run]
         anchor = max(inputs, key=lambda a: order[a])
         waits = [next(iter(c.users)) for c in run]
         gather = run[0].target == C10D.all_gather_into_tensor.default
@@ -218,13 +225,12 @@ def bucket_collectives(gm: fx.GraphModule, cap_bytes: int) -> str:
             done = call(C10D.wait_tensor.default, (coll,))
             total = sum(numels)
             outs = []
-            if gather:
-                table = call(aten.view.default, (done, [world, total]))
+            table = call(aten.view.default, (done, [world, total])) if gather else done
             off = 0
             for a, w in zip(inputs, waits, strict=True):
                 shape = list(w.meta["val"].shape)
                 n = a.meta["val"].numel() // (1 if gather else world)
-                src = table if gather else done
+                src = table
                 piece = call(aten.slice.Tensor, (src, 1 if gather else 0, off, off + n))
                 outs.append(call(aten.reshape.default, (piece, shape)))
                 off += n
