@@ -9,6 +9,7 @@ architecture (and the ``kimi_k25`` HF model type).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..components import RopeConfig, YarnRopeScaling
 from ..components.vision.encoder import vision_activation
@@ -55,6 +56,13 @@ class KimiK25VisionConfig:
     temporal_patch_size: int = 1
     """Frames per patch: MoonViT embeds every frame on its own (always 1; read by the image
     processor of the data path)."""
+
+    patch_order: ClassVar[str] = "raster"
+    """The tower reads each image's patches row by row (the Kimi K2.5 image processor's)."""
+    image_mean: ClassVar[tuple[float, float, float]] = (0.5, 0.5, 0.5)
+    """Per-channel mean the Kimi K2.5 image processor normalises with."""
+    image_std: ClassVar[tuple[float, float, float]] = (0.5, 0.5, 0.5)
+    """Per-channel standard deviation the Kimi K2.5 image processor normalises with."""
 
     def __post_init__(self) -> None:
         name = type(self).__name__
