@@ -184,6 +184,8 @@ def run_fake(
         ),
     }
     report["total_bytes_per_rank"] = max(_total(row) for row in stages)
+    # The largest rank's peak: parameters, gradients, optimizer, activations, gathered buffers.
+    report["peak_bytes_per_rank"] = report["total_bytes_per_rank"]
     report["fits"] = fits(report["total_bytes_per_rank"])
     run_dir = Path(cfg.output_dir) / cfg.name
     run_dir.mkdir(parents=True, exist_ok=True)

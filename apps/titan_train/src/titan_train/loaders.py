@@ -38,6 +38,7 @@ def image_text_loader(cfg: JobConfig, tokenizer: Tokenizer, source: Any) -> Any:
         vision_end_id=config.vision_end_token_id,
         skip_too_long=d.skip_too_long,
         skip_bad_images=d.skip_bad_images,
+        multimodal_positions=hasattr(config, "mrope_section"),
     )
 
 
