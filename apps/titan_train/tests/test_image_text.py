@@ -203,6 +203,7 @@ def test_kimi_k25_batches_have_raster_patches_and_plain_positions():
     raster = ImageProcessor(vision, min_pixels=1024, max_pixels=4096)
     image = shapes_sample(0, 3, unit=vision.patch_size * vision.spatial_merge_size).image
     pixels, (t, h, w) = raster(image, name="sample")
+    assert t == 1
     P = vision.patch_size
     # Rebuild the image from the raster patches; it must be the normalised picture.
     picture = pixels.reshape(h, w, 3, P, P).permute(2, 0, 3, 1, 4).reshape(3, h * P, w * P)
