@@ -49,7 +49,15 @@ def _full_grads(pm) -> dict[str, torch.Tensor]:
         for p, w in zip(params, saved, strict=True):
             p.detach().copy_(w)
         names = {n for n, p in part.named_parameters() if p.grad is not None}
-        return {n: full[n].clone() for n in names}
+        grads = {n: full[n].clone() for n in names}
+        # Routed experts under EP are each rank's slice (outside flexshard when every expert
+        # lives on one rank): gather them over the expert-parallel group, in rank order.
+        for name, experts, placement in pm.experts:
+            for leaf, p in experts.named_parameters():
+                pieces = [torch.empty_like(p.grad) for _ in range(placement.ep_size)]
+                torch.distributed.all_gather(pieces, p.grad.contiguous(), group=pm.group("ep"))
+                grads[f"{name}.{leaf}"] = torch.cat(pieces)
+        return grads
     for n, p in part.named_parameters():
         if p.grad is not None:
             g = p.grad
@@ -111,13 +119,15 @@ def _one_layout(out: str, name: str, recipe: str, argv: list[str]) -> dict:
     ref_loss.backward()
     ref = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
     assert set(grads) == set(ref), sorted(set(grads) ^ set(ref))
-    worst = max((grads[n] - ref[n]).abs().max().item() for n in ref)
+    diffs = {n: (grads[n] - ref[n]).abs().max().item() for n in ref}
+    worst = max(diffs.values())
     visual = max((grads[n] - ref[n]).abs().max().item() for n in ref if n.startswith("visual."))
     return {
         "tied": reference.config.tie_embeddings,
         "loss": step.loss.item(),
         "ref_loss": ref_loss.item(),
         "grads": worst,
+        "worst": sorted(diffs, key=diffs.get)[-3:],
         "visual_grads": visual,
         "images": [len(b.images.grids) for b in batches],
         "grad_scale": max(g.abs().max().item() for g in ref.values()),
