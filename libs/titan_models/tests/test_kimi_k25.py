@@ -9,6 +9,7 @@ transformers' in-memory weights themselves (``public_state``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -324,3 +325,27 @@ def test_bad_tensor_is_named_with_file_key_and_shapes(hf_kimi, from_hf_error):
     message = from_hf_error(folder, tensors=lambda state: state | {key: torch.zeros(95, 32)})
     assert "model.safetensors" in message and key in message
     assert "(96, 32)" in message and "(95, 32)" in message
+
+
+TP_VISION = dataclasses.replace(
+    titan_models.get_model("kimi_k25", "debug")[1].vision, tensor_parallel=True
+)
+
+
+def test_plan_is_deepseek_v3_with_the_tower_on_the_first_stage(tp_styles):
+    model, config = _debug_model()
+    plan = titan_models.get_plan(config)
+    styles = tp_styles(plan, model)
+    assert not any(name.startswith("visual") for name in styles if styles[name])
+    assert styles["layers.1.attention.wq_b"] and styles["layers.0.feed_forward.w1"]
+    first = plan.pipeline_units[0]
+    assert first.modules == ("tok_embeddings", "visual")
+    owned = [m for u in plan.pipeline_units for m in u.modules]
+    assert len(owned) == len(set(owned)) and "layers.2" in owned
+    assert first.num_params == sum(
+        p.numel() for m in (model.tok_embeddings, model.visual) for p in m.parameters()
+    )
+    assert plan.experts == ("layers.1.feed_forward", "layers.2.feed_forward")
+    assert "visual.blocks.*" in plan.remat_units and plan.context_parallel
+    sharded = titan_models.get_plan(dataclasses.replace(config, vision=TP_VISION))
+    assert "visual.blocks.*.attention.wqkv" in sharded.tensor_parallel.colwise
