@@ -308,8 +308,12 @@ def test_placeholders_and_images_must_agree():
             lambda c: c["text_config"].update(quantization_config={"quant_method": "int4"}),
             r"quantization_config",
         ),
+        (
+            lambda c: c["vision_config"].update(mm_projector_type="patchmergerv2"),
+            r"mm_projector_type='patchmergerv2' is not supported \(supported: 'patchmerger'\)",
+        ),
     ],
-    ids=["activation", "width", "kernel", "projection", "routing", "token", "int4"],
+    ids=["activation", "width", "kernel", "projection", "routing", "token", "int4", "projector"],
 )
 def test_bad_hf_config_fields_are_named(edit, match):
     config = hf_config("lora-untied").to_dict()
@@ -317,6 +321,32 @@ def test_bad_hf_config_fields_are_named(edit, match):
     adapter = titan_models.registry.FAMILIES["kimi_k25"].hf_adapter
     with pytest.raises(ValueError, match=match):
         adapter.config_from_hf(config)
+
+
+def test_the_original_vision_config_spelling_reads_the_same():
+    adapter = titan_models.registry.FAMILIES["kimi_k25"].hf_adapter
+    config = hf_config("lora-untied").to_dict()
+    ours = adapter.config_from_hf(config)
+    v = config["vision_config"]
+    config["vision_config"] = {
+        "vt_hidden_size": v["hidden_size"],
+        "vt_num_hidden_layers": v["num_hidden_layers"],
+        "vt_num_attention_heads": v["num_attention_heads"],
+        "vt_intermediate_size": v["intermediate_size"],
+        "patch_size": v["patch_size"],
+        "init_pos_emb_height": v["pos_emb_height"],
+        "init_pos_emb_width": v["pos_emb_width"],
+        "init_pos_emb_time": v["pos_emb_time"],
+        "merge_kernel_size": v["merge_kernel_size"],
+        "pos_emb_type": "divided_fixed",
+        "mm_projector_type": "patchmerger",
+        "mm_hidden_size": v["hidden_size"],
+        "projector_ln_eps": config.pop("projection_layer_norm_eps"),
+        "media_placeholder_token_id": config.pop("image_token_id"),
+    }
+    del config["projection_hidden_size"]
+    config["text_config"]["model_type"] = "kimi_k2"
+    assert adapter.config_from_hf(config) == ours
 
 
 def test_bad_tensor_is_named_with_file_key_and_shapes(hf_kimi, from_hf_error):

@@ -17,7 +17,9 @@ kimi_k25``; transformers' ``Kimi_K25ForConditionalGeneration`` reads it).
   (attention scores unchanged).
 - Projector ``mm_projector.{pre_norm, proj.0, proj.2}`` ↔ ``visual.merger.{norm, w1, w2}``.
 - Config: ``text_config``, ``vision_config`` (transformers' names, or the original
-  ``vt_*`` / ``init_pos_emb_*`` spelling), ``projection_layer_norm_eps``, the media token ids;
+  ``vt_*`` / ``init_pos_emb_*`` / ``mm_hidden_size`` / ``projector_ln_eps`` /
+  ``media_placeholder_token_id`` spelling; its projector and merge types checked),
+  ``projection_layer_norm_eps``, the media token ids;
   ``tie_word_embeddings`` at the top (default ``True`` as transformers), else in
   ``text_config``.
 """
@@ -72,6 +74,17 @@ _VISION_FIELDS = {  # ours: (transformers' name, the original checkpoint's name)
     "pos_emb_width": ("pos_emb_width", "init_pos_emb_width"),
     "pos_emb_time": ("pos_emb_time", "init_pos_emb_time"),
 }
+_FIXED_VISION_FIELDS = {  # what MoonViT-400M + its projector are; anything else is refused
+    "pos_emb_type": ("divided_fixed",),
+    "pos_emb_interpolation_mode": ("bicubic",),
+    "merge_type": ("sd2_tpool",),
+    "mm_projector_type": ("patchmerger",),
+    "projector_hidden_act": ("gelu",),
+    "norm_type": ("layernorm",),
+    "attn_bias": (True,),
+    "linear_bias": (True,),
+    "patch_embed_proj_bias": (True,),
+}
 _TOKEN_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
@@ -109,16 +122,16 @@ def vision_config_from_hf(vision: Mapping[str, Any]) -> KimiK25VisionConfig:
             f"HF vision_config field rope_parameters.rope_type={rope['rope_type']!r} is not "
             "supported (supported: 'axial')"
         )
-    pos_type = vision.get("pos_emb_type", "divided_fixed")
-    if pos_type != "divided_fixed":
-        raise ValueError(
-            f"HF vision_config field pos_emb_type={pos_type!r} is not supported (supported: "
-            "'divided_fixed')"
-        )
+    for name, allowed in _FIXED_VISION_FIELDS.items():  # the original config's spelling
+        if name in vision and vision[name] not in allowed:
+            raise ValueError(
+                f"HF vision_config field {name}={vision[name]!r} is not supported (supported: "
+                f"{', '.join(map(repr, allowed))})"
+            )
     return KimiK25VisionConfig(
         **fields,
         spatial_merge_size=int(kernel[0]),
-        activation=vision.get("hidden_act", "gelu_pytorch_tanh"),
+        activation=vision.get("hidden_act", vision.get("activation_func", "gelu_pytorch_tanh")),
         rope_theta=float(rope.get("rope_theta", 10_000.0)),
     )
 
@@ -162,7 +175,7 @@ class KimiK25HFAdapter(DeepSeekV3HFAdapter):
             text["tie_word_embeddings"] = hf["tie_word_embeddings"]
         text.setdefault("tie_word_embeddings", True)  # transformers' Kimi_K25Config default
         tower = vision_config_from_hf(vision)
-        width = hf.get("projection_hidden_size", hf.get("mm_hidden_size")) or tower.dim
+        width = hf.get("projection_hidden_size") or vision.get("mm_hidden_size") or tower.dim
         if width != tower.dim:
             raise ValueError(
                 f"HF config field projection_hidden_size={width!r} must equal vision_config "
@@ -171,10 +184,14 @@ class KimiK25HFAdapter(DeepSeekV3HFAdapter):
         base = super().config_from_hf(text)
         fields = {name: getattr(base, name) for name in base.field_names()}
         tokens = {name: hf[name] for name in _TOKEN_FIELDS if hf.get(name) is not None}
+        if "image_token_id" not in tokens and vision.get("media_placeholder_token_id") is not None:
+            tokens["image_token_id"] = vision["media_placeholder_token_id"]
         return KimiK25Config(
             **fields,
             vision=tower,
-            projection_norm_eps=float(hf.get("projection_layer_norm_eps", 1e-5)),
+            projection_norm_eps=float(
+                hf.get("projection_layer_norm_eps", vision.get("projector_ln_eps", 1e-5))
+            ),
             **tokens,
         )
 
