@@ -379,3 +379,18 @@ def test_plan_is_deepseek_v3_with_the_tower_on_the_first_stage(tp_styles):
     assert "visual.blocks.*" in plan.remat_units and plan.context_parallel
     sharded = titan_models.get_plan(dataclasses.replace(config, vision=TP_VISION))
     assert "visual.blocks.*.attention.wqkv" in sharded.tensor_parallel.colwise
+
+
+def test_video_clips_pool_frames_as_transformers(hf_kimi):
+    """A clip of t > 1 frames (one attention document, a sinusoid per frame, the mean over
+    frames before the merge) beside a still image: the tower's tokens equal transformers'."""
+    hf, folder = hf_kimi("lora-untied")
+    ours = titan_models.from_hf(folder).eval()
+    grids = [(3, 4, 4), (1, 4, 6), (2, 8, 4)]
+    g = torch.Generator().manual_seed(3)
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), 3, 4, 4, generator=g)
+    with torch.no_grad():
+        theirs = torch.cat(hf.model.get_image_features(pixels, torch.tensor(grids)).pooler_output)
+        mine = ours.visual(pixels, grids)
+    assert mine.shape == theirs.shape == (4 + 6 + 8, 64)
+    assert (mine - theirs).abs().max().item() <= 1e-4

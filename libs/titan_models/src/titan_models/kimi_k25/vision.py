@@ -53,27 +53,41 @@ class GridPositionEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(height, width, dim))
 
     def forward(self, grids: Sequence[Sequence[int]]) -> torch.Tensor:
-        """``(N, D)`` embeddings of the patches of ``grids`` (raster order per frame)."""
+        """``(N, D)`` embeddings of the patches of ``grids`` (raster order per frame). Each
+        distinct ``h × w`` is resampled once; one gather spreads them over the images."""
+        H, W = self.weight.shape[:2]
         table_1DHW = self.weight.permute(2, 0, 1)[None]
-        out = []
-        for t, h, w in grids:
-            if (h, w) == tuple(self.weight.shape[:2]):
+        sizes = list(dict.fromkeys((int(h), int(w)) for _, h, w in grids))
+        tables, offsets, at = [], {}, 0
+        for h, w in sizes:
+            if (h, w) == (H, W):
                 grid_HWD = self.weight
             else:
                 grid_HWD = F.interpolate(
                     table_1DHW, size=(h, w), mode="bicubic", align_corners=False
                 )[0].permute(1, 2, 0)
-            pos_nD = grid_HWD.reshape(h * w, -1)
-            if t == 1:
-                out.append(pos_nD)
-                continue
-            if t > self.frames:
-                raise ValueError(
-                    f"a clip of t={t} frames exceeds vision pos_emb_time={self.frames}"
-                )
-            time_tD = time_embeddings(t, self.dim).to(pos_nD)
-            out.append((pos_nD[None] + time_tD[:, None]).reshape(t * h * w, -1))
-        return torch.cat(out)
+            tables.append(grid_HWD.reshape(h * w, -1))
+            offsets[(h, w)] = at
+            at += h * w
+        index = torch.cat(
+            [torch.arange(h * w).repeat(t) + offsets[(h, w)] for t, h, w in grids]
+        ).to(self.weight.device)
+        pos_ND = torch.cat(tables).index_select(0, index)
+        clips = [(t, h, w) for t, h, w in grids if t > 1]
+        if not clips:
+            return pos_ND
+        if max(t for t, _, _ in clips) > self.frames:
+            t = max(t for t, _, _ in clips)
+            raise ValueError(f"a clip of t={t} frames exceeds vision pos_emb_time={self.frames}")
+        # frame f of a clip of t > 1 frames: + sinusoid f; a still image: + nothing
+        frame = torch.cat(
+            [
+                (torch.arange(t) + 1).repeat_interleave(h * w) if t > 1 else torch.zeros(h * w)
+                for t, h, w in grids
+            ]
+        ).long()
+        time_FD = torch.cat([torch.zeros(1, self.dim), time_embeddings(self.frames, self.dim)])
+        return pos_ND + time_FD.to(pos_ND)[frame.to(pos_ND.device)]
 
     def param_init(self, *, std: float, out_std: float = 0.0) -> dict[str, Init]:
         return {"weight": Normal(std)}
@@ -156,16 +170,25 @@ class KimiK25VisionTower(nn.Module):
         for block in self.blocks:
             x_1ND = block(x_1ND, rope, meta)
         x_ND = self.final_norm(x_1ND[0])
-        return self.merger(torch.cat(list(self._pooled_blocks(x_ND, grids))))
+        return self.merger(self._pooled_blocks(x_ND, grids))
 
-    def _pooled_blocks(self, x_ND: torch.Tensor, grids: Sequence[Sequence[int]]):
-        """Per image: the mean over its frames, its patches in ``m × m`` block order."""
-        m, start = self.config.spatial_merge_size, 0
+    def _pooled_blocks(self, x_ND: torch.Tensor, grids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Per image: the mean over its frames, its patches in ``m × m`` block order (one
+        gather when every image is a still one)."""
+        m, start, order = self.config.spatial_merge_size, 0, []
         for t, h, w in grids:
-            x = x_ND[start : start + t * h * w].reshape(t, h // m, m, w // m, m, -1)
+            raster = torch.arange(h * w).view(h // m, m, w // m, m).permute(0, 2, 1, 3)
+            order.append(raster.flatten() + start)
             start += t * h * w
-            x = x.float().mean(0).to(x_ND.dtype) if t > 1 else x[0]
-            yield x.permute(0, 2, 1, 3, 4).reshape(h * w, -1)
+        if all(t == 1 for t, _, _ in grids):
+            return x_ND.index_select(0, torch.cat(order).to(x_ND.device))
+        out, start = [], 0
+        for (t, h, w), first in zip(grids, order, strict=True):
+            frames = x_ND[start : start + t * h * w].reshape(t, h * w, -1)
+            mean = frames.float().mean(0).to(x_ND.dtype) if t > 1 else frames[0]
+            out.append(mean.index_select(0, (first - start).to(x_ND.device)))
+            start += t * h * w
+        return torch.cat(out)
 
     def param_init(self, *, std: float, out_std: float = 0.0) -> dict[str, Init]:
         """Every matrix and the position grid Normal ``std``, the blocks' residual outputs
