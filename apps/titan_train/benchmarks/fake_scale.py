@@ -29,6 +29,7 @@ RECIPES = {
     "deepseek_v4_flash": [],
     "qwen3_5_moe_35b_a3b": [],
     "kimi_linear_48b_a3b": [],
+    "kimi_k25_1t": [],
 }
 
 

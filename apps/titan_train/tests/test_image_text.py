@@ -193,3 +193,40 @@ def test_vision_language_recipe_trains_and_reports_answer_accuracy(tmp_path):
     val = [x for x in lines if x["split"] == "validation"]
     assert val and 0.0 <= val[-1]["answer_accuracy"] <= 1.0
     assert (tmp_path / "vl" / "loss.png").stat().st_size > 0
+
+
+def test_kimi_k25_batches_have_raster_patches_and_plain_positions():
+    """Kimi K2.5's tower reads each image's patches row by row (normalised by 0.5 / 0.5)
+    and its decoder 1-D positions: the loader hands it exactly that."""
+    kimi = titan_models.get_model("kimi_k25", "debug")[1]
+    vision = kimi.vision
+    qwen = ImageProcessor(CONFIG.vision, min_pixels=1024, max_pixels=4096)
+    raster = ImageProcessor(vision, min_pixels=1024, max_pixels=4096)
+    image = shapes_sample(0, 3, unit=vision.patch_size * vision.spatial_merge_size).image
+    pixels, (t, h, w) = raster(image, name="sample")
+    assert t == 1
+    P = vision.patch_size
+    # Rebuild the image from the raster patches; it must be the normalised picture.
+    picture = pixels.reshape(h, w, 3, P, P).permute(2, 0, 3, 1, 4).reshape(3, h * P, w * P)
+    array = torch.tensor(np.asarray(image.convert("RGB")), dtype=torch.float32)
+    expected = (array.permute(2, 0, 1) / 255 - 0.5) / 0.5
+    assert picture.shape == expected.shape
+    torch.testing.assert_close(picture, expected, atol=1e-5, rtol=0)
+    assert qwen.raster is False and raster.raster is True
+
+    loader = ImageTextLoader(
+        ShapesSource(split="train", unit=P * vision.spatial_merge_size),
+        ByteTokenizer(),
+        raster,
+        seq_len=128,
+        batch_size=2,
+        image_token_id=kimi.image_token_id,
+        vision_start_id=kimi.vision_start_token_id,
+        vision_end_id=kimi.vision_end_token_id,
+        multimodal_positions=False,
+    )
+    batch = next(loader)
+    assert batch.positions.shape == batch.input_ids.shape
+    for b in range(2):  # positions count from 0 in every packed sample
+        starts = torch.nonzero(batch.positions[b] == 0).flatten().tolist()
+        assert starts[0] == 0 and len(starts) == int(batch.document_ids[b].max()) + 1

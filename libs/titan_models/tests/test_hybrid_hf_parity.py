@@ -88,13 +88,14 @@ CASES = [
         "kimi_linear",
         {
             "layer_types": ["linear_attention", "linear_attention", "full_attention"],
+            "mlp_layer_types": ["sparse", "dense", "sparse"],
             "num_local_experts": 8,
             "n_group": 2,
             "topk_group": 1,
             "linear_head_dim": 8,
             "linear_conv_kernel_dim": 3,
         },
-        id="kimi_linear-kda-kda-mla-grouped_routing-conv3",
+        id="kimi_linear-kda-kda-mla-sparse_dense_sparse-grouped_routing-conv3",
     ),
 ]
 
@@ -133,7 +134,7 @@ def test_logits_and_gradients_match_transformers(
     assert checked == len(expected)
 
 
-@pytest.mark.parametrize(("family", "overrides"), CASES[1::3])
+@pytest.mark.parametrize(("family", "overrides"), [*CASES[1::3], CASES[8]])
 def test_to_hf_then_from_pretrained_gives_the_same_logits(
     hf_checkpoint, tmp_path, family, overrides
 ):

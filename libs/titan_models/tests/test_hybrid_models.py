@@ -439,8 +439,9 @@ def _edit_config(folder, **changes):
         ("kimi_linear", {"mla_use_nope": False}, r"mla_use_nope=False"),
         (
             "kimi_linear",
-            {"mlp_layer_types": ["sparse", "dense", "sparse"]},
-            r"mlp_layer_types=\['sparse', 'dense', 'sparse'\]",
+            {"mlp_layer_types": ["sparse", "moe", "sparse"]},
+            r"mlp_layer_types=\['sparse', 'moe', 'sparse'\] is not supported .*'dense' or "
+            r"'sparse'",
         ),
     ],
 )

@@ -10,7 +10,8 @@ this for one rank of each pipeline stage (rank 0's position in the other dimensi
 writes ``runs/<name>/memory.json``: per stage, the bytes of parameters, gradients and
 optimizer state that rank holds, the peak of everything else allocated during forward and
 backward (activations and temporaries, an exact count of live storages), flexshard's peak of
-gathered parameters, and the global parameter count.
+gathered parameters, the global parameter count, and ``peak_bytes_per_rank``: the largest
+rank's sum of all of these.
 
 Fake tensors live on ``meta`` (see ``titan_train.device.FAKE_DEVICE``); MoE layers use
 static-capacity dispatch (capacity factor 1: the activations of perfectly balanced routing),
@@ -198,6 +199,8 @@ def run_fake(cfg: JobConfig | Job) -> dict[str, Any]:
         ),
     }
     report["total_bytes_per_rank"] = max(_total(row) for row in stages)
+    # The largest rank's peak: parameters, gradients, optimizer, activations, gathered buffers.
+    report["peak_bytes_per_rank"] = report["total_bytes_per_rank"]
     report["fits"] = fits(report["total_bytes_per_rank"])
     run_dir = Path(cfg.output_dir) / cfg.name
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@ source, for text (packed documents) or image-text data."""
 
 from __future__ import annotations
 
-from typing import Literal, TypeAlias
+from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
 import titan_models
 from titan_train.config import JobConfig
@@ -17,8 +17,17 @@ from titan_train.data.tokenizers import Tokenizer
 IMAGE_TEXT = ("shapes", "image_files")
 """Data sources of image-text samples (vision-language models)."""
 
-VisionLanguageConfig: TypeAlias = titan_models.Qwen3VLConfig | titan_models.Qwen3VLMoeConfig
-"""The configs of the vision-language families (a vision tower and image special tokens)."""
+
+@runtime_checkable
+class VisionLanguageConfig(Protocol):
+    """What image-text data needs of a model config: its vision tower's config and the image
+    special tokens (Qwen3-VL, Qwen3-VL-MoE, Kimi K2.5 and any family that has them)."""
+
+    vision: Any
+    image_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+
 
 TrainLoader: TypeAlias = PackedLoader | ImageTextLoader
 """A training stream of packed batches."""
@@ -35,10 +44,10 @@ def image_text_loader(
 ) -> ImageTextLoader:
     """An ``ImageTextLoader`` over ``source`` for the model of config ``config`` (its image
     processor and special tokens)."""
-    config = _vision_language(cfg, config)
+    vl = _vision_language(cfg, config)
     d, t = cfg.data, cfg.training
     processor = ImageProcessor(
-        config.vision, min_pixels=d.image_min_pixels, max_pixels=d.image_max_pixels
+        vl.vision, min_pixels=d.image_min_pixels, max_pixels=d.image_max_pixels
     )
     return ImageTextLoader(
         source,
@@ -46,11 +55,12 @@ def image_text_loader(
         processor,
         seq_len=t.seq_len,
         batch_size=t.batch_size,
-        image_token_id=config.image_token_id,
-        vision_start_id=config.vision_start_token_id,
-        vision_end_id=config.vision_end_token_id,
+        image_token_id=vl.image_token_id,
+        vision_start_id=vl.vision_start_token_id,
+        vision_end_id=vl.vision_end_token_id,
         skip_too_long=d.skip_too_long,
         skip_bad_images=d.skip_bad_images,
+        multimodal_positions=hasattr(config, "mrope_section"),
     )
 
 
@@ -93,7 +103,7 @@ def _vision_language(
     cfg: JobConfig, config: titan_models.TransformerConfig
 ) -> VisionLanguageConfig:
     """``config`` as a vision-language model's; ``ValueError`` for a text-only model."""
-    if not isinstance(config, VisionLanguageConfig):
+    if not isinstance(config, VisionLanguageConfig) or config.vision is None:
         raise ValueError(
             f"data.source={cfg.data.source!r} needs a vision-language model; {cfg.model.family} "
             "has no vision tower (e.g. --model.family qwen3_vl)"

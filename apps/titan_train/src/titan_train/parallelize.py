@@ -563,9 +563,9 @@ def _prune(model: titan_models.Transformer, keep: set[str]) -> titan_models.Tran
     memo.update({id(b): None for k, b in model.layers.items() if f"layers.{k}" not in keep})
     memo.pop(id(None), None)
     part = copy.deepcopy(model, memo)  # never copies the dropped modules' weights
-    for name in ("tok_embeddings", "norm", "output"):
-        if name in keep:
-            setattr(part, name, copy.deepcopy(getattr(model, name)))
+    for name, child in model.named_children():  # embedding, norm, head, a vision tower, ...
+        if name in keep and name not in ("layers", "rope"):
+            setattr(part, name, copy.deepcopy(child))
     for k in [k for k in part.layers if f"layers.{k}" not in keep]:
         del part.layers[k]
     return part

@@ -34,6 +34,7 @@ from .flops import flops_per_token, matmul_params, vision_flops
 from .fqn import fqn_matches
 from .gpt_oss import GptOss, GptOssConfig
 from .hf_io import HFExport, from_hf, hf_export, hf_model_config, load_hf_state, to_hf
+from .kimi_k25 import KimiK25, KimiK25Config, KimiK25VisionConfig
 from .kimi_linear import KimiLinear, KimiLinearConfig
 from .llama3 import Llama3, Llama3Config
 from .mtp import mtp_loss
@@ -62,6 +63,9 @@ __all__ = [
     "HFExport",
     "Init",
     "KVCache",
+    "KimiK25",
+    "KimiK25Config",
+    "KimiK25VisionConfig",
     "KimiLinear",
     "KimiLinearConfig",
     "Llama3",

@@ -461,7 +461,9 @@ def _validate(
                 piece = f.get_slice(key)
                 shape, found = tuple(piece.get_shape()), piece.get_dtype()
                 if shape != expected[key]:
-                    wrong.append(f"{key}: checkpoint shape {shape}, model shape {expected[key]}")
+                    wrong.append(
+                        f"{file.name}: {key}: checkpoint shape {shape}, model shape {expected[key]}"
+                    )
                 if is_int[key]:
                     if found not in _INT_DTYPES:
                         wrong.append(f"{key}: dtype {found} is not an integer dtype we can load")

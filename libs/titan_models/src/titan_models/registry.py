@@ -11,6 +11,7 @@ from . import (
     deepseek_v3,
     deepseek_v4,
     gpt_oss,
+    kimi_k25,
     kimi_linear,
     llama3,
     qwen3,
@@ -39,6 +40,7 @@ FAMILIES: dict[str, ModelFamily] = {
         kimi_linear.FAMILY,
         qwen3_vl.FAMILY,
         qwen3_vl_moe.FAMILY,
+        kimi_k25.FAMILY,
     )
 }
 

@@ -39,7 +39,11 @@ class _BadImage(ValueError):
 
 
 class ImageProcessor:
-    """The model's HF image processor (Qwen2-VL's, as Qwen3-VL uses), from its vision config."""
+    """The model's HF image processor (Qwen2-VL's, as Qwen3-VL uses), from its vision config.
+
+    A tower that reads each image's patches row by row (``vision.patch_order == "raster"``,
+    Kimi K2.5's MoonViT) gets them in that order instead of the processor's merge-block
+    order, normalised with the tower's ``image_mean`` / ``image_std`` where it names them."""
 
     def __init__(self, vision: Any, *, min_pixels: int, max_pixels: int) -> None:
         """``vision``: a config with ``patch_size``, ``temporal_patch_size`` and
@@ -59,12 +63,19 @@ class ImageProcessor:
         self.merge = vision.spatial_merge_size
         self.unit = vision.patch_size * vision.spatial_merge_size
         self.max_pixels = max_pixels
+        self.raster = getattr(vision, "patch_order", "merge_blocks") == "raster"
+        normalise: dict[str, Any] = {
+            name: list(getattr(vision, name))
+            for name in ("image_mean", "image_std")
+            if getattr(vision, name, None) is not None
+        }
         self._processor = Qwen2VLImageProcessorPil(
             patch_size=vision.patch_size,
             temporal_patch_size=vision.temporal_patch_size,
             merge_size=vision.spatial_merge_size,
             min_pixels=min_pixels,
             max_pixels=max_pixels,
+            **normalise,
         )
 
     def __call__(self, image: Any, *, name: str) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -83,7 +94,13 @@ class ImageProcessor:
         except Exception as e:  # PIL / processor errors on a corrupt image
             raise _BadImage(f"{name}: the image processor cannot read this image ({e})") from e
         t, h, w = (int(x) for x in out["image_grid_thw"][0].tolist())
-        return out["pixel_values"].float(), (t, h, w)
+        grid = (t, h, w)
+        pixels = out["pixel_values"].float()
+        if self.raster:  # (t, h/m, w/m, m, m) blocks -> (t, h/m, m, w/m, m): row by row
+            m = self.merge
+            blocks = pixels.reshape(t, h // m, w // m, m, m, -1)
+            pixels = blocks.permute(0, 1, 3, 2, 4, 5).reshape(t * h * w, -1)
+        return pixels, grid
 
 
 def image_question_ids(
@@ -156,8 +173,11 @@ class ImageTextLoader:
         vision_end_id: int,
         skip_too_long: bool = False,
         skip_bad_images: bool = False,
+        multimodal_positions: bool = True,
     ) -> None:
-        """``source``: ``ShapesSource`` or ``ImageFilesSource`` (``samples(start)``)."""
+        """``source``: ``ShapesSource`` or ``ImageFilesSource`` (``samples(start)``);
+        ``multimodal_positions``: ``(3, B, S)`` M-RoPE positions (Qwen3-VL), else ``(B, S)``
+        positions inside each sample (a decoder with 1-D RoPE, Kimi K2.5)."""
         if seq_len < 2:
             raise ValueError(f"training.seq_len={seq_len} must be >= 2")
         self.source, self.tokenizer, self.processor = source, tokenizer, processor
@@ -170,6 +190,7 @@ class ImageTextLoader:
         self.skip_bad_images = skip_bad_images
         self.skipped_images = 0
         """Samples skipped for an undecodable or over-budget image (``skip_bad_images``)."""
+        self.multimodal_positions = multimodal_positions
         self._consumed = 0  # samples of this rank placed in emitted batches (or skipped)
         self._stream: Iterator[tuple[str, Any]] | None = None
         self._carry: _Encoded | None = None
@@ -269,12 +290,15 @@ class ImageTextLoader:
                 labels[b, span] = torch.tensor(sample.labels)
                 answers[b, span] = torch.where(torch.tensor(sample.answer), k, -1)
                 docs[b, span] = d
-                positions[:, b, span], _ = multimodal_positions(
-                    sample.tokens,
-                    [sample.grid],
-                    image_token_id=self.image_token_id,
-                    spatial_merge_size=self.processor.merge,
-                )
+                if self.multimodal_positions:
+                    positions[:, b, span], _ = multimodal_positions(
+                        sample.tokens,
+                        [sample.grid],
+                        image_token_id=self.image_token_id,
+                        spatial_merge_size=self.processor.merge,
+                    )
+                else:
+                    positions[:, b, span] = torch.arange(n)
                 pixels.append(sample.pixels)
                 grids.append(sample.grid)
                 at, k = at + n, k + 1
@@ -285,6 +309,8 @@ class ImageTextLoader:
         images = ImageInputs(
             torch.cat(pixels), tuple(grids), index, tuple(row_images), self.processor.merge
         )
+        if not self.multimodal_positions:
+            positions = positions[0]
         return Batch(ids, labels, docs, positions, images, answers)
 
     def state_dict(self) -> dict[str, Any]:

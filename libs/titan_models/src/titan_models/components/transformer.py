@@ -267,9 +267,12 @@ class Transformer(nn.Module):
         document_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         input_lengths: torch.Tensor | None = None,
+        embeddings: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[tuple[torch.Tensor, torch.Tensor], AttentionMetadata]]:
         """Embedding and blocks: the residual stream ``(B, S, D)`` before the final norm, and
-        the ``(rope, attention metadata)`` the blocks used (a family's extra heads reuse them)."""
+        the ``(rope, attention metadata)`` the blocks used (a family's extra heads reuse them).
+        ``embeddings``: the ``(B, S, D)`` input of the blocks when a family made it itself
+        (image features at their placeholders); ``tokens`` still give the shape."""
         B, S = tokens.shape[:2]
         _check_shape("positions", positions, (B, S))
         if input_lengths is not None:
@@ -287,7 +290,10 @@ class Transformer(nn.Module):
             context_parallel=self.context_parallel,
         )
 
-        h_BSD = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if embeddings is not None:
+            h_BSD = embeddings
+        else:
+            h_BSD = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         rope = self.rope(meta.positions, h_BSD.dtype)
         for index, layer in self.layers.items():
             layer_cache = kv_cache.layers[int(index)] if kv_cache is not None else None

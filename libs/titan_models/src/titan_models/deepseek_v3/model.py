@@ -121,7 +121,10 @@ class MTPModule(TransformerBlock):
 class DeepSeekV3(Transformer):
     """DeepSeek-V3 causal LM; ``mtp`` holds the MTP modules (``None`` when there are none)."""
 
-    def __init__(self, config: DeepSeekV3Config) -> None:
+    def __init__(
+        self, config: DeepSeekV3Config, *, extra_modules: dict[str, nn.Module] | None = None
+    ) -> None:
+        """``extra_modules``: modules of a family built on this decoder (Kimi K2.5's tower)."""
         blocks = [_block(config, i, TransformerBlock) for i in range(config.num_layers)]
         mtp = None
         if config.num_mtp_modules:
@@ -133,7 +136,7 @@ class DeepSeekV3(Transformer):
                 }
             )
         self.mtp: nn.ModuleDict | None
-        super().__init__(config, blocks, extra_modules={"mtp": mtp})
+        super().__init__(config, blocks, extra_modules={"mtp": mtp, **(extra_modules or {})})
 
     def forward(
         self,
@@ -148,7 +151,19 @@ class DeepSeekV3(Transformer):
         """Logits ``(B, S, V)``; with ``return_mtp`` also one ``(B, S, V)`` per MTP module, the
         k-th (k = 1..num_mtp_modules) predicting at position i the token i + 1 + k (train
         them with ``titan_models.mtp_loss``). Other arguments: ``Transformer.forward``."""
-        if return_mtp and kv_cache is not None:
+        inputs = dict(
+            positions=positions,
+            document_ids=document_ids,
+            kv_cache=kv_cache,
+            input_lengths=input_lengths,
+        )
+        return self.logits_and_mtp(tokens, inputs, return_mtp=return_mtp)
+
+    def logits_and_mtp(
+        self, tokens: torch.Tensor, inputs: dict, *, return_mtp: bool
+    ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """``forward`` with the keyword arguments of ``run_blocks`` in ``inputs``."""
+        if return_mtp and inputs.get("kv_cache") is not None:
             raise ValueError("return_mtp=True cannot be combined with kv_cache (training only)")
         if return_mtp and (
             self.tok_embeddings is None or self.output is None or tokens.is_floating_point()
@@ -157,13 +172,7 @@ class DeepSeekV3(Transformer):
                 "return_mtp=True needs token ids and a model holding tok_embeddings and output "
                 "(MTP is not supported on a pipeline stage)"
             )
-        h_BSD, (rope, meta) = self.run_blocks(
-            tokens,
-            positions=positions,
-            document_ids=document_ids,
-            kv_cache=kv_cache,
-            input_lengths=input_lengths,
-        )
+        h_BSD, (rope, meta) = self.run_blocks(tokens, **inputs)
         logits_BSV = self.head(h_BSD)
         if not return_mtp:
             return logits_BSV

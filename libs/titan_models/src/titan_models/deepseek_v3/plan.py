@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from torch import nn
+
 from ..plan import ModelPlan, decoder_plan
 from .config import DeepSeekV3Config
 from .model import DeepSeekV3
 
 
-def plan(config: DeepSeekV3Config) -> ModelPlan:
+def plan(config: DeepSeekV3Config, model_cls: type[nn.Module] = DeepSeekV3) -> ModelPlan:
     """MLA tensor-parallel by heads: ``wq``/``wq_b`` and ``wkv_b`` colwise, ``wo`` rowwise; the
     latent projections and norms replicated (every rank computes the latents its heads read);
     the dense blocks' SwiGLU as Llama; every MoE layer (trunk and MTP) expert-parallel; MTP
-    modules on the last pipeline stage."""
+    modules on the last pipeline stage. ``model_cls``: the class a family built on this decoder
+    uses (its parameters are counted per pipeline unit)."""
     c = config
     stacks = ("layers", *(("mtp",) if c.num_mtp_modules else ()))
     q = ("wq_b",) if c.q_lora_rank else ("wq",)
@@ -23,7 +26,7 @@ def plan(config: DeepSeekV3Config) -> ModelPlan:
 
     mlp = ("feed_forward.w1", "feed_forward.w3") if dense else ()
     return decoder_plan(
-        DeepSeekV3,
+        model_cls,
         config,
         colwise=(
             *each(tuple(f"attention.{n}" for n in (*q, "wkv_b"))),

@@ -19,7 +19,8 @@ _NO_ROPE = RopeConfig(theta=10_000.0)
 class KimiLinearConfig(DeepSeekV3Config):
     """Kimi Linear: the DeepSeek-V3 (Moonlight) stack with most MLA layers replaced by Kimi Delta
     Attention (``layer_types``); MLA without positional encoding (NoPE), so ``rope`` is unused;
-    ``first_k_dense`` SwiGLU blocks, then MoE blocks with shared experts and sigmoid routing.
+    a SwiGLU or a MoE block (shared experts, sigmoid routing) per layer: ``mlp_layer_types``,
+    in any order, or by default ``first_k_dense`` SwiGLU blocks and then MoE blocks.
     No multi-token prediction.
 
     ``num_heads`` … ``v_head_dim`` describe the MLA layers, the ``linear_*`` fields the KDA
@@ -33,6 +34,10 @@ class KimiLinearConfig(DeepSeekV3Config):
     layer_types: tuple[str, ...] = ()
     """``full_attention`` (MLA) or ``linear_attention`` (KDA) per layer; empty: every
     ``full_attention_interval``-th layer is MLA."""
+    mlp_layer_types: tuple[str, ...] = ()
+    """``dense`` (SwiGLU of ``ffn_hidden_dim``) or ``sparse`` (MoE) per layer, in any order;
+    empty: the first ``first_k_dense`` layers dense, the rest sparse (then ``first_k_dense``
+    is what decides; with the list it is unused)."""
     full_attention_interval: int = 4
     """Period of the MLA layers when ``layer_types`` is empty."""
     linear_num_heads: int
@@ -50,11 +55,26 @@ class KimiLinearConfig(DeepSeekV3Config):
     def __post_init__(self) -> None:
         DeepSeekV3Config.__post_init__(self)
         check_linear_attention_fields(self, heads=("linear_num_heads",), dims=("linear_head_dim",))
+        self.mlp_layer_types = tuple(self.mlp_layer_types)
+        kinds = self.mlp_layer_types
+        if kinds and (
+            len(kinds) != self.num_layers or any(k not in ("dense", "sparse") for k in kinds)
+        ):
+            raise ValueError(
+                f"{type(self).__name__}.mlp_layer_types={list(kinds)} must name 'dense' or "
+                f"'sparse' for each of the num_layers={self.num_layers} layers (or be empty)"
+            )
         if self.num_mtp_modules:
             raise ValueError(
                 f"{type(self).__name__}.num_mtp_modules must be 0 (Kimi Linear has no "
                 f"multi-token prediction), got {self.num_mtp_modules}"
             )
+
+    def is_dense(self, layer: int) -> bool:
+        """Whether block ``layer`` has a dense SwiGLU (else a MoE)."""
+        if self.mlp_layer_types:
+            return self.mlp_layer_types[layer] == "dense"
+        return layer < self.first_k_dense
 
     def is_linear(self, layer: int) -> bool:
         """Whether block ``layer`` is a KDA layer."""
@@ -76,7 +96,8 @@ class KimiLinearConfig(DeepSeekV3Config):
         dense = 3 * c.dim * c.ffn_hidden_dim
         mixers = linear * c.linear_attention_params()
         mixers += (c.num_layers - linear) * c.attention_params()
-        ffns = c.first_k_dense * dense + (c.num_layers - c.first_k_dense) * moe
+        dense_layers = sum(c.is_dense(i) for i in range(c.num_layers))
+        ffns = dense_layers * dense + (c.num_layers - dense_layers) * moe
         return mixers + ffns + c.dim * c.vocab_size
 
     def attention_flops(self, seq_len: int) -> int:

@@ -119,7 +119,7 @@ class KimiLinearHFAdapter(HFAdapter):
                 f"equal num_attention_heads={heads})"
             )
         linear = hf.get("linear_attn_config") or {}
-        first_dense = _first_dense(hf, layers)
+        first_dense, mlp_types = _mlp_layer_types(hf, layers)
         nope, rope = required(hf, "qk_nope_head_dim"), required(hf, "qk_rope_head_dim")
         max_pos = hf.get("model_max_length") or hf.get("max_position_embeddings") or 1_048_576
         return KimiLinearConfig(
@@ -144,6 +144,7 @@ class KimiLinearHFAdapter(HFAdapter):
             moe_hidden_dim=required(hf, "moe_intermediate_size"),
             num_shared_experts=_first(hf, "num_shared_experts", "n_shared_experts", default=0),
             first_k_dense=first_dense,
+            mlp_layer_types=mlp_types,
             num_expert_groups=_first(hf, "num_expert_group", "n_group", default=1),
             topk_groups=hf.get("topk_group") or 1,
             route_scale=float(hf.get("routed_scaling_factor", 1.0)),
@@ -177,10 +178,7 @@ class KimiLinearHFAdapter(HFAdapter):
             "routed_scaling_factor": c.route_scale,
             "moe_router_activation_func": "sigmoid",
             "moe_layer_freq": 1,
-            "first_k_dense_replace": c.first_k_dense,
-            "mlp_layer_types": [
-                "dense" if i < c.first_k_dense else "sparse" for i in range(c.num_layers)
-            ],
+            **_mlp_layer_types_to_hf(c),
             "kv_lora_rank": c.kv_lora_rank,
             "q_lora_rank": c.q_lora_rank or None,
             "qk_nope_head_dim": c.qk_nope_head_dim,
@@ -259,17 +257,26 @@ def _layer_types(hf: Mapping[str, Any], layers: int) -> tuple[str, ...]:
     return tuple(types)
 
 
-def _first_dense(hf: Mapping[str, Any], layers: int) -> int:
-    """Leading dense blocks; any other dense/sparse pattern is refused."""
+def _mlp_layer_types(hf: Mapping[str, Any], layers: int) -> tuple[int, tuple[str, ...]]:
+    """``(first_k_dense, mlp_layer_types)``: the leading dense blocks, and the per-layer list
+    when the dense blocks are not just a prefix (empty otherwise)."""
     kinds = hf.get("mlp_layer_types")
     if kinds is None:
-        return int(hf.get("first_k_dense_replace", 1))
+        return int(hf.get("first_k_dense_replace", 1)), ()
+    if len(kinds) != layers or any(k not in ("dense", "sparse") for k in kinds):
+        raise ValueError(
+            f"HF config field mlp_layer_types={list(kinds)!r} is not supported (supported: "
+            f"'dense' or 'sparse' for each of the num_hidden_layers={layers} layers)"
+        )
     dense = 0
     while dense < len(kinds) and kinds[dense] == "dense":
         dense += 1
-    if len(kinds) != layers or any(k != "sparse" for k in kinds[dense:]):
-        raise ValueError(
-            f"HF config field mlp_layer_types={list(kinds)!r} is not supported (supported: "
-            "'dense' blocks first, then 'sparse' ones, one per layer)"
-        )
-    return dense
+    return dense, () if all(k == "sparse" for k in kinds[dense:]) else tuple(kinds)
+
+
+def _mlp_layer_types_to_hf(c: KimiLinearConfig) -> dict[str, Any]:
+    """``mlp_layer_types`` spelled out, and ``first_k_dense_replace`` (the leading dense
+    blocks) as the original config names them."""
+    kinds = ["dense" if c.is_dense(i) else "sparse" for i in range(c.num_layers)]
+    leading = next((i for i, k in enumerate(kinds) if k != "dense"), len(kinds))
+    return {"first_k_dense_replace": leading, "mlp_layer_types": kinds}

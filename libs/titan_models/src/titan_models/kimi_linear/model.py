@@ -4,7 +4,7 @@ Single-device code: parallelism (experts included) is applied from outside, from
 The forward pass is ``components.Transformer.forward``; a block is ``TransformerBlock`` whose
 token mixer is, per ``layer_types``, ``components.linear_attention.KimiDeltaAttention`` (the
 gated delta rule with one decay per key channel) or ``components.mla`` without rotary
-embeddings, and whose feed-forward is a SwiGLU (``first_k_dense`` blocks) or ``dist_moe.MoE``
+embeddings, and whose feed-forward is a SwiGLU (the ``dense`` layers of ``mlp_layer_types``) or ``dist_moe.MoE``
 with shared experts and DeepSeek-V3's sigmoid routing. A KV cache holds the MLA latents for
 the MLA layers and a fixed-size state for the KDA layers.
 """
@@ -55,7 +55,7 @@ class KimiLinear(Transformer):
         c = config
         blocks = []
         for i in range(c.num_layers):
-            if i < c.first_k_dense:
+            if c.is_dense(i):
                 feed_forward: nn.Module = FeedForward(dim=c.dim, hidden_dim=c.ffn_hidden_dim)
             else:
                 feed_forward = MoEFeedForward(

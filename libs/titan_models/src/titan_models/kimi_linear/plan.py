@@ -30,7 +30,7 @@ def plan(config: KimiLinearConfig) -> ModelPlan:
     def each(names: list[str]) -> tuple[str, ...]:
         return tuple(f"layers.*.attention.{n}" for n in names)
 
-    dense = c.first_k_dense > 0
+    dense = any(c.is_dense(i) for i in range(c.num_layers))
     return decoder_plan(
         KimiLinear,
         config,
@@ -41,5 +41,5 @@ def plan(config: KimiLinearConfig) -> ModelPlan:
         rowwise=(*each(row), *(("layers.*.feed_forward.w2",) if dense else ())),
         replicated=each(rep),
         head_sharded=each(heads),
-        experts=tuple(f"layers.{i}.feed_forward" for i in range(c.first_k_dense, c.num_layers)),
+        experts=tuple(f"layers.{i}.feed_forward" for i in range(c.num_layers) if not c.is_dense(i)),
     )

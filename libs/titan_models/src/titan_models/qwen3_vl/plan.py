@@ -13,7 +13,8 @@ from .model import Qwen3VL
 
 
 def with_vision_tower(plan: ModelPlan, model_cls: type[nn.Module], config) -> ModelPlan:
-    """``plan`` of the decoder extended to the tower of a Qwen3-VL config (dense or MoE):
+    """``plan`` of the decoder extended to the tower of a Qwen3-VL config (dense or MoE) or
+    any config whose ``vision`` tower is built of ``VisionBlock``s under ``visual.blocks``:
 
     - tensor parallel (``config.vision.tensor_parallel``): each block's ``wqkv`` (whole heads
       per rank: its rows are head-major) and MLP ``w1`` column-wise, ``wo`` and ``w2``
@@ -26,7 +27,7 @@ def with_vision_tower(plan: ModelPlan, model_cls: type[nn.Module], config) -> Mo
     """
     with torch.device("meta"):
         model = model_cls(config)
-    deep = len(config.vision.deepstack_layers)
+    deep = len(getattr(config.vision, "deepstack_layers", ()))
     first = ("tok_embeddings", "visual", *(f"layers.{i}" for i in range(deep)))
     params = {id(p): p.numel() for top in first for p in model.get_submodule(top).parameters()}
     units = (
