@@ -32,6 +32,7 @@ from torch import nn
 
 from .components import Transformer, TransformerConfig, local_chunks
 from .config_fields import replace_config
+from .family import ModelClass
 from .hf_adapter import HFAdapter, HFTensor
 from .hf_files import (
     INDEX_FILE,
@@ -68,7 +69,7 @@ _MAX_LISTED = 20
 
 def hf_model_config(
     path: str | os.PathLike,
-) -> tuple[type[Transformer], TransformerConfig]:
+) -> tuple[ModelClass, TransformerConfig]:
     """The model class and config of the HF checkpoint folder ``path`` (nothing is read but
     ``config.json`` and the tensor names). ``ValueError`` naming an unsupported HF field."""
     _, hf_config, adapter, _ = _open_checkpoint(path)

@@ -378,7 +378,7 @@ class _Attention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, do, dlse):
+    def backward(ctx, do, dlse):  # pyrefly: ignore[bad-override]  # torch: one arg per output
         q, k, v, o, lse = ctx.saved_tensors
         cp, plan, opt = ctx.shard.cp, ctx.plan, ctx.opt
         delta = (do.to(opt.acc) * o.to(opt.acc)).sum(-1)

@@ -201,7 +201,7 @@ class _RotaryFunction(torch.autograd.Function):
         return torch.addcmul(x * cos, ctx.swap(x), sin)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor):  # pyrefly: ignore[bad-override]  # torch: one arg per output
         cos, sin = ctx.saved_tensors
         return torch.addcmul(grad * cos, ctx.swap(grad), sin, value=-1), None, None, None
 

@@ -257,7 +257,7 @@ class _ScaledLinear(torch.autograd.Function):
         return _mm(xq, wq, recipe, _out_dtype(x))
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):
+    def backward(ctx, dy: torch.Tensor):  # pyrefly: ignore[bad-override]  # torch: one arg per output
         recipe = ctx.recipe
         g, gd = recipe.granularity, GRAD_DTYPES[recipe.grad_dtype]
         x_dtype, w_dtype = ctx.dtypes
@@ -365,7 +365,7 @@ class _ScaledGroupedLinear(torch.autograd.Function):
         return _gmm(xq, wq, offs, recipe, _out_dtype(x))
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy):  # pyrefly: ignore[bad-override]  # torch: one arg per output
         recipe = ctx.recipe
         g, gd = recipe.granularity, GRAD_DTYPES[recipe.grad_dtype]
         x, w, offs = ctx.saved_tensors

@@ -11,6 +11,7 @@ Shapes: B batch, S sequence, D model dim, V vocabulary.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -203,7 +204,7 @@ class Transformer(nn.Module):
     def __init__(
         self,
         config: TransformerConfig,
-        blocks: list[nn.Module],
+        blocks: Sequence[nn.Module],
         extra_modules: dict[str, nn.Module] | None = None,
     ) -> None:
         """``extra_modules``: a family's modules beside the stack (DeepSeek-V3's ``mtp``),

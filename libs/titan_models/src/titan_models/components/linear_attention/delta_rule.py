@@ -286,7 +286,7 @@ class _ChannelDecayedScores(torch.autograd.Function):
         return out.masked_fill(~mask, 0)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):  # pyrefly: ignore[bad-override]  # torch: one arg per output
         a, b, G, mask = ctx.saved_tensors
         C = a.shape[-2]
         M, c = _blocks(C)

@@ -65,7 +65,7 @@ class VisionLanguageTransformer(Transformer):
     def __init__(
         self,
         config: TransformerConfig,
-        blocks: list[nn.Module],
+        blocks: Sequence[nn.Module],
         *,
         visual: nn.Module,
         rope: MultimodalRotaryEmbedding,
