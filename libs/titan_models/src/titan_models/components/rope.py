@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -136,6 +137,15 @@ def _yarn_scaled(
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp.to(device)  # 1 where the frequency is extrapolated (kept as is)
     return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
+
+
+class RopeTables(Protocol):
+    """What a model calls for its ``(cos, sin)`` tables: ``RotaryEmbedding`` (positions
+    ``(B, S)``) or a variant such as M-RoPE (positions ``(3, B, S)``)."""
+
+    def __call__(
+        self, positions: torch.Tensor, dtype: torch.dtype, /
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class RotaryEmbedding:

@@ -204,6 +204,7 @@ def _chunk_backward(parts, shard, options, half, state, do, dfinal):
         o, final = _chunk(leaves, shard, options, half, state_leaf, final=dfinal is not None)
         outputs, grad_outputs = [o], [do]
         if dfinal is not None:
+            assert final is not None  # asked for with final=True
             outputs.append(final)
             grad_outputs.append(dfinal)
         wrt = leaves + ([state_leaf] if state_leaf is not None else [])

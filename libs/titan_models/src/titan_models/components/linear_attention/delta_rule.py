@@ -205,6 +205,7 @@ def _torch_chunk_delta_rule(
     k_tail = k_c * (gamma[:, :, :, None] - Gk).exp()
     decay = gamma.exp()
     if carry is not None:
+        assert last is not None  # made with carry
         k_tail = k_tail * last[..., None]
         decay = decay * carry[..., -1:]
         carry = carry[..., None].to(acc)
