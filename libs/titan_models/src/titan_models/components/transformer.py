@@ -11,7 +11,7 @@ Shapes: B batch, S sequence, D model dim, V vocabulary.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, cast
 
@@ -206,7 +206,7 @@ class Transformer(nn.Module):
         self,
         config: TransformerConfig,
         blocks: Sequence[nn.Module],
-        extra_modules: dict[str, nn.Module] | None = None,
+        extra_modules: Mapping[str, nn.Module | None] | None = None,
     ) -> None:
         """``extra_modules``: a family's modules beside the stack (DeepSeek-V3's ``mtp``),
         registered after ``output`` and initialised as the family's ``_extra_param_inits``
