@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import save_file
@@ -200,7 +200,7 @@ def _leading_index(view: torch.Tensor, whole: torch.Tensor) -> tuple[int, ...] |
     if k == 0:
         return ()
     inner = math.prod(whole.shape[k:])
-    flat, rem = divmod(view.storage_offset(), inner)
+    flat, rem = divmod(int(view.storage_offset()), inner)
     if rem:
         return None
     index = []
@@ -356,10 +356,13 @@ def _fused_tensors(
 
 def _assemble_fused(stacked: torch.Tensor, *, parts: list[tuple[str, HFTensor]]) -> torch.Tensor:
     """The fused HF tensor from its parts stacked along dim 0 (see ``_fused_tensors``)."""
-    full = stacked.new_empty(parts[0][1].shape)
+    shape = parts[0][1].shape
+    assert shape is not None  # a fused tensor's shape (see _fused_tensors)
+    full = stacked.new_empty(shape)
     for (_, ht), rows in zip(
         parts, stacked.split([h.ours.shape[0] for _, h in parts]), strict=True
     ):
+        assert ht.put is not None  # checked by _fused_tensors
         ht.put(full, rows)
     return full
 
@@ -541,7 +544,7 @@ def _listing(what: str, items: list[str]) -> str:
 def _check_whole(model: Transformer) -> None:
     """``to_hf`` takes a materialised model holding every tensor whole."""
     with torch.device("meta"):
-        reference = type(model)(model.config)
+        reference = cast(ModelClass, type(model))(model.config)  # a family's class
     shapes = {name: tuple(t.shape) for name, t in named_state(reference)}
     params = dict(named_state(model))
     missing = [name for name in shapes if name not in params]

@@ -46,7 +46,7 @@ def router_config(config: DeepSeekV4Config, index: int) -> RouterConfig:
     return RouterConfig(
         num_experts=c.num_experts,
         top_k=c.num_experts_per_tok,
-        score_func=c.score_func,
+        score_func=cast(Any, c.score_func),  # one of SCORE_FUNCS (checked by the config)
         norm_topk_prob=True,
         route_scale=c.route_scale,
         bias_update_rate=0.0 if hashed else c.bias_update_rate,
