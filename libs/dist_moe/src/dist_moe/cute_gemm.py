@@ -12,6 +12,7 @@ The kernel (``_cute_grouped_gemm.py``) is compiled once per architecture with
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -128,7 +129,7 @@ def cute_grouped_mm(
     return out
 
 
-_RUNTIME_KERNELS: dict[str, object] = {}
+_RUNTIME_KERNELS: dict[str, Any] = {}  # compiled CuTe kernels
 
 
 def _cute_tensor(t: torch.Tensor, divisibility: tuple[int, ...]):

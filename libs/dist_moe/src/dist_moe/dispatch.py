@@ -127,7 +127,7 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(x, out_splits, in_splits, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):  # pyrefly: ignore[bad-override]  # torch: one arg per output
         out_splits, in_splits = ctx.splits
         return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
 
@@ -250,6 +250,7 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
     def combine(self, y_RD, weights_TK, ctx: _EPContext):
         if ctx.local_plan is None:
             return self._combine_capacity(y_RD, weights_TK, ctx)
+        assert ctx.splits is not None  # set with local_plan (dropless)
         out_splits, in_splits = ctx.splits
         # Weighted sum over this rank's experts, per received token; then one row per token
         # goes back, and the source adds up the partial sums of the ranks it visited.

@@ -19,6 +19,7 @@ used; its backward fails on a stride-0 gradient, hence the ``contiguous`` hook.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -69,7 +70,7 @@ class SwiGLU:
         return gate * torch.sigmoid(gate * self.alpha) * up
 
 
-def _grouped_mm_fn():
+def _grouped_mm_fn() -> Callable[..., torch.Tensor] | None:
     fn = getattr(F, "grouped_mm", None)
     return fn if fn is not None else getattr(torch, "_grouped_mm", None)
 
@@ -88,7 +89,9 @@ def grouped_mm_available(x: torch.Tensor, *dims: int) -> bool:
 
 
 def _grouped_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    out = _grouped_mm_fn()(x_RK, w_EKN, offs=offs)
+    fn = _grouped_mm_fn()
+    assert fn is not None  # callers check grouped_mm_available
+    out = fn(x_RK, w_EKN, offs=offs)
     if out.requires_grad:
         out.register_hook(lambda g: g.contiguous())
     return out
@@ -139,6 +142,7 @@ class GroupedExperts(nn.Module):
             nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
         if self.has_bias:
             for b in (self.b_gate, self.b_up, self.b_down):
+                assert b is not None  # made together with b_gate
                 nn.init.zeros_(b)
 
     def uses_grouped_mm(self, x: torch.Tensor) -> bool:
@@ -187,8 +191,9 @@ class GroupedExperts(nn.Module):
         return self.forward_loop(x_RD, group_ends, weights)
 
     def _weights(self) -> ExpertWeights:
-        if self.has_bias:
-            return self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up, self.b_down
+        b_gate, b_up, b_down = self.b_gate, self.b_up, self.b_down
+        if b_gate is not None and b_up is not None and b_down is not None:  # has_bias
+            return self.w_gate, self.w_up, self.w_down, b_gate, b_up, b_down
         return self.w_gate, self.w_up, self.w_down
 
     def forward_loop(

@@ -21,6 +21,8 @@ already installed on the old router move to the new one. Nothing here imports
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -77,7 +79,9 @@ class HFSparseMoeBlock(MoE):
 
 
 def _hf_block_shapes(block: nn.Module, where: str) -> tuple[int, int, int, int]:
-    gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
+    # an HF block: duck-typed, checked field by field below
+    gate: Any = getattr(block, "gate", None)
+    experts: Any = getattr(block, "experts", None)
     fields = ("gate.weight", "gate.top_k", "experts.gate_up_proj", "experts.down_proj")
     ok = (
         isinstance(getattr(gate, "weight", None), torch.Tensor)
@@ -128,7 +132,8 @@ def moe_from_hf_block(
     ``experts``); the result computes the same function (up to summation order).
     """
     num_experts, top_k, hidden, inter = _hf_block_shapes(block, "moe_from_hf_block")
-    gate_w = block.gate.weight
+    hf: Any = block  # its fields checked by _hf_block_shapes
+    gate_w = hf.gate.weight
     config = MoEConfig(
         dim=hidden,
         hidden_dim=inter,
@@ -136,22 +141,22 @@ def moe_from_hf_block(
             num_experts=num_experts,
             top_k=top_k,
             score_func="softmax",
-            norm_topk_prob=bool(getattr(block.gate, "norm_topk_prob", False)),
+            norm_topk_prob=bool(getattr(hf.gate, "norm_topk_prob", False)),
             logits_dtype=None,
         ),
         permute=permute if permute is not None else PermuteConfig(),
         experts_impl=experts_impl,
     )
     with torch.device("meta"):
-        moe = HFSparseMoeBlock(config, _logits_tap(block.gate))
+        moe = HFSparseMoeBlock(config, _logits_tap(hf.gate))
     moe.to_empty(device=gate_w.device)
     moe.to(gate_w.dtype)
-    gate_up = block.experts.gate_up_proj.detach()
+    gate_up = hf.experts.gate_up_proj.detach()
     with torch.no_grad():
         moe.router.gate.weight.copy_(gate_w)
         moe.experts.w_gate.copy_(gate_up[:, :inter])
         moe.experts.w_up.copy_(gate_up[:, inter:])
-        moe.experts.w_down.copy_(block.experts.down_proj)
+        moe.experts.w_down.copy_(hf.experts.down_proj)
         moe.router.expert_bias.zero_()
         moe.router.tokens_per_expert.zero_()
     moe.train(block.training)

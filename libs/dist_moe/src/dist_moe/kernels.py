@@ -164,7 +164,8 @@ def _triton_kernels():
             v = tl.load(x_ptr + token * stride_x + cols, mask=mask, other=0.0)
             if HAS_SCALE:
                 # fp32 product rounded once: what torch does for a bf16/fp16 multiply
-                v = (v.to(tl.float32) * s.to(v.dtype).to(tl.float32)).to(v.dtype)
+                # s is bound: HAS_SCALE is one compile-time constant for both branches
+                v = (v.to(tl.float32) * s.to(v.dtype).to(tl.float32)).to(v.dtype)  # pyrefly: ignore[unbound-name]
             tl.store(out_ptr + r * stride_out + cols, v, mask=m)
 
     @triton.jit

@@ -177,7 +177,7 @@ class _Permute(torch.autograd.Function):
         return permute_rows(x_TH, plan.row_assignment, plan.top_k, backend=plan.kernels)
 
     @staticmethod
-    def backward(ctx, grad_RH: torch.Tensor):
+    def backward(ctx, grad_RH: torch.Tensor):  # pyrefly: ignore[bad-override]  # torch: one arg per output
         plan: PermutePlan = ctx.plan
         grad_x = combine_rows(grad_RH, plan.slot, plan.top_k, backend=plan.kernels)
         return grad_x, None
@@ -193,7 +193,7 @@ class _UnpermuteCombine(torch.autograd.Function):
         return combine_rows(y_RH, plan.slot, plan.top_k, weights_TK, backend=plan.kernels)
 
     @staticmethod
-    def backward(ctx, grad_TH: torch.Tensor):
+    def backward(ctx, grad_TH: torch.Tensor):  # pyrefly: ignore[bad-override]  # torch: one arg per output
         plan: PermutePlan = ctx.plan
         y_RH, weights_TK = ctx.saved_tensors
         grad_y = grad_w = None

@@ -105,7 +105,7 @@ class _SharedMemoryHeap(_SymmetricHeap):
 
     def __init__(
         self,
-        group: dist.ProcessGroup | None,
+        group: dist.ProcessGroup,
         numel: int,
         dtype: torch.dtype,
         num_channels: int,

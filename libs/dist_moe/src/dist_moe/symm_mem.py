@@ -156,9 +156,11 @@ def _put_to_owners(
     me = st.heap.rank
     for c, (j0, j1) in enumerate(st.chunks):
         if st.kernels == "triton":
-            idx = st.to_owner_index[c]
+            index, table = st.to_owner_index, st.peer_table
+            assert index is not None and table is not None  # build_put_index ran
+            idx = index[c]
             rows = idx.rows if token_of_row is None else token_of_row.index_select(0, idx.rows)
-            put_rows_to_peers(src, rows, idx.peer, idx.offset, st.peer_table)
+            put_rows_to_peers(src, rows, idx.peer, idx.offset, table)
         else:
             send = src.reshape(st.ep, st.local, st.capacity, st.dim)
             for q in st.peers():
@@ -178,8 +180,10 @@ def _put_chunk_to_sources(st: _Exchange, c: int, y_RD: torch.Tensor) -> None:
     j0, j1 = st.chunks[c]
     me = st.heap.rank
     if st.kernels == "triton":
-        idx = st.to_source_index[c]
-        put_rows_to_peers(y_RD, idx.rows, idx.peer, idx.offset, st.peer_table)
+        index, table = st.to_source_index, st.peer_table
+        assert index is not None and table is not None  # build_put_index ran
+        idx = index[c]
+        put_rows_to_peers(y_RD, idx.rows, idx.peer, idx.offset, table)
     else:
         y = y_RD.reshape(j1 - j0, st.ep, st.capacity, st.dim)
         for q in st.peers():
@@ -212,7 +216,7 @@ class _PutToOwners(torch.autograd.Function):
         return x_TD.new_empty(0)
 
     @staticmethod
-    def backward(ctx, _token_grad):
+    def backward(ctx, _token_grad):  # pyrefly: ignore[bad-override]  # torch: one arg per output
         plan = ctx.plan
         grad_rows = _take_at_source(ctx.st)
         return combine_rows(grad_rows, plan.slot, plan.top_k, backend=ctx.st.kernels), None, None
@@ -227,7 +231,7 @@ class _TakeChunk(torch.autograd.Function):
         return _take_chunk(st, c)
 
     @staticmethod
-    def backward(ctx, grad_RD):
+    def backward(ctx, grad_RD):  # pyrefly: ignore[bad-override]  # torch: one arg per output
         _put_chunk_to_sources(ctx.st, ctx.c, grad_RD.contiguous())
         return grad_RD.new_empty(0), None, None
 
@@ -242,7 +246,7 @@ class _PutChunkToSources(torch.autograd.Function):
         return y_RD.new_empty(0)
 
     @staticmethod
-    def backward(ctx, _token_grad):
+    def backward(ctx, _token_grad):  # pyrefly: ignore[bad-override]  # torch: one arg per output
         return _take_chunk(ctx.st, ctx.c), None, None
 
 
@@ -255,7 +259,7 @@ class _TakeAtSource(torch.autograd.Function):
         return _take_at_source(st)
 
     @staticmethod
-    def backward(ctx, grad_RD):
+    def backward(ctx, grad_RD):  # pyrefly: ignore[bad-override]  # torch: one arg per output
         _put_to_owners(ctx.st, grad_RD.contiguous())
         return (None, *(grad_RD.new_empty(0) for _ in range(ctx.num_tokens)))
 
@@ -383,6 +387,7 @@ class SymmMemDispatcher(_ExpertParallelDispatcher):
         key = (capacity, d, x_TD.dtype, x_TD.device)
         if key not in self._exchanges:
             group = self.group if self.group is not None else dist.group.WORLD
+            assert group is not None  # the default group exists once dist is initialized
             numel = 2 * self.num_experts * capacity * d
             channels = 2 * len(self.chunks)
             if self.emulate:

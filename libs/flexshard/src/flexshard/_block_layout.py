@@ -28,6 +28,7 @@ class _BlockSpec:
 class BlockShardLayout(Layout):
     def __init__(self, infos: list[Any], g: GroupInfo, placement: BlockShard) -> None:
         self.placement = placement
+        self.block: tuple[int, int] = placement.block
         br, bc = placement.block
         self.tile = br * bc
         W = g.world
@@ -57,17 +58,19 @@ class BlockShardLayout(Layout):
         super().__init__(infos, g)
 
     def _tiles(self, full: torch.Tensor, s: _BlockSpec) -> torch.Tensor:
-        br, bc = self.placement.block
+        br, bc = self.block
         return full.view(s.nti, br, s.ntj, bc).permute(0, 2, 1, 3).reshape(s.nti * s.ntj, br, bc)
 
     def local_from_full(self, i, full):
         s = self.specs[i]
         return self._tiles(full, s).index_select(0, s.local_tiles.to(full.device)).contiguous()
 
-    def local_chunks(self, i, local):
+    def local_chunks(
+        self, i: int, local: torch.Tensor
+    ) -> list[tuple[tuple[int, ...], torch.Tensor]]:
         s = self.specs[i]
-        br, bc = self.placement.block
-        out = []
+        br, bc = self.block
+        out: list[tuple[tuple[int, ...], torch.Tensor]] = []
         for j, t in enumerate(s.local_tiles.tolist()):
             ti, tj = divmod(t, s.ntj)
             out.append(((ti * br, tj * bc), local[j]))
@@ -77,7 +80,7 @@ class BlockShardLayout(Layout):
         return self.specs[i].local_tiles.numel() > 0
 
     def _cat_local(self, locals_: list[torch.Tensor], dtype: torch.dtype, dev) -> torch.Tensor:
-        br, bc = self.placement.block
+        br, bc = self.block
         buf = torch.empty(self.M, br, bc, dtype=dtype, device=dev)
         for s, loc in zip(self.specs, locals_, strict=True):
             n = s.counts[self.g.rank]
@@ -108,7 +111,7 @@ class BlockShardLayout(Layout):
     def finish_gather(self, p, flat):
         p.wait()
         W, M, tile = self.g.world, self.M, self.tile
-        br, bc = self.placement.block
+        br, bc = self.block
         quantize, dtype = p.extra
         if quantize is not None:
             rv = p.recv.view(W, M * (tile + 4))
@@ -126,7 +129,7 @@ class BlockShardLayout(Layout):
 
     def issue_reduce(self, grads, rdtype, predivide, stats, device):
         W, M, tile = self.g.world, self.M, self.tile
-        br, bc = self.placement.block
+        br, bc = self.block
         send = torch.zeros(W * M * tile, dtype=rdtype, device=device)
         st = send.view(W * M, br, bc)
         for s, gr in zip(self.specs, grads, strict=True):
@@ -137,7 +140,7 @@ class BlockShardLayout(Layout):
 
     def finish_reduce(self, p, predivide):
         out = self._reduced(p, predivide)
-        br, bc = self.placement.block
+        br, bc = self.block
         tiles = out.view(self.M, br, bc)
         r = self.g.rank
         res: list[torch.Tensor | None] = []

@@ -34,6 +34,13 @@ _U8 = torch.uint8
 _FP8 = torch.float8_e4m3fn
 
 
+class _DeviceOnly:
+    """Stands in for the flat buffer at issue time: layouts only read its device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+
 class CommStats:
     """Bytes this rank put into collectives (the send buffer of each call), by kind."""
 
@@ -108,7 +115,7 @@ class Layout:
     def issue_gather(
         self,
         locals_: list[torch.Tensor],
-        flat: torch.Tensor,
+        flat: torch.Tensor | _DeviceOnly,
         dtype: torch.dtype,
         quantize: str | None,
         stats: CommStats,
@@ -352,7 +359,7 @@ class ReplicateLayout(Layout):
         stats.add("all_reduce", send.nbytes)
         return Pending([work], send, [], send.nbytes)
 
-    def finish_reduce(self, p, predivide):
+    def finish_reduce(self, p: Pending, predivide: bool) -> list[torch.Tensor | None]:
         p.wait()
         out = self._sum_over_ranks(p.recv) if self.rank_ordered else p.recv
         p.keep = []

@@ -23,7 +23,7 @@ import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from flexshard._ddp_guard import check_not_reduced_by_ddp, ddp_ignore_list, set_ddp_ignore_list
 from flexshard._groups import GroupInfo
-from flexshard._layout import CommStats, Layout, Pending
+from flexshard._layout import CommStats, Layout, Pending, _DeviceOnly
 from flexshard.placements import MixedPrecision, Placement, Replicate
 
 _FREE, _GATHERING, _GATHERED = 0, 1, 2
@@ -89,7 +89,8 @@ class ParamInfo:
     bucket_name: str = ""
     index: int = 0
     owner: int | None = None
-    local: nn.Parameter | None = None
+    # set by ``shard`` once the bucket's layout exists (the layout needs every ParamInfo)
+    local: nn.Parameter = field(init=False, repr=False)
     full: nn.Parameter | None = None
     acc_grad: torch.Tensor | None = None
     dtensor: tuple[Any, Any, Any, Any] | None = None  # (mesh, placements, shape, stride)
@@ -108,18 +109,10 @@ class ParamInfo:
 
     def local_chunks(self) -> list[tuple[tuple[int, ...], torch.Tensor]]:
         """(global offset, tensor) of every chunk of this parameter held here."""
-        assert self.local is not None
         return self.bucket.layout.local_chunks(self.index, self.local.detach())
 
     def holds_anything(self) -> bool:
         return self.bucket.layout.holds_anything(self.index)
-
-
-class _DeviceOnly:
-    """Stands in for the flat buffer at issue time: layouts only read its device."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
 
 
 class BucketRuntime:
@@ -169,12 +162,17 @@ class BucketRuntime:
     def device(self) -> torch.device:
         return self.infos[0].local.device
 
+    def _flat(self) -> torch.Tensor:
+        """The gathered flat buffer (allocated by ``_alloc``)."""
+        assert self.flat is not None, f"bucket {self.name!r}: flat buffer used before allocation"
+        return self.flat
+
     def _flat_nbytes(self) -> int:
         return self.layout.full_numel * torch.empty((), dtype=self.param_dtype).element_size()
 
     def _make_full_params(self) -> None:
         for i, info in enumerate(self.infos):
-            data = info.local.detach() if self.alias else self.layout.out_view(self.flat, i)
+            data = info.local.detach() if self.alias else self.layout.out_view(self._flat(), i)
             if info.dtensor is not None:
                 from torch.distributed.tensor import DTensor
 
@@ -194,8 +192,10 @@ class BucketRuntime:
             if self.infos[0].full is None:
                 self._make_full_params()
             for info in self.infos:
-                if info.full.data_ptr() != info.local.data_ptr():
-                    info.full.data = info.local.detach()
+                full = info.full
+                assert full is not None  # made above
+                if full.data_ptr() != info.local.data_ptr():
+                    full.data = info.local.detach()
             return
         nbytes = self._flat_nbytes()
         if self.flat is None or self.flat.device != self.device:
@@ -218,7 +218,7 @@ class BucketRuntime:
         # arrives (wait_gather): a prefetched bucket then costs its receive buffer only.
         if self.layout.writes_flat_at_issue:
             self._alloc()
-            target = self.flat.data
+            target = self._flat().data
         else:
             target = _DeviceOnly(self.device)
         locals_ = [info.local.detach() for info in self.infos]
@@ -231,9 +231,10 @@ class BucketRuntime:
     def wait_gather(self) -> None:
         if self.status == _GATHERING:
             p = self.pending
+            assert p is not None  # set with _GATHERING
             if not self.layout.writes_flat_at_issue:
                 self._alloc()
-            self.layout.finish_gather(p, self.flat.data)
+            self.layout.finish_gather(p, self._flat().data)
             self.state.mem.free(p.transient_bytes)
             self.pending = None
             self.status = _GATHERED
@@ -248,7 +249,7 @@ class BucketRuntime:
         if self.status == _FREE or self.alias:
             return
         self.wait_gather()
-        self.flat.untyped_storage().resize_(0)
+        self._flat().untyped_storage().resize_(0)
         self.state.mem.free(self._flat_nbytes())
         self.status = _FREE
 
@@ -282,10 +283,11 @@ class BucketRuntime:
 
     def accumulate_locally(self, info: ParamInfo) -> None:
         """No-sync micro-step: move the full gradient into an accumulator in reduce dtype."""
-        g = info.full.grad
-        if g is None:
+        full = info.full
+        g = None if full is None else full.grad
+        if full is None or g is None:
             return
-        info.full.grad = None
+        full.grad = None
         if info.dtensor is not None:
             g = _dtensor_local_grad(g, info)
         if info.acc_grad is None:
@@ -338,6 +340,7 @@ def _dtensor_local_grad(g: torch.Tensor, info: ParamInfo) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     if isinstance(g, DTensor):
+        assert info.dtensor is not None  # a DTensor gradient belongs to a DTensor parameter
         mesh, placements, _, _ = info.dtensor
         if tuple(g.placements) != tuple(placements):
             g = g.redistribute(mesh, placements)
@@ -379,7 +382,7 @@ class FlexShardState:
 
     def all_states(self) -> list[FlexShardState]:
         """This state and those of nested sharded submodules, outermost first."""
-        out = [self]
+        out: list[FlexShardState] = [self]
         for st in self.nested:
             out += st.all_states()
         return out
@@ -532,7 +535,11 @@ class FlexShardState:
         self.callback_queued = False
 
 
-class FlexShardModule:
+# a mixin over nn.Module classes: type-check it as one
+_ModuleBase = nn.Module if TYPE_CHECKING else object
+
+
+class FlexShardModule(_ModuleBase):
     """Mixin added to the class of a module passed to :func:`flexshard.shard`."""
 
     flexshard_state: FlexShardState

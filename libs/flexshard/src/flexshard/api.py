@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -294,7 +294,7 @@ def shard(
 
     # Build runtime.
     state = FlexShardState(module, g, mp, reshard_after_forward, prefetch)
-    state.nested = [sub.flexshard_state for sub in nested]
+    state.nested = [cast(FlexShardModule, sub).flexshard_state for sub in nested]
     root_has_forward = _has_forward(module)
     for bi, b in enumerate(buckets):
         infos: list[ParamInfo] = []
@@ -365,7 +365,7 @@ def shard(
             module.register_forward_hook(state._root_post_forward, with_kwargs=True)
         )
     _swap_class(module)
-    module.flexshard_state = state
+    cast(FlexShardModule, module).flexshard_state = state
     return module
 
 

@@ -45,6 +45,7 @@ def _tp_group(mesh, placements):
 
 def _local_grad(p: torch.Tensor) -> torch.Tensor:
     g = p.grad
+    assert g is not None  # called on parameters with a gradient
     from torch.distributed.tensor import DTensor
 
     if isinstance(g, DTensor):

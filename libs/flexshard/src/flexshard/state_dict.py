@@ -78,6 +78,7 @@ def _state(module: nn.Module):
 def _tp_offset(info: ParamInfo) -> tuple[int, ...]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    assert info.dtensor is not None  # a DTensor parameter
     mesh, placements, shape, _ = info.dtensor
     _, off = compute_local_shape_and_global_offset(shape, mesh, placements)
     return tuple(off)
@@ -227,11 +228,13 @@ def load_full_state_dict(
         if rank0_only:
             dev = value.device if info is None else info.local.device
             if st.g.rank == 0:
+                assert state_dict is not None  # every key checked on rank 0 above
                 src = state_dict[key].detach().to(dev, dtype).contiguous()
             else:
                 src = torch.empty(shape, dtype=dtype, device=dev)
             dist.broadcast(src, group=st.g.group, group_src=0)
         else:
+            assert state_dict is not None  # checked above
             if key not in state_dict:
                 continue
             src = state_dict[key].detach()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,6 +62,7 @@ class TimelineRecorder:
     def gather(self, group: dist.ProcessGroup | None = None) -> Timeline:
         """The measured timeline of all ranks (a collective: call it on every rank)."""
         mine = (self._wall0, self.intervals, self.posts, self.waits)
+        every: list[Any]  # one ``mine`` per rank
         if not dist.is_initialized():
             every = [mine]
         else:
@@ -122,7 +124,7 @@ def measure_costs(
                 s: _time_alone(st, metas, microbatch, target, loss_fn, repeats)
                 for s, st in local.items()
             }
-    every = [mine]
+    every: list[Any] = [mine]  # one ``mine`` per rank
     if distributed:
         every = [None] * world
         dist.all_gather_object(every, mine, group=group)

@@ -210,11 +210,16 @@ def run(
         a = seg
         st, s, mb = local[seg.stage], seg.stage, seg.microbatch
         if a.kind == F:
-            x = microbatches[mb] if s == 0 else value("F", s, mb)
+            if s == 0:
+                assert microbatches is not None  # checked on the rank of stage 0
+                x = microbatches[mb]
+            else:
+                x = value("F", s, mb)
             start = _clock()
             with grad_mode:
                 y = st._forward(mb, x, stage_kwargs[mb] if stage_kwargs is not None else {})
                 if st.is_last:
+                    assert targets is not None  # checked on the rank of the last stage
                     loss = loss_fn(st._outputs[mb], targets[mb])
                     if broadcast_losses and loss.dim() != 0:
                         raise ValueError(
@@ -275,7 +280,12 @@ def _post(ops: list[dist.P2POp], coalesce: bool) -> list[dist.Work]:
     are issued directly; other backends get one ``batch_isend_irecv`` (NCCL: one group)."""
     if coalesce:
         return dist.batch_isend_irecv(ops)
-    return [op.op(op.tensor, op.peer, group=op.group, tag=op.tag) for op in ops]
+    works = []
+    for op in ops:
+        work = op.op(op.tensor, op.peer, group=op.group, tag=op.tag)
+        assert work is not None  # None only on a rank outside op.group
+        works.append(work)
+    return works
 
 
 def _check_microbatches(

@@ -9,6 +9,7 @@ activation is sent.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,8 @@ _DTYPES = (
     torch.uint8,
     torch.bool,
 )
+
+_T = TypeVar("_T")
 
 
 def _stage_output_meta(
@@ -85,7 +88,7 @@ def _stage_output_meta(
     total = int(flag)
     ranks_needing_shape, problems = divmod(total, schedule.num_ranks + 1)
     if problems:
-        messages = [problem]
+        messages: list[str | None] = [problem]
         if distributed:
             messages = [None] * schedule.num_ranks
             dist.all_gather_object(messages, problem, group=group)
@@ -94,6 +97,7 @@ def _stage_output_meta(
         return holder._shape_cache[(layout, agreed)]
     code = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=device)  # [ndim, dtype, shape...]
     if rank == first:
+        assert key is not None  # the first stage's rank holds the (checked) microbatches
         shape, dtype = key
         code[0], code[1] = len(shape), _DTYPES.index(dtype)
         code[2 : 2 + len(shape)] = torch.tensor(shape)
@@ -101,7 +105,7 @@ def _stage_output_meta(
         dist.broadcast(code, src=_global(first, group), group=group)
     key = (tuple(code[2 : 2 + int(code[0])].tolist()), _DTYPES[int(code[1])])
 
-    def share(obj: object, owner_rank: int) -> object:
+    def share(obj: _T, owner_rank: int) -> _T:
         if not distributed:
             return obj
         box = [obj]
@@ -121,6 +125,7 @@ def _stage_output_meta(
                     f"{list(shape)} dtype {dtype}; each stage's output shape must match the "
                     f"next stage's input ({result})"
                 )
+            assert result is not None  # the owner's result, shared
             shape, dtype = result
             metas.append((shape, dtype))
         holder._shape_cache[(layout, key)] = metas

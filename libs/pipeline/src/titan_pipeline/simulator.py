@@ -430,7 +430,9 @@ class _Wiring:
 
     def ops(self, r: int, si: int) -> list[_Op]:
         """The ops of batch ``si`` of rank ``r``."""
-        return [self.index[(r, si, oi)] for oi in range(len(self.segs[r][si]))]
+        batch = self.segs[r][si]
+        assert isinstance(batch, tuple)  # ops belong to communication batches
+        return [self.index[(r, si, oi)] for oi in range(len(batch))]
 
     def arrival(self, op: _Op) -> float | None:
         """When the data of op is usable, or None while an end is not posted."""
@@ -451,8 +453,9 @@ class _Wiring:
             return 0.0
         si, oi = where
         ops = self.ops(r, si) if whole_batch else [self.index[(r, si, oi)]]
-        times = [self.arrival(op) for op in ops]
-        return None if any(t is None for t in times) else max(times)
+        times = [self.arrival(op) for op in ops]  # each, even after a None: arrival draws
+        known = [t for t in times if t is not None]
+        return None if len(known) != len(times) else max(known)
 
     def stuck(self, positions: list[int]) -> dict[int, str]:
         """What each unfinished rank waits at."""
@@ -463,8 +466,12 @@ class _Wiring:
                 if isinstance(seg, tuple):
                     out[r] = " ".join(map(str, seg))
                 else:
-                    si, oi = self._recv(r, seg)
-                    out[r] = f"{seg} (for the data of {self.segs[r][si][oi]})"
+                    where = self._recv(r, seg)
+                    assert where is not None  # a compute action waits only for a receive
+                    si, oi = where
+                    batch = self.segs[r][si]
+                    assert isinstance(batch, tuple)
+                    out[r] = f"{seg} (for the data of {batch[oi]})"
         return out
 
     def _recv(self, r: int, action: Action) -> tuple[int, int] | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -37,7 +37,7 @@ class HFTensor:
     shape: tuple[int, ...] | None = None
     """The checkpoint tensor's shape when it holds more than this view: a fused tensor split
     over several of our parameters (written only when every part has a ``put``)."""
-    put: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+    put: Callable[[torch.Tensor, torch.Tensor], object] | None = None
     """For a fused tensor: ``put(full, ours)`` copies this view (our layout) into its place in
     the full HF tensor, so ``to_hf`` can assemble the tensor from its parts."""
 
@@ -48,8 +48,12 @@ class HFTensor:
         return tuple((self.to_hf(self.ours) if self.to_hf else self.ours).shape)
 
 
-class HFAdapter:
-    """Base of a family's adapter; subclasses set the class attributes and the config mapping."""
+_C = TypeVar("_C", bound=TransformerConfig)
+
+
+class HFAdapter(Generic[_C]):
+    """Base of a family's adapter (``_C``: the family's config class); subclasses set the class
+    attributes and the config mapping."""
 
     model_types: ClassVar[tuple[str, ...]]
     """HF ``model_type`` values this adapter reads."""
@@ -65,10 +69,10 @@ class HFAdapter:
     def __init__(self) -> None:
         self._to_hf = [(_template_regex(ours), hf) for ours, hf in self.key_map]
 
-    def config_from_hf(self, hf: Mapping[str, Any]) -> TransformerConfig:
+    def config_from_hf(self, hf: Mapping[str, Any]) -> _C:
         raise NotImplementedError
 
-    def config_to_hf(self, config: TransformerConfig) -> dict[str, Any]:
+    def config_to_hf(self, config: _C) -> dict[str, Any]:
         raise NotImplementedError
 
     def hf_tensors(
@@ -217,17 +221,17 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 
-class DenseHFAdapter(HFAdapter):
+class DenseHFAdapter(HFAdapter[_C]):
     """Adapter of a dense decoder whose HF config is Llama-shaped (Llama 3, Qwen3)."""
 
     key_map = DENSE_KEY_MAP
-    config_cls: ClassVar[type[TransformerConfig]]
+    config_cls: type[_C]
     default_max_position_embeddings: ClassVar[int]
     """What HF's config class assumes when ``max_position_embeddings`` is absent."""
     default_rms_norm_eps: ClassVar[float] = 1e-6
     """What HF's config class assumes when ``rms_norm_eps`` is absent."""
 
-    def config_from_hf(self, hf: Mapping[str, Any]) -> TransformerConfig:
+    def config_from_hf(self, hf: Mapping[str, Any]) -> _C:
         """Our config for an HF ``config.json``; ``ValueError`` naming any field we do not model."""
         check_supported(hf, sliding_window=True)
         return self.config_cls(**self.config_fields_from_hf(hf), **self.windows_from_hf(hf))
@@ -238,7 +242,7 @@ class DenseHFAdapter(HFAdapter):
         refuse_sliding_window(hf)
         return {}
 
-    def windows_to_hf(self, config: TransformerConfig) -> dict[str, Any]:
+    def windows_to_hf(self, config: _C) -> dict[str, Any]:
         """The HF window fields of our config (default: refused when it has a window)."""
         if config.sliding_window is not None:
             raise ValueError(
@@ -267,7 +271,7 @@ class DenseHFAdapter(HFAdapter):
             init_std=hf.get("initializer_range", 0.02),
         )
 
-    def config_to_hf(self, config: TransformerConfig) -> dict[str, Any]:
+    def config_to_hf(self, config: _C) -> dict[str, Any]:
         """The HF ``config.json`` fields (legacy ``rope_theta`` / ``rope_scaling`` spelling,
         which transformers 4.x and 5.x both read)."""
         return {

@@ -22,13 +22,14 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from .components import Transformer, TransformerConfig, local_chunks
 from .config_fields import replace_config
+from .family import ModelClass
 from .hf_adapter import HFAdapter, HFTensor
 from .hf_files import (
     _read_json,
@@ -62,7 +63,7 @@ _MAX_LISTED = 20
 
 def hf_model_config(
     path: str | os.PathLike,
-) -> tuple[type[Transformer], TransformerConfig]:
+) -> tuple[ModelClass, TransformerConfig]:
     """The model class and config of the HF checkpoint folder ``path`` (nothing is read but
     ``config.json`` and the tensor names). ``ValueError`` naming an unsupported HF field."""
     _, hf_config, adapter, _ = _open_checkpoint(path)
@@ -193,7 +194,7 @@ def _leading_index(view: torch.Tensor, whole: torch.Tensor) -> tuple[int, ...] |
     if k == 0:
         return ()
     inner = math.prod(whole.shape[k:])
-    flat, rem = divmod(view.storage_offset(), inner)
+    flat, rem = divmod(int(view.storage_offset()), inner)
     if rem:
         return None
     index = []
@@ -349,10 +350,13 @@ def _fused_tensors(
 
 def _assemble_fused(stacked: torch.Tensor, *, parts: list[tuple[str, HFTensor]]) -> torch.Tensor:
     """The fused HF tensor from its parts stacked along dim 0 (see ``_fused_tensors``)."""
-    full = stacked.new_empty(parts[0][1].shape)
+    shape = parts[0][1].shape
+    assert shape is not None  # a fused tensor's shape (see _fused_tensors)
+    full = stacked.new_empty(shape)
     for (_, ht), rows in zip(
         parts, stacked.split([h.ours.shape[0] for _, h in parts]), strict=True
     ):
+        assert ht.put is not None  # checked by _fused_tensors
         ht.put(full, rows)
     return full
 
@@ -495,7 +499,7 @@ def _listing(what: str, items: list[str]) -> str:
 def _check_whole(model: Transformer) -> None:
     """``to_hf`` takes a materialised model holding every tensor whole."""
     with torch.device("meta"):
-        reference = type(model)(model.config)
+        reference = cast(ModelClass, type(model))(model.config)  # a family's class
     shapes = {name: tuple(t.shape) for name, t in named_state(reference)}
     params = dict(named_state(model))
     missing = [name for name in shapes if name not in params]

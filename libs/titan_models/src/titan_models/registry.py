@@ -21,12 +21,12 @@ from . import (
     qwen3_vl,
     qwen3_vl_moe,
 )
-from .components import Transformer, TransformerConfig
-from .family import ModelFamily
+from .components import TransformerConfig
+from .family import ModelClass, ModelFamily
 from .plan import ModelPlan, with_capabilities
 
 # A new family is a folder with a FAMILY and one entry here.
-FAMILIES: dict[str, ModelFamily] = {
+FAMILIES: dict[str, ModelFamily[Any]] = {
     f.name: f
     for f in (
         llama3.FAMILY,
@@ -50,9 +50,7 @@ def list_models() -> dict[str, list[str]]:
     return {name: list(f.flavors) for name, f in FAMILIES.items()}
 
 
-def get_model(
-    family: str, flavor: str, **overrides: Any
-) -> tuple[type[Transformer], TransformerConfig]:
+def get_model(family: str, flavor: str, **overrides: Any) -> tuple[ModelClass, TransformerConfig]:
     """The model class and the flavour's config with ``overrides`` applied.
 
     Returns the class rather than an instance so the caller chooses where it is built::

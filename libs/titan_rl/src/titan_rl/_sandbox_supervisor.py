@@ -27,6 +27,7 @@ import os
 import resource
 import select
 import sys
+import types  # already loaded by ctypes: no start-up cost
 
 _CLONE_NEWNS = 0x00020000
 _NAMESPACES = (
@@ -164,7 +165,7 @@ def _supervise(cfg: dict) -> dict:
     message = b"" if namespaces else f"S{own_status}\n".encode()
     while namespaces and (chunk := os.read(status_r, 4096)):
         message += chunk
-    report = {"timed_out": timed_out, "wait_status": None, "setup_error": None}
+    report: dict[str, object] = {"timed_out": timed_out, "wait_status": None, "setup_error": None}
     if message.startswith(b"E"):
         report["setup_error"] = message[1:].decode(errors="replace").strip()
     elif message.startswith(b"S") and not timed_out:
@@ -324,7 +325,7 @@ def _run_program(path: str) -> None:
     module.__file__ = path
     sys.modules["__main__"], sys.argv = module, [path]
 
-    def excepthook(kind: type, value: BaseException, tb: object) -> None:
+    def excepthook(kind: type, value: BaseException, tb: types.TracebackType | None) -> None:
         while tb is not None and tb.tb_frame.f_code.co_filename != path:
             tb = tb.tb_next  # the supervisor's frames: a plain ``python path`` has none
         sys.__excepthook__(kind, value.with_traceback(tb), tb)
@@ -339,6 +340,7 @@ def main() -> None:
     """Supervise one run (``run_sandboxed`` passes the configuration as ``sys.argv[1]``)."""
     cfg = marshal.loads(bytes.fromhex(sys.argv[1]))
     program = None
+    report: dict | None = None
     try:
         report = _supervise(cfg)
     except _RunProgram:  # only in the forked program process, every limit in place
@@ -348,4 +350,5 @@ def main() -> None:
     if program is not None:
         _run_program(program)  # outside the except block: no exception context to chain
     else:
+        assert report is not None  # set by _supervise or by the setup error
         os.write(cfg["report_fd"], marshal.dumps(report))

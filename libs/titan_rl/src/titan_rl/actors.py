@@ -127,7 +127,9 @@ class TrainerActor(Actor):
             world_size=self.world,
         )
         device = torch.device(f"cuda:{self.rank}" if backend == "nccl" else "cpu")
-        model = data_parallel.parallelize(model_factory(device), dist.group.WORLD)
+        world_group = dist.group.WORLD
+        assert world_group is not None  # set by init_process_group above
+        model = data_parallel.parallelize(model_factory(device), world_group)
         self.dp = data_parallel
         self.learner = GRPOLearner(
             model,
@@ -264,6 +266,8 @@ class TrainerMesh:
         return metrics
 
     def publish(self, version: int) -> SharedWeightsRef:
+        if self.shared is None:
+            raise RuntimeError("TrainerMesh.publish: no shared weights to publish to")
         self._all(self.actor.publish.call(self.shared, version))
         return self.shared.ref(version)
 
@@ -384,10 +388,14 @@ class DistributedGRPO:
 
     def state_dict(self) -> dict[str, Any]:
         """The controller's state (the trainer's weights are checkpointed by ``trainer.run``)."""
+        if self.controller is None:
+            raise RuntimeError("DistributedGRPO.state_dict outside its `with` block")
         return self.controller.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the controller (after loading the trainer's weights of that version)."""
+        if self.controller is None or self.trainer is None:
+            raise RuntimeError("DistributedGRPO.load_state_dict outside its `with` block")
         self.trainer.set_version(int(state["version"]))
         self.controller.load_state_dict(state)
 

@@ -32,7 +32,9 @@ class RowwiseLinear(TorchFunctionMode):
         super().__init__()
         self.min_rows, self.max_rows = min_rows, max_rows
 
-    def __torch_function__(self, func, types, args=(), kwargs=None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func is F.linear and torch.compiler.is_compiling():
             x, weight = args[0], args[1]

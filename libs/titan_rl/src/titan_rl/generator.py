@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
@@ -177,7 +177,7 @@ class TorchGenerator:
         self._linear_mode = RowwiseLinear if cpu_rowwise_linear else nullcontext
         self.weight_version = weight_version
         self._lock = threading.Lock()
-        step = functools.partial(_decode_step, model)
+        step = functools.partial(_decode_step, cast(Transformer, model))  # called if _cached
         self._decode_step = (
             torch.compile(
                 step,
@@ -296,6 +296,7 @@ class TorchGenerator:
         KV cache, then each step is ``model(tokens_B1, kv_cache=cache)`` (compiled or not) and
         the sampler."""
         model = self.model
+        assert isinstance(model, Transformer)  # the cached path
         B, P = prompt_BP.shape
         capacity = P + T
         if self.compile_decode:  # few distinct shapes: few compiles
@@ -398,6 +399,7 @@ def _sample(
     scaled_BV = logits_BV / params.temperature if params.temperature != 1.0 else logits_BV
     processed_BV = _top_k_top_p(scaled_BV, params.top_k, params.top_p)
     logp_BV = processed_BV.log_softmax(-1)
+    assert noise_BV is not None  # drawn whenever the temperature is not 0
     # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i.
     next_B = (logp_BV - noise_BV.log()).argmax(-1)
     processed_B = logp_BV.gather(-1, next_B[:, None]).squeeze(-1)

@@ -192,6 +192,7 @@ class GRPOLearner:
         # Trainer vs generator on the sampled tokens, before this step's updates.
         diag_rows = slice(shares[0].start, shares[-1].stop) if old is not None else shares[0]
         trainer_lp = torch.cat(old) if old is not None else first_logprobs
+        assert trainer_lp is not None  # the first minibatch's, at least
         diag_mask = gen.mask[diag_rows]
         if old is not None and self.world > 1:  # this rank's rows of every minibatch
             diag_mask = torch.cat([gen.mask[mb] for mb in shares])
@@ -304,7 +305,7 @@ class GRPOLearner:
             if max_norm > 0:
                 norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             else:
-                norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+                norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)

@@ -347,7 +347,7 @@ def _compile(chat_template: str):
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class _Generation(Extension):
-        tags = frozenset({"generation"})
+        tags = {"generation"}  # noqa: RUF012 - jinja2 declares `tags: set[str]`
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno
@@ -371,6 +371,7 @@ def _compile(chat_template: str):
         trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols]
     )
     env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)  # Llama 3.1's date
+    env_globals: dict[str, Any] = env.globals  # typed by jinja2's defaults, holds anything
+    env_globals["raise_exception"] = raise_exception
+    env_globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)  # Llama 3.1's date
     return env.from_string(chat_template)

@@ -267,7 +267,7 @@ def _play(
                 stopped = bool(ids) and ids[-1] in stops
                 p.turn_finish.append("stop" if stopped else "length")
                 if not stopped:  # closed for the template, but not the model's choice
-                    p.append_env(renderer.stop_token_ids[:1])
+                    p.append_env(list(renderer.stop_token_ids[:1]))
                 content = renderer.tokenizer.decode(ids[:-1] if stopped else ids)
                 message = Message("assistant", content)
                 p.transcript.append(message)

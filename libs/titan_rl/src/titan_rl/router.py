@@ -15,7 +15,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -89,7 +89,7 @@ class Router:
 
     def __init__(
         self,
-        replicas: list[Replica],
+        replicas: Sequence[Replica],
         *,
         restart: Callable[[int], Replica] | None = None,
         on_interval: Callable[[str, float, float, str], None] | None = None,

@@ -29,6 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 _LAUNCH = (
     f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
@@ -85,7 +86,8 @@ def _check_limit(
     kind = numbers.Integral if integer else numbers.Real
     ok = isinstance(value, kind) and not isinstance(value, bool)
     if ok:
-        ok = math.isfinite(value) and (low <= value if integer else low < value) and value <= high
+        v = cast(float, value)  # an Integral or a Real: what the numbers ABCs do not declare
+        ok = math.isfinite(v) and (low <= v if integer else low < v) and v <= high
     if not ok:
         allowed = f"an int in [{low}, {high}]" if integer else f"a finite number in ({low}, {high}]"
         raise ValueError(f"SandboxLimits.{name}={value!r} must be {allowed}{why}")
@@ -152,7 +154,7 @@ def run_sandboxed(
     cgroup = _Cgroup.create(limits)
     try:
         with tempfile.TemporaryDirectory(dir=_process_folder()) as tmp:
-            return _run(*encoded, limits, isolation, cgroup, Path(tmp))
+            return _run(encoded[0], encoded[1], limits, isolation, cgroup, Path(tmp))
     finally:
         if cgroup is not None:
             cgroup.remove()

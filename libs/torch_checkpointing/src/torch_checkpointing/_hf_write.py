@@ -355,7 +355,8 @@ def _write_own_files(
         if not file.whole:
             store.write(tmp[file.name], [file.header])
             continue
-        views, keep = [file.header], []
+        views: list[bytes | memoryview] = [file.header]
+        keep = []
         for key in file.keys:
             t = p.tensors[key]
             pieces = _local_pieces(state_dict[key], key)

@@ -29,6 +29,14 @@ _ids = itertools.count(1)
 _ALIGN = 4096
 
 
+def _cudart() -> Any:
+    """The CUDA runtime bindings; raises where this torch has none."""
+    rt = torch.cuda.cudart()
+    if rt is None:
+        raise RuntimeError("this torch build has no CUDA runtime to pin host memory with")
+    return rt
+
+
 class StagingBuffer:
     """One contiguous CPU byte buffer.
 
@@ -59,7 +67,7 @@ class StagingBuffer:
 
     def _register_pinned(self) -> None:
         try:
-            rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.size, 0)
+            rc = _cudart().cudaHostRegister(self.tensor.data_ptr(), self.size, 0)
             self._registered = int(rc) == 0
         except Exception as e:  # pragma: no cover - needs CUDA
             warnings.warn(
@@ -69,7 +77,7 @@ class StagingBuffer:
     def close(self) -> None:
         if self._registered:  # pragma: no cover - needs CUDA
             with contextlib.suppress(Exception):
-                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+                _cudart().cudaHostUnregister(self.tensor.data_ptr())
             self._registered = False
         if self.fd is not None:
             os.close(self.fd)

@@ -126,7 +126,11 @@ def check_marker(
         if not isinstance(info, dict):
             raise _bad(path, where, info, "an object")
         item = info.get("item")
-        if not _known(item, items_m) or name != fmt.item_file(item, rank):
+        if (
+            not isinstance(item, str)
+            or not _known(item, items_m)
+            or name != fmt.item_file(item, rank)
+        ):
             raise _bad(path, f"{where}.item", item, "an item of the manifest, named by the file")
         if not isinstance(info.get("tree"), bool):
             raise _bad(path, f"{where}.tree", info.get("tree"), "a bool")

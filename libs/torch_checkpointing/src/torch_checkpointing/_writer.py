@@ -223,11 +223,15 @@ def _serve(sock: socket.socket, alive: Callable[[], bool]) -> None:
                     mm.close()
                 continue
             elif op == "job":
+                if storage is None:
+                    raise RuntimeError("writer process: a job arrived before init")
                 execute_job(storage, msg["job"], lambda i: memoryview(buffers[i]), alive)
                 reply = {"ok": True}
             elif op == "retain":
                 if not alive():
                     raise _Orphaned
+                if storage is None:
+                    raise RuntimeError("writer process: a retention arrived before init")
                 result = run_retention(storage, msg["spec"])
                 reply = {"ok": True, "damaged": result.damaged}
             elif op == "exit":

@@ -29,6 +29,7 @@ torch, so the background writer process stays light.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import ctypes
 import errno
@@ -38,11 +39,17 @@ import posixpath
 import shutil
 import stat
 from collections.abc import Iterable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 from ._errors import CheckpointError, CorruptCheckpointError
 
 __all__ = ["FileSystemStorage", "FsspecStorage", "PrefixedStorage", "Storage", "open_reader"]
+
+
+class _WritesAt(Protocol):
+    """A storage with the optional ``write_at``."""
+
+    def write_at(self, path: str, writes: Iterable[tuple[int, Any]]) -> None: ...
 
 
 @runtime_checkable
@@ -59,7 +66,7 @@ class Storage(Protocol):
 
     def size(self, path: str) -> int: ...
 
-    def list(self, path: str) -> list[str]: ...
+    def list(self, path: str) -> builtins.list[str]: ...  # `list` here is this method
 
     def exists(self, path: str) -> bool: ...
 
@@ -330,7 +337,7 @@ class FileSystemStorage:
     def size(self, path: str) -> int:
         return os.stat(self.full_path(path)).st_size
 
-    def list(self, path: str) -> list[str]:
+    def list(self, path: str) -> builtins.list[str]:  # `list` is the method here
         try:
             return sorted(os.listdir(self.full_path(path)))
         except (FileNotFoundError, NotADirectoryError):
@@ -463,7 +470,7 @@ class FsspecStorage:
             raise FileNotFoundError(full)
         return int(self.fs.size(full))
 
-    def list(self, path: str) -> list[str]:
+    def list(self, path: str) -> builtins.list[str]:  # `list` is the method here
         full = self._full(path)
         try:
             if not self.fs.isdir(full):
@@ -502,7 +509,7 @@ class PrefixedStorage:
             self.write_at = self._write_at
 
     def _write_at(self, path: str, writes: Iterable[tuple[int, Any]]) -> None:
-        self.inner.write_at(self._p(path), writes)
+        cast(_WritesAt, self.inner).write_at(self._p(path), writes)  # checked in __init__
 
     def __repr__(self) -> str:
         return f"{self.inner!r}/{self.prefix}"
@@ -536,7 +543,7 @@ class PrefixedStorage:
     def size(self, path: str) -> int:
         return self.inner.size(self._p(path))
 
-    def list(self, path: str) -> list[str]:
+    def list(self, path: str) -> builtins.list[str]:  # `list` is the method here
         return self.inner.list(self._p(path))
 
     def exists(self, path: str) -> bool:

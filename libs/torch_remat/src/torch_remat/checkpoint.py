@@ -36,7 +36,7 @@ _T = TypeVar("_T")
 
 # Older torch (< 2.15) has no such switch and lets SAC's cache bypass user hooks; then measure()
 # cannot see what Selective caches, which the README states.
-_ROUTE_SAC_THROUGH_HOOKS = (
+_ROUTE_SAC_THROUGH_HOOKS: dict[str, Any] = (
     {"respect_saved_tensors_hooks": True}
     if "respect_saved_tensors_hooks"
     in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
@@ -134,6 +134,7 @@ def _run(
     if isinstance(policy, Offload):
         with _OffloadHooks(set(resident)):
             return fn(*args, **kwargs)
+    context: dict[str, Any]
     if isinstance(policy, Full):
         context = {}
     elif isinstance(policy, Selective):

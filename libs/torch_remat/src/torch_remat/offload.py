@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -33,6 +35,10 @@ class _HostCopy:
         return out
 
 
+# what pack returns for an offloaded tensor: (host copy, size, stride, storage offset, dtype)
+_Packed = tuple[_HostCopy, tuple[int, ...], tuple[int, ...], int, torch.dtype]
+
+
 class _OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     """Pack: copy the storage to host (pinned, non-blocking on CUDA). Unpack: copy it back.
 
@@ -61,7 +67,7 @@ class _OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
         def unpack(packed: object) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
                 return packed
-            copy, size, stride, offset, dtype = packed
+            copy, size, stride, offset, dtype = cast(_Packed, packed)
             return copy.view(size, stride, offset, dtype)
 
         super().__init__(pack, unpack)

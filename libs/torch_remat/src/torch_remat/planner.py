@@ -246,11 +246,11 @@ def plan(
             limit = budget.limit
         # Op times are the fastest of a few forwards: the first pays one-time costs, and on a
         # shared machine any single run is noisy. Storages come from the last run, kept alive.
-        times = None
-        for _ in range(_PROFILE_RUNS):
+        calls, fixed, keep = _profile(model, inputs, kwargs, chosen_units)
+        times = [c.seconds for c in calls]
+        for _ in range(_PROFILE_RUNS - 1):
             calls, fixed, keep = _profile(model, inputs, kwargs, chosen_units)
-            seconds = [c.seconds for c in calls]
-            times = seconds if times is None else list(map(min, times, seconds))
+            times = list(map(min, times, (c.seconds for c in calls)))
         for call, t in zip(calls, times, strict=True):
             call.seconds = t
     min_bytes = sum(fixed.resident.values())

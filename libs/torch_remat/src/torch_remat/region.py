@@ -27,7 +27,7 @@ from .policies import Full, Offload, Policy, Selective
 
 __all__ = ["region"]
 
-_Key = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
+_Key = tuple[int, int | torch.SymInt, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
 
 
 def _key(t: torch.Tensor) -> _Key:

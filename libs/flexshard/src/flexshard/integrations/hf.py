@@ -21,7 +21,7 @@ transformers is not imported here; accelerate only when the trainer builds its A
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -59,7 +59,13 @@ def _check_args(args: Any) -> None:
             )
 
 
-class FlexShardTrainerMixin:
+if TYPE_CHECKING:
+    from transformers import Trainer as _TrainerBase  # the mixin's partner, for type checks
+else:
+    _TrainerBase = object
+
+
+class FlexShardTrainerMixin(_TrainerBase):
     """Makes a transformers / TRL trainer train a flexshard-sharded model (see the module
     docstring). Put it first in the bases: ``class T(FlexShardTrainerMixin, SFTTrainer)``."""
 

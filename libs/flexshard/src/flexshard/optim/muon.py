@@ -21,8 +21,8 @@ not 2-D) are updated with AdamW (decoupled weight decay) using the group's ``lr`
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, overload
 
 import torch
 from torch.optim import Optimizer
@@ -149,8 +149,14 @@ class Muon(Optimizer):
         use = group.get("use_muon")
         return len(_global_shape(p)) == 2 if use is None else bool(use)
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -189,6 +195,7 @@ class Muon(Optimizer):
     # -- Muon ----------------------------------------------------------------------------
     def _momentum(self, group: dict, p: torch.Tensor) -> torch.Tensor:
         g = p.grad
+        assert g is not None  # step skips parameters without a gradient
         st = self.state[p]
         if "momentum_buffer" not in st:
             st["momentum_buffer"] = torch.zeros_like(g)

@@ -288,6 +288,7 @@ def _replay_shared(
     now = 0.0
     while True:
         moved = True
+        wake: list[float] = []
         drawn: list[int] = []  # ranks that began a segment whose work is still to be drawn
         while moved:  # zero-cost steps (a free post) can unblock ranks scanned before
             moved = False
@@ -300,17 +301,18 @@ def _replay_shared(
         # ranks that begin at the same instant, whatever the order they are scanned in
         others = sum(w is not None for w in left) - 1
         for r in drawn:
+            assert draw is not None  # ranks are drawn only when draw is given
             wakes = _wakes_a_waiting_rank(wiring, r, pos, left)
-            left[r] = draw(wiring.segs[r][pos[r]], others, wakes, left[r])
+            left[r] = draw(wiring.segs[r][pos[r]], others, wakes, _begun(left[r]))
         busy = [r for r in range(num) if left[r] is not None]
         if not busy and not wake:
             break
         rate = speed(len(busy)) if busy else 0.0
-        step = min([left[r] / rate for r in busy] + [t - now for t in wake])
+        step = min([_begun(left[r]) / rate for r in busy] + [t - now for t in wake])
         now += step
         for r in busy:
-            left[r] -= step * rate
-            if left[r] <= 1e-12 * max(1.0, now):
+            left[r] = rest = _begun(left[r]) - step * rate
+            if rest <= 1e-12 * max(1.0, now):
                 _finish_segment(r, pos[r], now, began, wiring, intervals)
                 pos[r] += 1
                 left[r] = None
@@ -318,6 +320,12 @@ def _replay_shared(
     if stuck:
         raise DeadlockError(stuck)
     return Timeline(tuple(map(tuple, intervals)))
+
+
+def _begun(work: float | None) -> float:
+    """The work left on a segment that has begun (not None)."""
+    assert work is not None
+    return work
 
 
 def _wakes_a_waiting_rank(

@@ -100,7 +100,7 @@ class Attention(nn.Module):
             q_BSHE = self.wq(x_BSD).view(B, S, -1, self.head_dim)
         k_BSKE = self.wk(x_BSD).view(B, S, -1, self.head_dim)
         v_BSKE = self.wv(x_BSD).view(B, S, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither
             q_BSHE, k_BSKE = self.q_norm(q_BSHE), self.k_norm(k_BSKE)
         q_BSHE, k_BSKE = apply_rotary(q_BSHE, rope), apply_rotary(k_BSKE, rope)
         k_BLKE, v_BLKE = cached_keys(kv_cache, meta, k_BSKE, v_BSKE)

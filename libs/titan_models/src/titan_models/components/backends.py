@@ -57,6 +57,7 @@ class BackendForward(Protocol):
         v_BLKV: torch.Tensor,
         meta: AttentionMetadata,
         prepared: Any,
+        /,
         *,
         window: int | None,
         sinks: torch.Tensor | None,
@@ -174,6 +175,7 @@ def attend(
     impl = _BACKENDS.get(name)
     if impl is None:
         check_attention_backend(name, "backend")
+        raise ValueError(f"attention backend {name!r} must be resolved before attending")
     if meta.context_parallel is not None and name != "context_parallel":
         raise ValueError(
             f"attention backend {name!r} cannot attend across context-parallel shards (this "

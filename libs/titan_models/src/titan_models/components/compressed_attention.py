@@ -365,6 +365,7 @@ def _attend_chunk(
     q_BXE = q_BQHE.reshape(B, Q * H, E)  # X = Q·H rows share the one K=V head
     s_local = (q_BXE @ k_BLE.transpose(1, 2)).view(B, Q, H, L) * scale
     s_local = s_local.masked_fill(~local_BQL[:, :, None], float("-inf"))
+    picked_BQKE = None
     if selected_BQK is not None:
         K = selected_BQK.shape[-1]
         picked_BQKE = entries_BCE.gather(
@@ -373,6 +374,7 @@ def _attend_chunk(
         s_entries = (q_BQHE @ picked_BQKE.transpose(2, 3)) * scale  # (B, Q, H, K)
         s_entries = s_entries.masked_fill((selected_BQK < 0)[:, :, None], float("-inf"))
     else:
+        assert visible_BQC is not None  # dense entries come with their visibility
         C = entries_BCE.shape[1]
         s_entries = (q_BXE @ entries_BCE.transpose(1, 2)).view(B, Q, H, C) * scale
         s_entries = s_entries.masked_fill(~visible_BQC[:, :, None], float("-inf"))
@@ -380,7 +382,7 @@ def _attend_chunk(
     p = torch.cat([s_local, s_entries, sink_BQH1], dim=-1).softmax(dim=-1)
     p_local, p_entries = p[..., :L], p[..., L : L + s_entries.shape[-1]]
     o_BQHE = (p_local.reshape(B, Q * H, L) @ k_BLE).view(B, Q, H, E)
-    if selected_BQK is not None:
+    if picked_BQKE is not None:  # the selected entries
         return o_BQHE + p_entries @ picked_BQKE
     return o_BQHE + (p_entries.reshape(B, Q * H, -1) @ entries_BCE).view(B, Q, H, E)
 

@@ -102,10 +102,12 @@ class CompressedKVCache(KVCache):
         layer has none; ``kv_cache``: ``KVCache``'s arguments (the rings of raw keys)."""
         super().__init__(**kv_cache)  # type: ignore[arg-type]
         first = next(iter(self.layers.values()))
+        assert isinstance(first, LayerKVCache)  # compressed layers are attention layers
         dtype, device = first.k_BKLD.dtype, first.k_BKLD.device
         self.compressed: dict[int, CompressedLayerCache] = {}
         for i, local in self.layers.items():
             main, index = compressors.get(i, (None, None))
+            assert isinstance(local, LayerKVCache)
             self.compressed[i] = CompressedLayerCache(
                 local=local,
                 compressor=self._state(main, dtype, device),

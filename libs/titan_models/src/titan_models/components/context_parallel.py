@@ -137,11 +137,9 @@ def zigzag_unshard(shards: torch.Tensor, dim: int = 1) -> torch.Tensor:
     (``(size, ...)``, as ``all_gather`` returns them); ``dim`` is the sequence dimension of
     one shard."""
     size = shards.shape[0]
-    chunks: list[torch.Tensor | None] = [None] * (2 * size)
-    for rank in range(size):
-        first, second = shards[rank].chunk(2, dim)
-        chunks[rank], chunks[2 * size - 1 - rank] = first, second
-    return torch.cat(chunks, dim)
+    halves = [shards[rank].chunk(2, dim) for rank in range(size)]
+    # rank r's halves are chunks r and 2 * size - 1 - r
+    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)
 
 
 def shard_metadata(
@@ -378,7 +376,7 @@ class _Attention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, do, dlse):
+    def backward(ctx, do, dlse):  # pyrefly: ignore[bad-override]  # torch: one arg per output
         q, k, v, o, lse = ctx.saved_tensors
         cp, plan, opt = ctx.shard.cp, ctx.plan, ctx.opt
         delta = (do.to(opt.acc) * o.to(opt.acc)).sum(-1)
@@ -412,6 +410,7 @@ def _backward_ring(cp, plan, opt, q, kv, do, lse, delta, dq) -> torch.Tensor:
         pending = comm.ring_shift(dkv)
         if handle is not None:
             kv = handle.wait()
+    assert pending is not None  # size > 1 here
     return pending.wait()
 
 

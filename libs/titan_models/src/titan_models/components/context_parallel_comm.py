@@ -17,7 +17,9 @@ class _Pending:
 
     def __init__(self, works: list, result: torch.Tensor, keep: torch.Tensor) -> None:
         self._works, self._result = works, result
-        self._keep = keep  # the buffer being sent stays alive until the transfer completes
+        self._keep: torch.Tensor | None = (
+            keep  # the buffer being sent stays alive until the transfer completes
+        )
 
     def wait(self) -> torch.Tensor:
         for work in self._works:
@@ -50,6 +52,7 @@ class GroupComm:
         self._batched = True
         if self.size > 1:
             pg = group if group is not None else dist.group.WORLD
+            assert pg is not None  # dist is initialized when size > 1
             self._global = [dist.get_global_rank(pg, r) for r in range(self.size)]
             self._next = dist.get_global_rank(pg, (self.rank + 1) % self.size)
             self._prev = dist.get_global_rank(pg, (self.rank - 1) % self.size)

@@ -151,7 +151,7 @@ def init_state(state: Mapping[str, Any], inits: Mapping[str, Init], *, seed: int
         global_shape, chunks = local_chunks(value)
         todo = []
         for offset, chunk in chunks:
-            where = (chunk.data_ptr(), chunk.storage_offset(), tuple(chunk.shape))
+            where = (chunk.data_ptr(), int(chunk.storage_offset()), tuple(chunk.shape))
             if not chunk.is_meta and chunk.numel() and where not in done:
                 todo.append((offset, chunk))
                 done.add(where)
@@ -174,8 +174,9 @@ def _fill(
     if isinstance(init, Constant):
         chunk.fill_(init.value)
         return
-    if getattr(init, "seed", None) is not None:
-        seed = init.seed
+    own_seed = getattr(init, "seed", None)  # an Init with its own seed
+    if own_seed is not None:
+        seed = own_seed
     rows, row_shape = (global_shape[0], global_shape[1:]) if global_shape else (1, ())
     per_block = max(1, _BLOCK_ELEMENTS // max(1, math.prod(row_shape)))
     view = chunk.reshape(1) if not global_shape else chunk

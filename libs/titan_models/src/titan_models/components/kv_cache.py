@@ -149,6 +149,7 @@ class KVCache:
             window = (windows or {}).get(i)
             ring = window - 1 if window is not None and window - 1 < max_seq_len else None
             if ring is not None:
+                assert window is not None  # a ring only for a window
                 self.ring_sizes[window] = ring
             shape = (batch_size, num_kv_heads, max_seq_len if ring is None else ring + 1)
             self.layers[i] = LayerKVCache(
@@ -284,6 +285,7 @@ class KVCache:
             else input_lengths.to(self.lengths)
         )
         if step.starts is not None:
+            assert self._step_docs is not None  # set with the step's document starts
             last_B1 = (n_B - 1)[:, None]
             self._doc_id = self._step_docs.gather(1, last_B1)[:, 0].clone()
             self._doc_start = step.starts.gather(1, last_B1)[:, 0].clone()

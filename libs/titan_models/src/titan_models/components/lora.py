@@ -73,7 +73,8 @@ class LoRALinear(nn.Linear):
         self.lora_a = nn.Parameter(torch.empty(rank, self.in_features, **like))
         self.lora_b = nn.Parameter(torch.empty(self.out_features, rank, **like))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's parameter name
+        x = input
         y = F.linear(x, self.weight, self.bias)
         a, b = self.lora_a.to(x.dtype), self.lora_b.to(x.dtype)
         return y + F.linear(F.linear(self.dropout(x), a), b) * self.scale
@@ -118,7 +119,10 @@ class LoRAGroupedExperts(GroupedExperts):
             + lora_delta(getattr(self, f"lora_a_{p}"), getattr(self, f"lora_b_{p}"), self.scale)
             for p in _PROJECTIONS
         )
-        return (*merged, self.b_gate, self.b_up, self.b_down) if self.has_bias else merged
+        biases = (self.b_gate, self.b_up, self.b_down)
+        if self.has_bias:
+            return (*merged, *(b for b in biases if b is not None))  # all three with has_bias
+        return merged
 
     def adapter_inits(self) -> dict[str, Init]:
         """``A`` ~ N(0, 1/in) per expert from the adapters' seed, ``B`` zero."""
@@ -210,12 +214,14 @@ def apply_lora(
             )
     for p in model.parameters():
         p.requires_grad_(False)
-    swapped: dict[str, nn.Module] = {}
+    swapped: dict[str, LoRALinear | LoRAGroupedExperts] = {}
     for fqn in chosen:
         m = candidates[fqn]
+        new: LoRALinear | LoRAGroupedExperts
         if isinstance(m, nn.Linear):
             new = LoRALinear(m, rank=rank, alpha=alpha, dropout=dropout, seed=seed)
         else:
+            assert isinstance(m, GroupedExperts)  # the other candidates
             new = LoRAGroupedExperts(m, rank=rank, alpha=alpha, seed=seed)
         parent_fqn, _, attr = fqn.rpartition(".")
         setattr(model.get_submodule(parent_fqn), attr, new)
@@ -254,7 +260,7 @@ def merge_lora(model: nn.Module) -> list[str]:
             delta = lora_delta(getattr(m, a), getattr(m, b), m.scale)
             weight.add_(delta.to(weight.dtype))
         if isinstance(m, LoRALinear):
-            plain: nn.Module = nn.Linear.__new__(nn.Linear)
+            plain = nn.Linear.__new__(nn.Linear)
             nn.Module.__init__(plain)
             plain.in_features, plain.out_features = m.in_features, m.out_features
             plain.weight, plain.bias = m.weight, m.bias

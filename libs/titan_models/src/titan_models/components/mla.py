@@ -83,8 +83,11 @@ class MultiHeadLatentAttention(nn.Module):
     ) -> torch.Tensor:
         """``meta``: the batch's masks and positions (``build_attention_metadata``)."""
         B, S, _ = x_BSD.shape
-        q_in_BSI = x_BSD if self.wq_a is None else self.q_norm(self.wq_a(x_BSD))
-        q_BSG = (self.wq if self.wq is not None else self.wq_b)(q_in_BSI)
+        if self.wq is not None:
+            q_BSG = self.wq(x_BSD)
+        else:  # low-rank queries
+            assert self.wq_a is not None and self.q_norm is not None and self.wq_b is not None
+            q_BSG = self.wq_b(self.q_norm(self.wq_a(x_BSD)))
         q_BSHE = q_BSG.view(B, S, -1, self.nope_dim + self.rope_dim)
         q_nope_BSHN, q_rope_BSHR = q_BSHE.split([self.nope_dim, self.rope_dim], dim=-1)
 

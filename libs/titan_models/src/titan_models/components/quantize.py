@@ -58,8 +58,8 @@ class Float8Linear(nn.Linear):
         self.bias = linear.bias
         self.recipe = recipe
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x, w = _compute_inputs(x, self.weight)
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # nn.Linear's parameter name
+        x, w = _compute_inputs(input, self.weight)
         with _no_autocast(x):
             y = scaled_linear(x, w, self.recipe)
         return y if self.bias is None else y + self.bias.to(y.dtype)
@@ -83,14 +83,16 @@ class Float8GroupedExperts(GroupedExperts):
         self.num_experts, self.impl = experts.num_experts, experts.impl
         self.activation = experts.activation
         self.w_gate, self.w_up, self.w_down = experts.w_gate, experts.w_up, experts.w_down
-        self.b_gate = self.b_up = self.b_down = None
+        self.b_gate: nn.Parameter | None = None
+        self.b_up: nn.Parameter | None = None
+        self.b_down: nn.Parameter | None = None
         self.recipe = recipe
 
     def forward(
         self,
         x_RD: torch.Tensor,
         group_ends: torch.Tensor,
-        weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        weights: tuple[torch.Tensor, ...] | None = None,  # (gate, up, down): no biases
     ) -> torch.Tensor:
         x_RD, w_gate, w_up, w_down = _compute_inputs(
             x_RD, *(weights if weights is not None else self._weights())
@@ -182,13 +184,15 @@ def quantize_modules(
             raise ValueError("quantize include/exclude globs given but nothing is quantised")
         return {}
     chosen = _selected(candidates, include, exclude, " or ".join(kinds) + " module")
-    plan: dict[str, nn.Module] = {}
+    plan: dict[str, Float8Linear | Float8GroupedExperts] = {}
     for fqn in chosen:
         m = modules[fqn]
         if isinstance(m, nn.Linear):
+            assert linear is not None  # a candidate only with a linear recipe
             _check_dims(fqn, {"in_features": m.in_features, "out_features": m.out_features}, linear)
             plan[fqn] = Float8Linear(m, linear)
         else:
+            assert isinstance(m, GroupedExperts) and experts is not None  # the other candidates
             _check_dims(fqn, {"dim": m.dim, "hidden_dim": m.hidden_dim}, experts)
             plan[fqn] = Float8GroupedExperts(m, experts)
     for fqn, new in plan.items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -138,6 +139,15 @@ def _yarn_scaled(
     return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
 
 
+class RopeTables(Protocol):
+    """What a model calls for its ``(cos, sin)`` tables: ``RotaryEmbedding`` (positions
+    ``(B, S)``) or a variant such as M-RoPE (positions ``(3, B, S)``)."""
+
+    def __call__(
+        self, positions: torch.Tensor, dtype: torch.dtype, /
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class RotaryEmbedding:
     """cos/sin tables for given positions; a plain object (no parameters, no buffers).
 
@@ -201,7 +211,7 @@ class _RotaryFunction(torch.autograd.Function):
         return torch.addcmul(x * cos, ctx.swap(x), sin)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor):  # pyrefly: ignore[bad-override]  # torch: one arg per output
         cos, sin = ctx.saved_tensors
         return torch.addcmul(grad * cos, ctx.swap(grad), sin, value=-1), None, None, None
 

@@ -36,13 +36,13 @@ has no grouped GEMM yet (``ValueError``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
 
 from . import nvfp4
-from .float8 import E4M3, E5M2, MX_BLOCK, dequantize, quantize, to_e8m0
+from .float8 import E4M3, E5M2, MX_BLOCK, Granularity, dequantize, quantize, to_e8m0
 
 __all__ = [
     "MODES",
@@ -170,19 +170,21 @@ class _Operand:
         if granularity == "nvfp4":
             q, s, t = nvfp4.quantize(x, stochastic=stochastic)
             return cls(q, s, "nvfp4", t)
-        q, s = quantize(x, dtype, granularity, axis=-1)
+        q, s = quantize(x, dtype, cast(Granularity, granularity), axis=-1)
         return cls(q, s, granularity)
 
     def dequantized(self) -> torch.Tensor:
         if self.values is not None:
             return self.values
+        assert self.q is not None and self.scale is not None  # quantised (no values)
         if self.granularity == "nvfp4":
+            assert self.tensor_scale is not None
             return nvfp4.dequantize(self.q, self.scale, self.tensor_scale)
-        return dequantize(self.q, self.scale, self.granularity, axis=-1)
+        return dequantize(self.q, self.scale, cast(Granularity, self.granularity), axis=-1)
 
     @property
     def T(self) -> _Operand:  # as Tensor.T; per-matrix scales only
-        assert self.granularity == "tensor"
+        assert self.granularity == "tensor" and self.q is not None
         return _Operand(self.q.transpose(-2, -1), self.scale, "tensor")
 
 
@@ -215,9 +217,11 @@ def _mm(a: _Operand, b: _Operand, recipe: Float8Recipe, out_dtype: torch.dtype) 
     """``deq(a) @ deq(b).T`` for a (M, K), b (N, K) (see the module doc for the numerics)."""
     if a.q is None or not _device(a.q, recipe):
         return (a.dequantized() @ b.dequantized().T).to(out_dtype)
+    assert a.scale is not None and b.q is not None and b.scale is not None  # both quantised
     st, sw = F.ScalingType, F.SwizzleType
     if a.granularity == "nvfp4":  # sm100: E2M1 pairs, swizzled e4m3 blocks, then the tensors'
         fp4 = torch.float4_e2m1fn_x2
+        assert a.tensor_scale is not None and b.tensor_scale is not None
         qa, qb = a.q.contiguous().view(fp4), b.q.contiguous().view(fp4).T
         kinds = [st.BlockWise1x16, st.TensorWise]
         swz = [sw.SWIZZLE_32_4_4, sw.NO_SWIZZLE]
@@ -257,7 +261,7 @@ class _ScaledLinear(torch.autograd.Function):
         return _mm(xq, wq, recipe, _out_dtype(x))
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):
+    def backward(ctx, dy: torch.Tensor):  # pyrefly: ignore[bad-override]  # torch: one arg per output
         recipe = ctx.recipe
         g, gd = recipe.granularity, GRAD_DTYPES[recipe.grad_dtype]
         x_dtype, w_dtype = ctx.dtypes
@@ -331,11 +335,12 @@ def _per_group_columns(t: torch.Tensor, gid: torch.Tensor, groups: int, dtype: t
 def _grouped_device(a: _Operand, b: _Operand, offs: torch.Tensor, out_dtype: torch.dtype):
     """``scaled_grouped_mm`` with rowwise scales: a (R, K), b (E, N, K)."""
     st = F.ScalingType
+    assert a.q is not None and a.scale is not None and b.q is not None and b.scale is not None
     rows, (experts, n, _) = a.q.shape[0], b.q.shape
     sa = a.scale.reshape(-1).expand(rows) if a.granularity == "tensor" else a.scale.reshape(rows)
     sb = b.scale.reshape(experts, -1).expand(experts, n)
     qb = b.q.contiguous().transpose(-2, -1)  # (E, K, N), column-major per expert
-    return F.scaled_grouped_mm(
+    return F.scaled_grouped_mm(  # pyrefly: ignore[missing-attribute]  # not in functional.pyi
         a.q.contiguous(),
         qb,
         sa.contiguous(),
@@ -349,7 +354,7 @@ def _grouped_device(a: _Operand, b: _Operand, offs: torch.Tensor, out_dtype: tor
 
 def _gmm(a: _Operand, b: _Operand, offs, recipe: Float8Recipe, out_dtype) -> torch.Tensor:
     """Per group: ``deq(a)[rows of e] @ deq(b)[e].T``."""
-    if _device(a.q, recipe):
+    if a.q is not None and _device(a.q, recipe):
         return _grouped_device(a, b, offs, out_dtype)
     return _grouped(a.dequantized(), b.dequantized().transpose(-2, -1), offs).to(out_dtype)
 
@@ -365,7 +370,7 @@ class _ScaledGroupedLinear(torch.autograd.Function):
         return _gmm(xq, wq, offs, recipe, _out_dtype(x))
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy):  # pyrefly: ignore[bad-override]  # torch: one arg per output
         recipe = ctx.recipe
         g, gd = recipe.granularity, GRAD_DTYPES[recipe.grad_dtype]
         x, w, offs = ctx.saved_tensors

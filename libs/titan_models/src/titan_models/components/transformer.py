@@ -11,7 +11,9 @@ Shapes: B batch, S sequence, D model dim, V vocabulary.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -24,7 +26,7 @@ from .feedforward import FeedForward
 from .init import Constant, Init, Normal, init_state, prefixed
 from .kv_cache import KVCache, LayerKVCache, LayerRecurrentState
 from .norm import RMSNorm
-from .rope import RopeConfig, RotaryEmbedding
+from .rope import RopeConfig, RopeTables, RotaryEmbedding
 
 
 @dataclass(kw_only=True, slots=True)
@@ -203,8 +205,8 @@ class Transformer(nn.Module):
     def __init__(
         self,
         config: TransformerConfig,
-        blocks: list[nn.Module],
-        extra_modules: dict[str, nn.Module] | None = None,
+        blocks: Sequence[nn.Module],
+        extra_modules: Mapping[str, nn.Module | None] | None = None,
     ) -> None:
         """``extra_modules``: a family's modules beside the stack (DeepSeek-V3's ``mtp``),
         registered after ``output`` and initialised as the family's ``_extra_param_inits``
@@ -221,7 +223,7 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
         for name, module in (extra_modules or {}).items():
             self.add_module(name, module)
-        self.rope = RotaryEmbedding(config.rope, config.rotary_dim)
+        self.rope: RopeTables = RotaryEmbedding(config.rope, config.rotary_dim)
         self.context_parallel: ContextParallel | None = None
         """Set (by a parallelize step) when each call sees this rank's shard of longer
         sequences: tokens, positions and document ids all ``context_parallel.shard(...)``."""
@@ -349,7 +351,8 @@ class Transformer(nn.Module):
         if self.tok_embeddings is not None:
             inits["tok_embeddings.weight"] = Normal(std)
         for index, layer in self.layers.items():
-            inits |= prefixed(f"layers.{index}", layer.param_init(std=std, out_std=out_std))
+            block: Any = layer  # a family's block: param_init(std=, out_std=)
+            inits |= prefixed(f"layers.{index}", block.param_init(std=std, out_std=out_std))
         if self.norm is not None:
             inits |= prefixed("norm", self.norm.param_init())
         if self.output is not None and not self.config.tie_embeddings:
@@ -357,10 +360,11 @@ class Transformer(nn.Module):
         inits |= self._extra_param_inits(std=std, out_std=out_std)
         inits |= {name: Constant(0.0) for name, _ in self.named_buffers()}
         for prefix, module in self.named_modules():  # buffers that start elsewhere (hash tables)
+            duck: Any = module  # the hooks below are optional, found by hasattr
             if hasattr(module, "buffer_inits"):
-                inits |= prefixed(prefix, module.buffer_inits())
+                inits |= prefixed(prefix, duck.buffer_inits())
             if hasattr(module, "adapter_inits"):  # parameters added from outside (LoRA)
-                inits |= prefixed(prefix, module.adapter_inits())
+                inits |= prefixed(prefix, duck.adapter_inits())
         return inits
 
     def _extra_param_inits(self, *, std: float, out_std: float) -> dict[str, Init]:
@@ -383,7 +387,7 @@ class Transformer(nn.Module):
         weight = next(self.parameters())
         heads, key_dim, value_dim = self.kv_cache_widths()
         recurrent = {
-            int(i): layer.attention.recurrent_state_specs()
+            int(i): cast(Any, layer).attention.recurrent_state_specs()
             for i, layer in self.layers.items()
             if hasattr(layer.attention, "recurrent_state_specs")
         }

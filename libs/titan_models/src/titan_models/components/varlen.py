@@ -146,6 +146,7 @@ def _flash_varlen(q_BSHE, k_BSKE, v_BSKV, meta, *, window, scale):
         window_size=(-1, -1) if meta.bidirectional else (-1 if window is None else window - 1, 0),
         enable_gqa=K != H,
     )
+    assert isinstance(o_THE, torch.Tensor)  # no aux outputs asked for
     return o_THE[..., :V].reshape(B, S, H, V)
 
 
@@ -185,6 +186,7 @@ def _plan(meta: AttentionMetadata, window: int | None) -> _Plan:
     ]
     band_mask = None
     if band:
+        assert window is not None  # bands only under a window
         groups.append(_band_group(band, window, T))
         qq, kk = torch.arange(window)[:, None], torch.arange(2 * window)[None, :]
         band_mask = (kk > qq) & (kk <= qq + window)  # key kk is token kk - W of the piece

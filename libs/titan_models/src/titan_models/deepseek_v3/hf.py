@@ -76,7 +76,7 @@ def _permuted(ht: HFTensor, order: torch.Tensor) -> HFTensor:
     )
 
 
-class DeepSeekV3HFAdapter(HFAdapter):
+class DeepSeekV3HFAdapter(HFAdapter[DeepSeekV3Config]):
     """``model_type: deepseek_v3`` with ``noaux_tc`` (sigmoid, group-limited) routing."""
 
     model_types = ("deepseek_v3",)

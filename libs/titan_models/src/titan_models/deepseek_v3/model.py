@@ -13,6 +13,8 @@ Shapes: B batch, S sequence, D model dim, V vocabulary.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -138,7 +140,7 @@ class DeepSeekV3(Transformer):
         self.mtp: nn.ModuleDict | None
         super().__init__(config, blocks, extra_modules={"mtp": mtp, **(extra_modules or {})})
 
-    def forward(
+    def forward(  # pyrefly: ignore[bad-override]  # return_mtp=True adds the MTP logits
         self,
         tokens: torch.Tensor,
         *,
@@ -177,7 +179,9 @@ class DeepSeekV3(Transformer):
         if not return_mtp:
             return logits_BSV
         mtp_logits = []
+        assert self.tok_embeddings is not None and self.output is not None  # the whole model
         for k, module in enumerate((self.mtp or {}).values(), start=1):
+            module = cast(MTPModule, module)
             # Token i + k at position i; the k positions past the end get id 0 (their targets
             # fall past the row, so mtp_loss ignores them; causality keeps them from the rest).
             ahead_BS = F.pad(tokens[:, k:], (0, k))
@@ -188,12 +192,14 @@ class DeepSeekV3(Transformer):
     def kv_cache_widths(self) -> tuple[int, int, int]:
         """A latent cache: per layer and token one ``kv_lora_rank`` latent and one
         ``qk_rope_head_dim`` rope key, not per-head keys and values."""
-        return 1, self.config.kv_lora_rank, self.config.qk_rope_head_dim
+        config = cast(DeepSeekV3Config, self.config)
+        return 1, config.kv_lora_rank, config.qk_rope_head_dim
 
     def _extra_param_inits(self, *, std: float, out_std: float) -> dict[str, Init]:
         inits: dict[str, Init] = {}
         for index, module in (self.mtp or {}).items():
-            inits |= prefixed(f"mtp.{index}", module.param_init(std=std, out_std=out_std))
+            mtp_module = cast(MTPModule, module)
+            inits |= prefixed(f"mtp.{index}", mtp_module.param_init(std=std, out_std=out_std))
         return inits
 
 

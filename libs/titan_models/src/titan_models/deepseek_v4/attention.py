@@ -47,6 +47,7 @@ class DeepSeekV4Attention(nn.Module):
         c = config
         H, E = c.num_heads, c.head_dim
         self.kind = c.layer_types[index]
+        assert c.sliding_window is not None  # required by DeepSeekV4Config
         self.head_dim, self.window, self.norm_eps = E, c.sliding_window, c.norm_eps
         self.query_chunk = c.attention_query_chunk
         self.wq_a = nn.Linear(c.dim, c.q_lora_rank, bias=False)
@@ -70,13 +71,13 @@ class DeepSeekV4Attention(nn.Module):
             if rate is not None
             else None
         )
-        self.indexer = (
+        self.indexer = (  # with a compressor only (the rate is set)
             LightningIndexer(
                 c.dim,
                 c.q_lora_rank,
                 num_heads=c.index_heads,
                 head_dim=c.index_head_dim,
-                rate=rate,
+                rate=rate if rate is not None else 0,  # CSA layers have a rate
                 top_k=c.index_topk,
                 rotary=compress_rotary,
                 norm_eps=c.norm_eps,
@@ -110,12 +111,13 @@ class DeepSeekV4Attention(nn.Module):
             self.kv_norm(self.wkv(x_BSD))[:, :, None], rope, interleaved=True
         )
 
-        reads_cache = cache is not None and meta.cache is not None and meta.cache.reads_cache
+        step = meta.cache
+        k_BKLE = None
         if cache is not None:
             k_BKLE, _ = cache.local.update(kv_BS1E, kv_BS1E)
-        if reads_cache:
+        if k_BKLE is not None and step is not None and step.reads_cache:
             kv_BLE, kv_index = k_BKLE[:, 0], meta.key_slots(self.window)
-            q_index, starts = meta.cache.slots, None
+            q_index, starts = step.slots, None
         else:  # the queries' own tokens, in a band per query chunk
             kv_BLE, kv_index, starts = kv_BS1E[:, :, 0], None, meta.starts
             q_index = torch.arange(S, device=x_BSD.device).expand(B, S)
@@ -129,6 +131,7 @@ class DeepSeekV4Attention(nn.Module):
             if self.indexer is None:
                 visible, selected = layout.visible, None
             else:
+                assert index_keys is not None  # the indexer's entries
                 visible = None
                 selected = self.indexer.select(
                     x_BSD, q_latent_BSQ, rope, index_keys, layout.visible
@@ -159,6 +162,7 @@ class DeepSeekV4Attention(nn.Module):
     ) -> tuple[EntryLayout, torch.Tensor, torch.Tensor | None]:
         """(layout, the layer's entries, the indexer's entries or None)."""
         compressor, indexer = self.compressor, self.indexer
+        assert compressor is not None  # called for compressed layers
         if cache is None:
             layout = meta.prepared(
                 ("compressed", compressor.rate), lambda: training_layout(meta, compressor.rate)
@@ -168,13 +172,13 @@ class DeepSeekV4Attention(nn.Module):
                 return layout, entries, None
             with torch.no_grad():
                 return layout, entries, indexer.compressor(x_BSD, layout)
-        step = meta.cache
-        layout = meta.prepared(
-            ("compressed-cache", compressor.rate), lambda: cache.compressor.layout(step)
-        )
-        entries = cache.compressor.update(compressor, x_BSD, layout)
+        step, own = meta.cache, cache.compressor
+        assert own is not None and step is not None  # a compressed layer's cache, a cache step
+        layout = meta.prepared(("compressed-cache", compressor.rate), lambda: own.layout(step))
+        entries = own.update(compressor, x_BSD, layout)
         if indexer is None:
             return layout, entries, None
+        assert cache.indexer is not None  # and its indexer's
         return layout, entries, cache.indexer.update(indexer.compressor, x_BSD, layout)
 
     def param_init(self, *, std: float, out_std: float) -> dict[str, Init]:

@@ -185,8 +185,10 @@ class DeepSeekV4Config(TransformerConfig):
         keys, plus ``min(top_k, T / m)`` entries in CSA or ``T / m'`` in HCA layers), and the
         lightning indexers' forward: ``2·`` their weights and ``2·Hi·Ei`` per scored entry."""
         T, total = seq_len, 0
+        window = self.sliding_window
+        assert window is not None  # required by __post_init__
         for i in range(self.num_layers):
-            keys = min(self.sliding_window, T)
+            keys = min(window, T)
             kind = self.layer_types[i]
             if kind == CSA:
                 keys += min(self.index_topk, T // self.csa_rate)

@@ -100,7 +100,7 @@ _SINKS = re.compile(r"layers\.(\d+)\.attention\.sinks\.weight")
 _COMPRESS_RATIOS = {0: SLIDING, 4: CSA, 128: HCA}
 
 
-class DeepSeekV4HFAdapter(HFAdapter):
+class DeepSeekV4HFAdapter(HFAdapter[DeepSeekV4Config]):
     """``model_type: deepseek_v4``."""
 
     model_types = ("deepseek_v4",)

@@ -19,6 +19,8 @@ Shapes: B batch, S sequence, N streams, D model dim, V vocabulary.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from torch import nn
 
@@ -29,6 +31,7 @@ from ..components.attention import build_attention_metadata
 from ..components.compressed_kv_cache import CompressedKVCache, CompressedLayerCache
 from ..components.hyper_connections import HyperConnection, HyperHead
 from ..components.init import Init, prefixed
+from ..components.kv_cache import KVCache
 from ..components.moe import MoEFeedForward
 from ..components.transformer import _check_input_lengths, _check_shape
 from .attention import DeepSeekV4Attention
@@ -43,7 +46,7 @@ def router_config(config: DeepSeekV4Config, index: int) -> RouterConfig:
     return RouterConfig(
         num_experts=c.num_experts,
         top_k=c.num_experts_per_tok,
-        score_func=c.score_func,
+        score_func=cast(Any, c.score_func),  # one of SCORE_FUNCS (checked by the config)
         norm_topk_prob=True,
         route_scale=c.route_scale,
         bias_update_rate=0.0 if hashed else c.bias_update_rate,
@@ -142,7 +145,7 @@ class DeepSeekV4(Transformer):
         *,
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
-        kv_cache: CompressedKVCache | None = None,
+        kv_cache: KVCache | None = None,  # a CompressedKVCache (new_kv_cache)
         input_lengths: torch.Tensor | None = None,
         token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -158,18 +161,18 @@ class DeepSeekV4(Transformer):
         )
         return self.head(h)
 
-    def run_blocks(
+    def run_blocks(  # pyrefly: ignore[bad-override]  # returns main + compress rope tables
         self,
         tokens: torch.Tensor,
         *,
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
-        kv_cache: CompressedKVCache | None = None,
+        kv_cache: KVCache | None = None,  # a CompressedKVCache (new_kv_cache)
         input_lengths: torch.Tensor | None = None,
         token_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[dict, AttentionMetadata]]:
         """Embedding, stream expansion and blocks: the flattened streams ``(B, S, N·D)``."""
-        c = self.config
+        c = cast(DeepSeekV4Config, self.config)
         B, S = tokens.shape[:2]
         _check_shape("positions", positions, (B, S))
         if input_lengths is not None:
@@ -228,14 +231,20 @@ class DeepSeekV4(Transformer):
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        static: bool = False,
     ) -> CompressedKVCache:
         """A ring of ``W - 1`` raw keys per layer, and per compressor a ring of raw projections
-        and its entry buffer (``components.compressed_kv_cache``)."""
+        and its entry buffer (``components.compressed_kv_cache``); no ``static`` mode."""
+        if static:
+            raise ValueError(
+                "DeepSeekV4.new_kv_cache: static=True is not supported (the compressed cache "
+                "grows its entries as it goes); use static=False"
+            )
         weight = next(self.parameters())
         compressors = {
             int(i): (
-                layer.attention.compressor,
-                getattr(layer.attention.indexer, "compressor", None),
+                cast(Any, layer).attention.compressor,
+                getattr(cast(Any, layer).attention.indexer, "compressor", None),
             )
             for i, layer in self.layers.items()
         }

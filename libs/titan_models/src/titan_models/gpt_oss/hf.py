@@ -53,7 +53,7 @@ MXFP4_HELP = (
 )
 
 
-class GptOssHFAdapter(DenseHFAdapter):
+class GptOssHFAdapter(DenseHFAdapter[GptOssConfig]):
     """``model_type: gpt_oss`` with bf16/fp32 (dequantised) experts."""
 
     model_types = ("gpt_oss",)

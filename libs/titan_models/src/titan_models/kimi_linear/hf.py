@@ -76,7 +76,7 @@ KIMI_MOE_KEY_MAP: tuple[tuple[str, str], ...] = (
 """``dist_moe.MoE`` ↔ Kimi's ``block_sparse_moe`` (Mixtral-style ``w1``/``w3``/``w2`` experts)."""
 
 
-class KimiLinearHFAdapter(HFAdapter):
+class KimiLinearHFAdapter(HFAdapter[KimiLinearConfig]):
     """``model_type: kimi_linear`` with sigmoid routing and NoPE MLA."""
 
     model_types = ("kimi_linear",)

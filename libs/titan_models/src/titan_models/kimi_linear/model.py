@@ -11,6 +11,8 @@ the MLA layers and a fixed-size state for the KDA layers.
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import nn
 
 from ..components import FeedForward, Transformer, TransformerBlock
@@ -77,7 +79,8 @@ class KimiLinear(Transformer):
     def kv_cache_widths(self) -> tuple[int, int, int]:
         """MLA layers cache a latent per token (``kv_lora_rank``) and the shared key part
         (``qk_rope_head_dim``); KDA layers a fixed-size state."""
-        return 1, self.config.kv_lora_rank, self.config.qk_rope_head_dim
+        config = cast(KimiLinearConfig, self.config)
+        return 1, config.kv_lora_rank, config.qk_rope_head_dim
 
 
 __all__ = ["KimiLinear", "token_mixer"]

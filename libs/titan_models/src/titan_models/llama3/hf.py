@@ -15,7 +15,7 @@ from ..hf_adapter import DenseHFAdapter, refuse_sliding_window
 from .config import Llama3Config
 
 
-class Llama3HFAdapter(DenseHFAdapter):
+class Llama3HFAdapter(DenseHFAdapter[Llama3Config]):
     """``model_type: llama`` (any Llama-architecture checkpoint without biases) and
     ``mistral`` (the same with ``sliding_window`` on every layer)."""
 

@@ -9,7 +9,7 @@ from ..hf_adapter import DenseHFAdapter, qwen_windows_from_hf, qwen_windows_to_h
 from .config import Qwen3Config
 
 
-class Qwen3HFAdapter(DenseHFAdapter):
+class Qwen3HFAdapter(DenseHFAdapter[Qwen3Config]):
     """``model_type: qwen3``, sliding-window layers included (``use_sliding_window``)."""
 
     model_types = ("qwen3",)

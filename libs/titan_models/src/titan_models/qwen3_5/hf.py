@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -51,12 +51,15 @@ _LINEAR_NAMES = {
 _FUSED = {"wq": 0, "wk": 1, "wv": 2, "conv_q": 0, "conv_k": 1, "conv_v": 2}
 
 
-class Qwen3_5HFAdapter(DenseHFAdapter):
+_Q = TypeVar("_Q", bound=Qwen3_5Config)
+
+
+class Qwen3_5HFAdapter(DenseHFAdapter[_Q]):
     """``model_type: qwen3_5_text`` (and the published vision-language ``qwen3_5``)."""
 
     model_types = ("qwen3_5_text", "qwen3_5")
     architecture = "Qwen3_5ForCausalLM"
-    config_cls = Qwen3_5Config
+    config_cls = cast("type[_Q]", Qwen3_5Config)  # subclasses set their own
     default_max_position_embeddings = 32768
     key_map = DENSE_KEY_MAP
     ignored_hf_keys = (*DenseHFAdapter.ignored_hf_keys, r"model\.visual\..*", r"mtp\..*")
@@ -73,7 +76,7 @@ class Qwen3_5HFAdapter(DenseHFAdapter):
             hf = text
         return super().adapt_to_checkpoint(hf, keys)
 
-    def config_from_hf(self, hf: Mapping[str, Any]) -> Qwen3_5Config:
+    def config_from_hf(self, hf: Mapping[str, Any]) -> _Q:
         """Our config; ``ValueError`` naming any field we do not model."""
         return self.config_cls(**self.config_fields_from_hf(hf))
 
@@ -95,7 +98,7 @@ class Qwen3_5HFAdapter(DenseHFAdapter):
             "linear_conv_kernel_dim": hf.get("linear_conv_kernel_dim", 4),
         }
 
-    def config_to_hf(self, config: Qwen3_5Config) -> dict[str, Any]:
+    def config_to_hf(self, config: _Q) -> dict[str, Any]:
         out = super().config_to_hf(config)
         rope = rope_to_hf(config.rope)
         del out["rope_theta"], out["rope_scaling"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from ..components.linear_attention.layer_types import resolved_layer_types
 from ..plan import ModelPlan, decoder_plan
 from .config import Qwen3_5Config
@@ -18,7 +20,16 @@ heads), ``wo`` row-wise, the shared output norm replicated, per-head vectors and
 split with their heads."""
 
 
-def mixer_tp(config: Qwen3_5Config, *, moe: bool) -> dict[str, tuple[str, ...]]:
+class MixerTP(TypedDict):
+    """``decoder_plan``'s TP pattern arguments for the token mixers (and dense MLP)."""
+
+    colwise: tuple[str, ...]
+    rowwise: tuple[str, ...]
+    replicated: tuple[str, ...]
+    head_sharded: tuple[str, ...]
+
+
+def mixer_tp(config: Qwen3_5Config, *, moe: bool) -> MixerTP:
     """TP patterns of the token mixers present (gated attention as Qwen3, Gated DeltaNet),
     plus the dense SwiGLU unless ``moe``."""
     types = set(resolved_layer_types(config))
@@ -34,7 +45,12 @@ def mixer_tp(config: Qwen3_5Config, *, moe: bool) -> dict[str, tuple[str, ...]]:
     if not moe:
         patterns["colwise"] += ("layers.*.feed_forward.w1", "layers.*.feed_forward.w3")
         patterns["rowwise"] += ("layers.*.feed_forward.w2",)
-    return patterns
+    return MixerTP(
+        colwise=patterns["colwise"],
+        rowwise=patterns["rowwise"],
+        replicated=patterns["replicated"],
+        head_sharded=patterns["head_sharded"],
+    )
 
 
 def plan(config: Qwen3_5Config) -> ModelPlan:

@@ -23,7 +23,7 @@ _SHARED_GATE = (
 )
 
 
-class Qwen3_5MoeHFAdapter(Qwen3_5HFAdapter):
+class Qwen3_5MoeHFAdapter(Qwen3_5HFAdapter[Qwen3_5MoeConfig]):
     """``model_type: qwen3_5_moe_text`` (and the published ``qwen3_5_moe``)."""
 
     model_types = ("qwen3_5_moe_text", "qwen3_5_moe")

@@ -9,7 +9,7 @@ ours stays zero.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from ..hf_adapter import (
     GQA_KEY_MAP,
@@ -25,12 +25,15 @@ from .config import Qwen3MoeConfig
 _NO_BIAS = "layers.{}.feed_forward.router.expert_bias"
 
 
-class Qwen3MoeHFAdapter(DenseHFAdapter):
+_Q = TypeVar("_Q", bound=Qwen3MoeConfig)
+
+
+class Qwen3MoeHFAdapter(DenseHFAdapter[_Q]):
     """``model_type: qwen3_moe`` with every layer sparse; dense ``mlp_only_layers`` are refused."""
 
     model_types = ("qwen3_moe",)
     architecture = "Qwen3MoeForCausalLM"
-    config_cls = Qwen3MoeConfig
+    config_cls = cast("type[_Q]", Qwen3MoeConfig)  # subclasses set their own
     default_max_position_embeddings = 32768
     key_map = (
         STACK_KEY_MAP
@@ -68,10 +71,10 @@ class Qwen3MoeHFAdapter(DenseHFAdapter):
     def windows_from_hf(self, hf: Mapping[str, Any]) -> dict[str, Any]:
         return qwen_windows_from_hf(hf)
 
-    def windows_to_hf(self, config: Qwen3MoeConfig) -> dict[str, Any]:
+    def windows_to_hf(self, config: _Q) -> dict[str, Any]:
         return qwen_windows_to_hf(config)
 
-    def config_to_hf(self, config: Qwen3MoeConfig) -> dict[str, Any]:
+    def config_to_hf(self, config: _Q) -> dict[str, Any]:
         return {
             **super().config_to_hf(config),
             "decoder_sparse_step": 1,

@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -162,13 +162,19 @@ def vision_config_to_hf(v: Qwen3VLVisionConfig, *, out_dim: int, model_type: str
 _TOKEN_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
-class VisionLanguageAdapterMixin:
+if TYPE_CHECKING:  # the mixin goes before a text adapter: type-check it as one
+    _TextAdapter = DenseHFAdapter[Any]
+else:
+    _TextAdapter = object
+
+
+class VisionLanguageAdapterMixin(_TextAdapter):
     """Nested ``text_config`` / ``vision_config`` around a text adapter (dense or MoE)."""
 
     vision_model_type: str
     text_model_type: str
 
-    def config_from_hf(self, hf: Mapping[str, Any]) -> Qwen3VLConfig:
+    def config_from_hf(self, hf: Mapping[str, Any]) -> Any:  # the text config + vision fields
         """Our config for an HF ``config.json``; ``ValueError`` naming any field we do not model."""
         text = dict(required(hf, "text_config"))
         vision = dict(required(hf, "vision_config"))
@@ -197,7 +203,7 @@ class VisionLanguageAdapterMixin:
             **tokens,
         )
 
-    def config_to_hf(self, config: Qwen3VLConfig) -> dict[str, Any]:
+    def config_to_hf(self, config: Any) -> dict[str, Any]:  # a VisionLanguageFields config
         """The nested HF ``config.json`` (``rope_theta`` + ``rope_scaling`` with the M-RoPE
         sections, as the Hub's checkpoints spell them)."""
         text = super().config_to_hf(config)
@@ -231,7 +237,7 @@ class VisionLanguageAdapterMixin:
         return vision_tensors(fqn, super().hf_tensors(fqn, param, hf_config), hf_config)
 
 
-class Qwen3VLHFAdapter(VisionLanguageAdapterMixin, DenseHFAdapter):
+class Qwen3VLHFAdapter(VisionLanguageAdapterMixin, DenseHFAdapter[Qwen3VLConfig]):
     """``model_type: qwen3_vl``."""
 
     model_types = ("qwen3_vl",)

@@ -8,13 +8,18 @@ is ``components.vision.VisionLanguageTransformer.forward``; the text blocks are 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..components import dense_blocks
 from ..components.vision import MultimodalRotaryEmbedding, VisionLanguageTransformer
 from .config import Qwen3VLConfig
+
+if TYPE_CHECKING:
+    from ..qwen3_vl_moe.config import Qwen3VLMoeConfig
 from .vision import Qwen3VLVisionTower
 
 
-def multimodal_rope(config: Qwen3VLConfig) -> MultimodalRotaryEmbedding:
+def multimodal_rope(config: Qwen3VLConfig | Qwen3VLMoeConfig) -> MultimodalRotaryEmbedding:
     """The interleaved M-RoPE of a Qwen3-VL config (dense or MoE)."""
     return MultimodalRotaryEmbedding(
         config.rope, config.head_dim, config.mrope_section, interleaved=config.mrope_interleaved

@@ -113,8 +113,10 @@ class Qwen3VLVisionTower(nn.Module):
         inits = prefixed("patch_embed", self.patch_embed.param_init(std=std))
         inits |= prefixed("pos_embed", self.pos_embed.param_init(std=std))
         for i, block in enumerate(self.blocks):
+            assert isinstance(block, VisionBlock)
             inits |= prefixed(f"blocks.{i}", block.param_init(std=std, out_std=block_out))
         inits |= prefixed("merger", self.merger.param_init(std=std))
         for i, merger in enumerate(self.deepstack_mergers):
+            assert isinstance(merger, PatchMerger)
             inits |= prefixed(f"deepstack_mergers.{i}", merger.param_init(std=std))
         return inits

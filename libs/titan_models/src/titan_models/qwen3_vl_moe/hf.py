@@ -36,7 +36,7 @@ MOE_VL_KEY_MAP: tuple[tuple[str, str], ...] = (
 )
 
 
-class Qwen3VLMoeHFAdapter(VisionLanguageAdapterMixin, Qwen3MoeHFAdapter):
+class Qwen3VLMoeHFAdapter(VisionLanguageAdapterMixin, Qwen3MoeHFAdapter[Qwen3VLMoeConfig]):
     """``model_type: qwen3_vl_moe`` (every text layer sparse)."""
 
     model_types = ("qwen3_vl_moe",)

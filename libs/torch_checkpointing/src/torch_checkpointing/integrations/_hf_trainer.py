@@ -225,7 +225,7 @@ class CheckpointCallback(TrainerCallback):
         inner = getattr(optimizer, "optimizer", None)
         if isinstance(inner, torch.optim.Optimizer):  # Accelerate's AcceleratedOptimizer
             optimizer = inner
-        items = {
+        items: dict[str, Any] = {
             "model": trainer.model,
             "optimizer": optimizer,
             "lr_scheduler": trainer.lr_scheduler,
@@ -360,7 +360,9 @@ def _accelerator() -> str | None:
 
 def _rng_state() -> dict[str, Any]:
     """This process's generators: Python, NumPy (global), torch CPU, the accelerator's."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state(legacy=True)
+    assert isinstance(legacy, tuple)  # a dict only for a non-MT19937 global bit generator
+    kind, keys, pos, has_gauss, cached = legacy
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": {

@@ -42,7 +42,7 @@ class _GatherTails(torch.autograd.Function):
         return comm.all_gather(x).wait()
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):  # pyrefly: ignore[bad-override]  # torch: one arg per output
         return ctx.comm.reduce_scatter(grad).wait(), None
 
 
@@ -169,7 +169,7 @@ class _DeltaRuleChain(torch.autograd.Function):
         return torch.cat([o0, o1], dim=1)
 
     @staticmethod
-    def backward(ctx, do):
+    def backward(ctx, do):  # pyrefly: ignore[bad-override]  # torch: one arg per output
         q, k, v, g, beta, state0, state1 = ctx.saved_tensors
         shard, options = ctx.shard, ctx.options
         comm, r, n = shard.cp.comm, shard.cp.rank, shard.cp.size
@@ -204,6 +204,7 @@ def _chunk_backward(parts, shard, options, half, state, do, dfinal):
         o, final = _chunk(leaves, shard, options, half, state_leaf, final=dfinal is not None)
         outputs, grad_outputs = [o], [do]
         if dfinal is not None:
+            assert final is not None  # asked for with final=True
             outputs.append(final)
             grad_outputs.append(dfinal)
         wrt = leaves + ([state_leaf] if state_leaf is not None else [])

@@ -153,6 +153,7 @@ class DeltaRuleAttention(nn.Module):
                     output_final_state=True,
                     backend=self.backend,
                 )
+            assert new_state is not None  # both kernels return it here
             state.copy_(new_state)
         gate_BSHV = self.output_gate(x_BSD).view(B, S, -1, V)
         o_BSHV = self.norm(o_BSHV.to(x_BSD.dtype), gate_BSHV)

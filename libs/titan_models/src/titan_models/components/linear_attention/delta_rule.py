@@ -205,6 +205,7 @@ def _torch_chunk_delta_rule(
     k_tail = k_c * (gamma[:, :, :, None] - Gk).exp()
     decay = gamma.exp()
     if carry is not None:
+        assert last is not None  # made with carry
         k_tail = k_tail * last[..., None]
         decay = decay * carry[..., -1:]
         carry = carry[..., None].to(acc)
@@ -286,7 +287,7 @@ class _ChannelDecayedScores(torch.autograd.Function):
         return out.masked_fill(~mask, 0)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):  # pyrefly: ignore[bad-override]  # torch: one arg per output
         a, b, G, mask = ctx.saved_tensors
         C = a.shape[-2]
         M, c = _blocks(C)

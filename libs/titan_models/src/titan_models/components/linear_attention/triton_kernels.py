@@ -137,7 +137,7 @@ class _ChunkDeltaRule(torch.autograd.Function):
         return o, final
 
     @staticmethod
-    def backward(ctx, do, dfinal):
+    def backward(ctx, do, dfinal):  # pyrefly: ignore[bad-override]  # torch: one arg per output
         kernels = _kernels()
         q, k, v, G, beta, seg, T, A_qk, w, h, v_new = ctx.saved_tensors
         B, H, S, K = k.shape

@@ -180,6 +180,7 @@ class InterpolatedPositionEmbedding(nn.Module):
             for cols, col_w in ((low[:, 1], 1 - frac[:, 1]), (high[:, 1], frac[:, 1])):
                 weight_N1 = (row_w * col_w)[:, None].to(self.weight.dtype)
                 out = out + self.weight[rows * self.side + cols] * weight_N1
+        assert isinstance(out, torch.Tensor)  # the four corners added
         return out
 
     def param_init(self, *, std: float, out_std: float = 0.0) -> dict[str, Init]:

@@ -21,6 +21,7 @@ Shapes: B batch, S sequence, D model dim, T image tokens of the batch, V vocabul
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,18 +63,21 @@ def grid_list(image_grid_thw: torch.Tensor | Sequence[Sequence[int]] | None) -> 
 class VisionLanguageTransformer(Transformer):
     """``Transformer`` + ``visual`` tower + DeepStack + M-RoPE (see the module docstring)."""
 
+    visual: nn.Module  # registered by Transformer.__init__ (extra_modules)
+
     def __init__(
         self,
         config: TransformerConfig,
-        blocks: list[nn.Module],
+        blocks: Sequence[nn.Module],
         *,
         visual: nn.Module,
         rope: MultimodalRotaryEmbedding,
     ) -> None:
         super().__init__(config, blocks, extra_modules={"visual": visual})
         self.rope = rope
-        self.image_token_id: int = config.image_token_id
-        self.spatial_merge_size: int = config.vision.spatial_merge_size
+        vl_config: Any = config  # a TransformerConfig with VisionLanguageFields
+        self.image_token_id: int = vl_config.image_token_id
+        self.spatial_merge_size: int = vl_config.vision.spatial_merge_size
 
     def forward(
         self,
@@ -174,6 +178,7 @@ class VisionLanguageTransformer(Transformer):
             layer_cache = kv_cache.layers[int(index)] if kv_cache is not None else None
             h_BSD = layer(h_BSD, rope, meta, layer_cache)
             if int(index) < len(deepstack):
+                assert image_index is not None  # found with the images' features
                 h_BSD = add_at(h_BSD, image_index, deepstack[int(index)])
         if kv_cache is not None:
             kv_cache.end(input_lengths)
