@@ -195,7 +195,9 @@ class KimiK25HFAdapter(DeepSeekV3HFAdapter):
             **tokens,
         )
 
-    def config_to_hf(self, config: KimiK25Config) -> dict[str, Any]:
+    def config_to_hf(  # pyrefly: ignore[bad-override]  # the Kimi family's configs only
+        self, config: KimiK25Config
+    ) -> dict[str, Any]:
         """The nested HF ``config.json`` (the decoder as ``kimi_k2`` in ``text_config``)."""
         text = super().config_to_hf(config)
         text["model_type"] = "kimi_k2"
@@ -218,7 +220,9 @@ class KimiK25HFAdapter(DeepSeekV3HFAdapter):
         hf["text_config"] = super().adapt_to_checkpoint(required(hf, "text_config"), text_keys)
         return hf
 
-    def is_ignored(self, key: str, config: KimiK25Config) -> bool:
+    def is_ignored(  # pyrefly: ignore[bad-override]  # the Kimi family's configs only
+        self, key: str, config: KimiK25Config
+    ) -> bool:
         if config.tie_embeddings and key == f"{TEXT}lm_head.weight":
             return True
         return super().is_ignored(key, config)

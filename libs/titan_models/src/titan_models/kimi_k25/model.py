@@ -14,6 +14,7 @@ Shapes: B batch, S sequence, D model dim, T image tokens of the batch, V vocabul
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -88,21 +89,24 @@ class KimiK25(DeepSeekV3):
             if grids:
                 raise ValueError("image_grid_thw given without pixel_values")
             return super().run_blocks(tokens, **inputs)
-        if getattr(self, "visual", None) is None or self.tok_embeddings is None:
+        visual = self.visual if "visual" in self._modules else None
+        if visual is None or self.tok_embeddings is None:
             raise ValueError("pixel_values given to a model part without the vision tower")
         if self.context_parallel is not None:
             raise ValueError("pixel_values cannot be combined with context parallelism yet")
         if not grids:
             raise ValueError("pixel_values need image_grid_thw (the patch grid of each image)")
-        features_TD = self.visual(pixel_values, grids, backend=self.config.attention_backend)
+        features_TD = visual(pixel_values, grids, backend=self.config.attention_backend)
         if image_index is None:
-            image_index = placeholder_index(tokens, self.config.image_token_id)
+            config = cast(KimiK25Config, self.config)
+            image_index = placeholder_index(tokens, config.image_token_id)
         check_placeholders(image_index, features_TD.shape[0])
         h_BSD = scatter(self.tok_embeddings(tokens), image_index, features_TD)
         return super().run_blocks(tokens, embeddings=h_BSD, **inputs)
 
     def _extra_param_inits(self, *, std: float, out_std: float) -> dict[str, Init]:
         inits = super()._extra_param_inits(std=std, out_std=out_std)
-        if getattr(self, "visual", None) is not None:
-            inits |= prefixed("visual", self.visual.param_init(std=std, out_std=out_std))
+        visual = self.visual if "visual" in self._modules else None
+        if visual is not None:
+            inits |= prefixed("visual", visual.param_init(std=std, out_std=out_std))
         return inits

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -118,7 +119,7 @@ class KimiK25VisionTower(nn.Module):
             for _ in range(c.num_layers)
         )
         self.final_norm = nn.LayerNorm(c.dim, eps=c.norm_eps)
-        self.merger = PatchMerger(
+        self.merger: PatchMerger = PatchMerger(
             dim=c.dim,
             out_dim=out_dim,
             spatial_merge_size=c.spatial_merge_size,
@@ -197,6 +198,7 @@ class KimiK25VisionTower(nn.Module):
         inits = prefixed("patch_embed", self.patch_embed.param_init(std=std))
         inits |= prefixed("pos_embed", self.pos_embed.param_init(std=std))
         for i, block in enumerate(self.blocks):
-            inits |= prefixed(f"blocks.{i}", block.param_init(std=std, out_std=block_out))
+            block_init = cast(Any, block).param_init  # a ModuleList's items read as Module
+            inits |= prefixed(f"blocks.{i}", block_init(std=std, out_std=block_out))
         inits |= prefixed("final_norm", layer_norm_init(self.final_norm))
         return inits | prefixed("merger", self.merger.param_init(std=std))

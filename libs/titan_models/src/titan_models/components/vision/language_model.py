@@ -118,7 +118,7 @@ class VisionLanguageTransformer(Transformer):
         )
         return self.head(h_BSD)
 
-    def run_blocks(
+    def run_blocks(  # pyrefly: ignore[bad-override]  # images in, its own embeddings
         self,
         tokens: torch.Tensor,
         *,
