@@ -50,7 +50,7 @@ class _SyncCounter(TorchDispatchMode):
 # Reads of host tensors on every device: torch's AdamW step counters (CPU tensors unless
 # capturable), and the document-id check, which reads CPU ids on the host and is a
 # device-side assertion on an accelerator (titan_models' AttentionMetadata).
-_HOST_READS = {("_get_value", "optim/optimizer.py"), ("_check_document_ids", "metadata.py")}
+_HOST_READS = {("_get_value", "optim/optimizer.py"), ("check_document_ids", "metadata.py")}
 
 
 def _host_side(name: str, kwargs: dict | None) -> bool:

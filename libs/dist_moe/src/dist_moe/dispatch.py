@@ -82,7 +82,7 @@ class Dispatcher:
         return self.combine(experts(rows_RD, group_ends), weights_TK, ctx)
 
 
-def _check_num_experts(num_experts: int) -> None:
+def check_num_experts(num_experts: int) -> None:
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
 
@@ -91,7 +91,7 @@ class LocalDispatcher(Dispatcher):
     """All experts on this rank."""
 
     def __init__(self, num_experts: int, config: PermuteConfig | None = None) -> None:
-        _check_num_experts(num_experts)
+        check_num_experts(num_experts)
         self.num_experts = self.num_local_experts = num_experts
         self.config = config if config is not None else PermuteConfig()
 
@@ -146,11 +146,11 @@ class _EPContext:
     """Capacity mode: C, rows each source sends per expert."""
 
 
-class _ExpertParallelDispatcher(Dispatcher):
+class ExpertParallelDispatcher(Dispatcher):
     def __init__(
         self, num_experts: int, group: dist.ProcessGroup | None, config: PermuteConfig | None
     ) -> None:
-        _check_num_experts(num_experts)
+        check_num_experts(num_experts)
         self.group = group
         self.config = config if config is not None else PermuteConfig()
         self.placement = ExpertPlacement.from_group(num_experts, group)
@@ -181,7 +181,7 @@ class _ExpertParallelDispatcher(Dispatcher):
         return unpermute_and_combine(y_buf, ctx.plan, weights_TK)
 
 
-class AllToAllDispatcher(_ExpertParallelDispatcher):
+class AllToAllDispatcher(ExpertParallelDispatcher):
     """Expert parallelism over ``group`` with ``all_to_all_single`` (uneven when dropless)."""
 
     def __init__(

@@ -8,10 +8,10 @@ The symmetric-memory dispatcher (``symm_mem.py``) needs only three things from a
 
 Signals are ordered after the writes issued before them, and a put cannot overwrite a flag
 its receiver has not consumed yet: the semantics of ``torch.distributed._symmetric_memory``'s
-``put_signal``/``wait_signal``, which ``_CudaSymmetricHeap`` calls (they run on the current
+``put_signal``/``wait_signal``, which ``CudaSymmetricHeap`` calls (they run on the current
 CUDA stream: nothing blocks the host, and CUDA graphs capture them).
 
-``_SharedMemoryHeap`` emulates the same thing for the processes of one host: each rank's
+``SharedMemoryHeap`` emulates the same thing for the processes of one host: each rank's
 buffer is a file in shared memory that every rank maps (``torch.from_file(shared=True)``),
 flags are an int32 array in another mapped file, and the waits spin on the host. It runs the
 dispatcher's protocol on CPU tensors over a gloo group, which is how the tests check it.
@@ -35,7 +35,7 @@ __all__: list[str] = []
 _SPIN_TIMEOUT_S = 120.0
 
 
-class _SymmetricHeap:
+class SymmetricHeap:
     """Interface of a symmetric heap (see the module docstring)."""
 
     rank: int
@@ -53,7 +53,7 @@ class _SymmetricHeap:
         raise NotImplementedError
 
 
-class _CudaSymmetricHeap(_SymmetricHeap):
+class CudaSymmetricHeap(SymmetricHeap):
     """``torch.distributed._symmetric_memory`` buffer of ``numel`` elements (collective)."""
 
     def __init__(
@@ -96,7 +96,7 @@ class _CudaSymmetricHeap(_SymmetricHeap):
         self._handle.wait_signal(peer, channel)
 
 
-class _SharedMemoryHeap(_SymmetricHeap):
+class SharedMemoryHeap(SymmetricHeap):
     """CPU emulation: buffers and flags in shared-memory files mapped by every rank.
 
     Collective over ``group`` (all ranks on one host). The files are unlinked as soon as

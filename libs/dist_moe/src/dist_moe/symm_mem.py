@@ -51,11 +51,11 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from dist_moe.dispatch import _check_num_experts, _ExpertParallelDispatcher
+from dist_moe.dispatch import ExpertParallelDispatcher, check_num_experts
 from dist_moe.kernels import combine_rows, permute_rows, put_rows_to_peers, resolve_backend
 from dist_moe.permute import PermuteConfig, PermutePlan, plan_permutation
 from dist_moe.permute import unpermute_and_combine as _unpermute_and_combine
-from dist_moe.symm_heap import _CudaSymmetricHeap, _SharedMemoryHeap, _SymmetricHeap
+from dist_moe.symm_heap import CudaSymmetricHeap, SharedMemoryHeap, SymmetricHeap
 
 __all__ = ["SymmMemDispatcher"]
 
@@ -78,7 +78,7 @@ class _PutIndex:
 class _Exchange:
     """One (C, D, dtype) buffer pair on a heap, and the chunking of the local experts."""
 
-    heap: _SymmetricHeap
+    heap: SymmetricHeap
     ep: int
     local: int
     capacity: int
@@ -283,7 +283,7 @@ def _group_backend(group: dist.ProcessGroup | None) -> str:
         return "unknown"
 
 
-class SymmMemDispatcher(_ExpertParallelDispatcher):
+class SymmMemDispatcher(ExpertParallelDispatcher):
     """Expert parallelism through symmetric memory (see the module docstring).
 
     Args:
@@ -316,7 +316,7 @@ class SymmMemDispatcher(_ExpertParallelDispatcher):
         chunks: int | None = None,
         emulate: bool = False,
     ) -> None:
-        _check_num_experts(num_experts)
+        check_num_experts(num_experts)
         if overflow not in ("drop", "error"):
             raise ValueError(
                 f"SymmMemDispatcher: overflow must be 'drop' or 'error', got {overflow!r}"
@@ -395,13 +395,13 @@ class SymmMemDispatcher(_ExpertParallelDispatcher):
                     raise ValueError(
                         f"SymmMemDispatcher(emulate=True) runs on CPU tensors, got {x_TD.device}"
                     )
-                heap: _SymmetricHeap = _SharedMemoryHeap(group, numel, x_TD.dtype, channels)
+                heap: SymmetricHeap = SharedMemoryHeap(group, numel, x_TD.dtype, channels)
             else:
                 if x_TD.device.type != "cuda":
                     raise ValueError(
                         f"SymmMemDispatcher: tensors must be on a CUDA device, got {x_TD.device}"
                     )
-                heap = _CudaSymmetricHeap(group, numel, x_TD.dtype, x_TD.device, channels)
+                heap = CudaSymmetricHeap(group, numel, x_TD.dtype, x_TD.device, channels)
             st = _Exchange(
                 heap=heap,
                 ep=self.placement.ep_size,

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from flexshard._groups import GroupInfo
-from flexshard._layout import _FP8, _U8, Layout, Pending
+from flexshard._layout import FP8_E4M3, UINT8, Layout, Pending
 from flexshard.fp8 import dequantize_tiles, quantize_tiles
 from flexshard.placements import BlockShard
 
@@ -97,10 +97,10 @@ class BlockShardLayout(Layout):
             local = self._cat_local(locals_, torch.float32, dev)[: self.my_tiles]
             q, scale = quantize_tiles(local, pow2=quantize == "fp8_block_pow2")
             seg = M * (tile + 4)
-            send = torch.zeros(seg, dtype=_U8, device=dev)
-            send[: self.my_tiles * tile].copy_(q.view(_U8).reshape(-1))
-            send[M * tile : M * tile + 4 * self.my_tiles].copy_(scale.view(_U8))
-            recv = torch.empty(W * seg, dtype=_U8, device=dev)
+            send = torch.zeros(seg, dtype=UINT8, device=dev)
+            send[: self.my_tiles * tile].copy_(q.view(UINT8).reshape(-1))
+            send[M * tile : M * tile + 4 * self.my_tiles].copy_(scale.view(UINT8))
+            recv = torch.empty(W * seg, dtype=UINT8, device=dev)
         else:
             send = self._cat_local(locals_, dtype, dev).view(-1)
             recv = torch.empty(W * M * tile, dtype=dtype, device=dev)
@@ -115,7 +115,7 @@ class BlockShardLayout(Layout):
         quantize, dtype = p.extra
         if quantize is not None:
             rv = p.recv.view(W, M * (tile + 4))
-            q = rv[:, : M * tile].contiguous().view(_FP8).view(W * M, br, bc)
+            q = rv[:, : M * tile].contiguous().view(FP8_E4M3).view(W * M, br, bc)
             scale = rv[:, M * tile :].contiguous().view(torch.float32).view(W * M)
             tiles = dequantize_tiles(q, scale, dtype)
         else:

@@ -30,11 +30,11 @@ import torch.distributed as dist
 from flexshard._groups import GroupInfo
 from flexshard.placements import BlockShard, Owned, Placement, Replicate, Shard
 
-_U8 = torch.uint8
-_FP8 = torch.float8_e4m3fn
+UINT8 = torch.uint8
+FP8_E4M3 = torch.float8_e4m3fn
 
 
-class _DeviceOnly:
+class DeviceOnly:
     """Stands in for the flat buffer at issue time: layouts only read its device."""
 
     def __init__(self, device: torch.device) -> None:
@@ -115,7 +115,7 @@ class Layout:
     def issue_gather(
         self,
         locals_: list[torch.Tensor],
-        flat: torch.Tensor | _DeviceOnly,
+        flat: torch.Tensor | DeviceOnly,
         dtype: torch.dtype,
         quantize: str | None,
         stats: CommStats,

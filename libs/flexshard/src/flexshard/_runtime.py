@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from flexshard._ddp_guard import check_not_reduced_by_ddp, ddp_ignore_list, set_ddp_ignore_list
 from flexshard._groups import GroupInfo
-from flexshard._layout import CommStats, Layout, Pending, _DeviceOnly
+from flexshard._layout import CommStats, DeviceOnly, Layout, Pending
 from flexshard.placements import MixedPrecision, Placement, Replicate
 
 _FREE, _GATHERING, _GATHERED = 0, 1, 2
@@ -42,7 +42,7 @@ _FREE, _GATHERING, _GATHERED = 0, 1, 2
 _REGISTRY: dict[int, ParamInfo] = {}
 
 
-def _register(info: ParamInfo) -> None:
+def register_param(info: ParamInfo) -> None:
     key = id(info.local)
     _REGISTRY[key] = info
     weakref.finalize(info.local, _REGISTRY.pop, key, None)
@@ -220,7 +220,7 @@ class BucketRuntime:
             self._alloc()
             target = self._flat().data
         else:
-            target = _DeviceOnly(self.device)
+            target = DeviceOnly(self.device)
         locals_ = [info.local.detach() for info in self.infos]
         self.pending = self.layout.issue_gather(
             locals_, target, self.param_dtype, self.quantize, self.state.comm
@@ -396,7 +396,7 @@ class FlexShardState:
                 p = m._parameters.get(n)
                 if p is not None and p is not info.local:
                     info.local = p
-                    _register(info)
+                    register_param(info)
                     for m2, n2 in info.locations[1:]:
                         m2._parameters[n2] = p
                 if b.flat is not None and b.flat.device != info.local.device:
@@ -591,7 +591,7 @@ class FlexShardModule(_ModuleBase):
 _CLASS_CACHE: dict[type, type] = {}
 
 
-def _swap_class(module: nn.Module) -> None:
+def swap_class(module: nn.Module) -> None:
     cls = type(module)
     if cls not in _CLASS_CACHE:
         _CLASS_CACHE[cls] = type(f"FlexShard{cls.__name__}", (FlexShardModule, cls), {})

@@ -17,8 +17,8 @@ from flexshard._runtime import (
     FlexShardModule,
     FlexShardState,
     ParamInfo,
-    _register,
-    _swap_class,
+    register_param,
+    swap_class,
 )
 from flexshard.fqn import fqn_matches
 from flexshard.placements import BlockShard, Bucket, MixedPrecision, Owned, Placement, Shard
@@ -336,7 +336,7 @@ def shard(
             info.local = nn.Parameter(
                 layout.local_from_full(info.index, full), requires_grad=info.requires_grad
             )
-            _register(info)
+            register_param(info)
             state.infos[info.fqn] = info
             state.mem.alloc(info.local.numel() * info.local.element_size())
         state.buckets.append(rt)
@@ -364,7 +364,7 @@ def shard(
         state.handles.append(
             module.register_forward_hook(state._root_post_forward, with_kwargs=True)
         )
-    _swap_class(module)
+    swap_class(module)
     cast(FlexShardModule, module).flexshard_state = state
     return module
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from flexshard._runtime import param_info
 from flexshard.placements import Replicate
-from flexshard.state_dict import ShardedParam, _tp_offset
+from flexshard.state_dict import ShardedParam, tp_offset
 
 __all__ = ["init_optim_state", "load_sharded_optim_state_dict", "sharded_optim_state_dict"]
 
@@ -55,7 +55,7 @@ def _like_param(p: torch.Tensor, value: Any) -> Any:
     chunks = info.bucket.layout.local_chunks(info.index, value.detach())
     shape = tuple(info.shape)
     if info.dtensor is not None:
-        base = _tp_offset(info)
+        base = tp_offset(info)
         chunks = [(tuple(a + b for a, b in zip(o, base, strict=True)), t) for o, t in chunks]
         shape = tuple(info.dtensor[2])
     return ShardedParam(shape, value.dtype, chunks, info.placement)

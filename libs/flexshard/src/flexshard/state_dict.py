@@ -75,7 +75,7 @@ def _state(module: nn.Module):
     return module.flexshard_state
 
 
-def _tp_offset(info: ParamInfo) -> tuple[int, ...]:
+def tp_offset(info: ParamInfo) -> tuple[int, ...]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     assert info.dtensor is not None  # a DTensor parameter
@@ -98,7 +98,7 @@ def _entry(info: ParamInfo) -> Any:
     chunks = info.local_chunks()
     shape = tuple(info.shape)
     if info.dtensor is not None:
-        base = _tp_offset(info)
+        base = tp_offset(info)
         chunks = [(tuple(a + b for a, b in zip(o, base, strict=True)), t) for o, t in chunks]
         shape = tuple(info.dtensor[2])
     return ShardedParam(shape, info.dtype, chunks, info.placement)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from titan_pipeline.actions import Action, ActionKind, Schedule
-from titan_pipeline.shapes import _stage_output_meta
+from titan_pipeline.shapes import stage_output_meta
 from titan_pipeline.simulator import Costs, Interval, Timeline
 from titan_pipeline.stage import PipelineStage
 
@@ -22,7 +22,7 @@ F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W  # noqa: E74
 _Clock = tuple[float, float]
 
 
-def _clock() -> _Clock:
+def monotonic_clock() -> _Clock:
     """Wall time and this thread's CPU time, in seconds."""
     return time.perf_counter(), time.thread_time()
 
@@ -114,7 +114,7 @@ def measure_costs(
             f"rank {rank} was given stages {sorted(local)} but schedule {schedule.name!r} places "
             f"stages {schedule.stages_of_rank(rank)} on it"
         )
-    metas = _stage_output_meta(schedule, local, [microbatch], rank, group, None)
+    metas = stage_output_meta(schedule, local, [microbatch], rank, group, None)
     mine: dict[int, dict[ActionKind, float]] = {}
     for turn in range(world):
         if distributed:

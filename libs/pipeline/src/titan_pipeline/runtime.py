@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 
 from titan_pipeline.actions import Action, ActionKind, Schedule
-from titan_pipeline.measurement import TimelineRecorder, _clock
-from titan_pipeline.shapes import _global, _stage_output_meta
-from titan_pipeline.simulator import _segments
-from titan_pipeline.stage import PipelineStage, _device_of
+from titan_pipeline.measurement import TimelineRecorder, monotonic_clock
+from titan_pipeline.shapes import global_rank, stage_output_meta
+from titan_pipeline.simulator import segments
+from titan_pipeline.stage import PipelineStage, device_of
 
 __all__ = ["run", "split_microbatches"]
 
@@ -124,7 +124,7 @@ def run(
     except ValueError as e:
         problem = f"rank {rank}: {e}"
     if stage_outputs is None:
-        out_meta = _stage_output_meta(schedule, local, microbatches, rank, group, problem)
+        out_meta = stage_output_meta(schedule, local, microbatches, rank, group, problem)
     elif problem is not None:
         raise ValueError(problem)
     elif len(stage_outputs) != schedule.num_stages:
@@ -135,7 +135,7 @@ def run(
     else:
         out_meta = [(tuple(shape), dtype) for shape, dtype in stage_outputs]
     scale = 1.0 / m if loss_scale is None else float(loss_scale)
-    device = _device_of(stages)
+    device = device_of(stages)
     owner = schedule.stage_to_rank
     peer_of = (
         (lambda r: dist.get_global_rank(group, r))
@@ -168,11 +168,11 @@ def run(
         keep = (F, ActionKind.SEND_F, ActionKind.RECV_F)
         actions = tuple(a for a in actions if a.kind in keep)
     grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
-    for seg in _segments(actions):
+    for seg in segments(actions):
         if isinstance(seg, tuple):
             ops = []
             posted: list[tuple[tuple[str, int, int] | None, torch.Tensor]] = []
-            start = _clock()
+            start = monotonic_clock()
             for a in seg:
                 s, mb = a.stage, a.microbatch
                 if a.kind == ActionKind.SEND_F:
@@ -204,7 +204,7 @@ def run(
                 else:
                     recvs[key] = (work, t, a)
             if recorder is not None:
-                recorder._record_post(seg, start, _clock())
+                recorder._record_post(seg, start, monotonic_clock())
             continue
 
         a = seg
@@ -215,7 +215,7 @@ def run(
                 x = microbatches[mb]
             else:
                 x = value("F", s, mb)
-            start = _clock()
+            start = monotonic_clock()
             with grad_mode:
                 y = st._forward(mb, x, stage_kwargs[mb] if stage_kwargs is not None else {})
                 if st.is_last:
@@ -237,17 +237,17 @@ def run(
             gy = None if st.is_last else value("B", s, mb)
             if a.kind == B and before_backward is not None:
                 before_backward(st, mb)
-            start = _clock()
+            start = monotonic_clock()
             gx = st._backward(mb, gy, split=a.kind == I)
             if gx is not None:
                 handoff[("B", s - 1, mb)] = gx
         else:
             if before_backward is not None:
                 before_backward(st, mb)
-            start = _clock()
+            start = monotonic_clock()
             st._backward_weight(mb)
         if recorder is not None:
-            recorder._record(a, start, _clock())
+            recorder._record(a, start, monotonic_clock())
 
     for work, _ in sends:
         work.wait()
@@ -270,7 +270,7 @@ def _broadcast_losses(
     wire = torch.empty(m, dtype=torch.float32, device=device)
     if rank == last_rank:
         torch.stack([loss.to(device=device, dtype=torch.float32) for loss in losses], out=wire)
-    dist.broadcast(wire, src=_global(last_rank, group), group=group)
+    dist.broadcast(wire, src=global_rank(last_rank, group), group=group)
     return losses if rank == last_rank else list(wire.unbind())
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from titan_pipeline.actions import Schedule
-from titan_pipeline.stage import PipelineStage, _device_of
+from titan_pipeline.stage import PipelineStage, device_of
 
 _MAX_DIMS = 8
 _DTYPES = (
@@ -35,7 +35,7 @@ _DTYPES = (
 _T = TypeVar("_T")
 
 
-def _stage_output_meta(
+def stage_output_meta(
     schedule: Schedule,
     local: dict[int, PipelineStage],
     microbatches: Sequence[torch.Tensor] | None,
@@ -79,7 +79,7 @@ def _stage_output_meta(
         return holder._shape_cache[(layout, agreed)]
     needs_shape = agreed is None or key != agreed
     # problems (at most num_ranks) + (num_ranks + 1) * ranks that need the shape sent
-    device = _device_of(local.values())  # on the stages' device: NCCL takes no host tensors
+    device = device_of(local.values())  # on the stages' device: NCCL takes no host tensors
     flag = torch.tensor(
         [int(problem is not None) + (schedule.num_ranks + 1) * int(needs_shape)], device=device
     )
@@ -102,14 +102,14 @@ def _stage_output_meta(
         code[0], code[1] = len(shape), _DTYPES.index(dtype)
         code[2 : 2 + len(shape)] = torch.tensor(shape)
     if distributed:
-        dist.broadcast(code, src=_global(first, group), group=group)
+        dist.broadcast(code, src=global_rank(first, group), group=group)
     key = (tuple(code[2 : 2 + int(code[0])].tolist()), _DTYPES[int(code[1])])
 
     def share(obj: _T, owner_rank: int) -> _T:
         if not distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=_global(owner_rank, group), group=group)
+        dist.broadcast_object_list(box, src=global_rank(owner_rank, group), group=group)
         return box[0]
 
     if (layout, key) not in holder._shape_cache:
@@ -162,5 +162,5 @@ def _meta_forward(
     return tuple(out.shape), out.dtype
 
 
-def _global(group_rank: int, group: dist.ProcessGroup | None) -> int:
+def global_rank(group_rank: int, group: dist.ProcessGroup | None) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)

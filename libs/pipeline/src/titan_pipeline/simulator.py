@@ -29,7 +29,7 @@ __all__ = [
     "simulate",
 ]
 
-_Seg = Action | tuple[Action, ...]
+Seg = Action | tuple[Action, ...]
 _ChannelKey = tuple[int, int, str, int]  # (source rank, destination rank, "F"|"B", sender stage)
 
 
@@ -257,7 +257,7 @@ class Costs:
         batches = {
             (r, iv.start, iv.end): took(iv) for r, ivs in enumerate(timeline.posts) for iv in ivs
         }
-        transfers = _transfer_times(timeline)
+        transfers = transfer_times(timeline)
         durations: dict[Action, float] = {}
         if trace:
             durations.update((iv.action, took(iv)) for iv in timeline._all())
@@ -278,7 +278,7 @@ class Costs:
         )
 
 
-def _transfer_times(timeline: Timeline) -> list[float]:
+def transfer_times(timeline: Timeline) -> list[float]:
     """Per receive whose rank was already waiting when the later of its two ends was posted:
     from that post to the wait returning (at least 0: a post's recorded end can come after
     the data moved, when its rank was descheduled right after handing it over).
@@ -291,7 +291,7 @@ def _transfer_times(timeline: Timeline) -> list[float]:
     out = []
     for ivs in timeline.waits:
         for iv in ivs:
-            send = _matching_send(iv.action)
+            send = matching_send(iv.action)
             if iv.action in posted and send in posted:
                 later = max(posted[iv.action], posted[send])
                 if iv.start <= later:
@@ -299,7 +299,7 @@ def _transfer_times(timeline: Timeline) -> list[float]:
     return out
 
 
-def _matching_send(recv: Action) -> Action:
+def matching_send(recv: Action) -> Action:
     """The send whose data ``recv`` receives."""
     if recv.kind == ActionKind.RECV_F:
         return Action(ActionKind.SEND_F, recv.stage - 1, recv.microbatch)
@@ -321,7 +321,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     Every rank has a processor (an accelerator) of its own. Ranks that share processors (more
     ranks than cores on one CPU) are modelled in ``titan_pipeline.experimental``.
     """
-    return _replay(schedule, costs or Costs(), blocking_sends=False)
+    return replay_schedule(schedule, costs or Costs(), blocking_sends=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,9 +355,9 @@ def compare(simulated: Timeline, measured: Timeline) -> BubbleComparison:
 # --- the replay engine ------------------------------------------------------------------
 
 
-def _segments(actions: Sequence[Action]) -> list[_Seg]:
+def segments(actions: Sequence[Action]) -> list[Seg]:
     """Compute actions stay single; each maximal run of communication becomes one batch."""
-    segs: list[_Seg] = []
+    segs: list[Seg] = []
     batch: list[Action] = []
     for a in actions:
         if a.kind.is_compute:
@@ -388,7 +388,7 @@ def channel_of(action: Action, rank: int, owner: Sequence[int]) -> tuple[_Channe
 
 @dataclass(slots=True)
 class _RankState:
-    segs: list[_Seg]
+    segs: list[Seg]
     pos: int = 0
     clock: float = 0.0
     posted: bool = False
@@ -398,14 +398,14 @@ class _RankState:
 _Op = tuple[_ChannelKey, int, bool]  # (channel, index on it, is the sending end)
 
 
-class _Wiring:
+class Wiring:
     """Every communication op's place on its channel, when each end was posted, and when the
     data of a transfer is usable (``communication`` after both ends are posted)."""
 
     def __init__(
         self,
         schedule: Schedule,
-        segs: list[list[_Seg]],
+        segs: list[list[Seg]],
         communication: float,
         latency: Callable[[], float] | None = None,
     ) -> None:
@@ -479,7 +479,7 @@ class _Wiring:
         return self.recv_of.get((r, kind, action.stage, action.microbatch))
 
 
-def _replay(schedule: Schedule, costs: Costs, *, blocking_sends: bool) -> Timeline:
+def replay_schedule(schedule: Schedule, costs: Costs, *, blocking_sends: bool) -> Timeline:
     """Run every rank's list against the others; raise ``DeadlockError`` if they get stuck.
 
     Each communication op gets an index on its channel (the k-th send matches the k-th
@@ -492,8 +492,8 @@ def _replay(schedule: Schedule, costs: Costs, *, blocking_sends: bool) -> Timeli
     (backends that coalesce a batch into one work, such as NCCL). Every rank has a processor
     of its own; ``_replay_shared`` lets them share fewer.
     """
-    ranks = [_RankState(_segments(acts)) for acts in schedule.actions]
-    wiring = _Wiring(schedule, [st.segs for st in ranks], costs.communication)
+    ranks = [_RankState(segments(acts)) for acts in schedule.actions]
+    wiring = Wiring(schedule, [st.segs for st in ranks], costs.communication)
     progress = True
     while progress:
         progress = False

@@ -160,7 +160,7 @@ class PipelineStage:
                 torch.autograd.backward(edges, grads_out, retain_graph=True, inputs=leaves)
 
 
-def _device_of(stages: Iterable[PipelineStage]) -> torch.device:
+def device_of(stages: Iterable[PipelineStage]) -> torch.device:
     """The device of the stages' parameters (CPU for stages without any)."""
     for st in stages:
         for p in st.module.parameters():

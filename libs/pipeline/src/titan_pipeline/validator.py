@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from titan_pipeline.actions import Action, ActionKind, Schedule
-from titan_pipeline.simulator import Costs, DeadlockError, _replay, channel_of
+from titan_pipeline.simulator import Costs, DeadlockError, channel_of, replay_schedule
 
 __all__ = ["DeadlockError", "validate"]
 
@@ -75,7 +75,7 @@ def validate(schedule: Schedule) -> None:
                 f"microbatches {sends} but rank {dst} receives {recvs}; they must match in order"
             )
 
-    _replay(schedule, _FREE, blocking_sends=True)
+    replay_schedule(schedule, _FREE, blocking_sends=True)
 
 
 def _missing_input(a: Action, rank: int, owner: tuple[int, ...], done: set) -> str | None:

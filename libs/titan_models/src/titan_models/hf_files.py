@@ -18,7 +18,7 @@ def checkpoint_files(root: Path) -> dict[str, Path]:
     """Every tensor key of the checkpoint in ``root`` and the file holding it."""
     index = root / INDEX_FILE
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index} has no weight_map object")
         inside = root.resolve()
@@ -43,7 +43,7 @@ def checkpoint_files(root: Path) -> dict[str, Path]:
         raise FileNotFoundError(f"{root} holds no *.safetensors file")
     files: dict[str, Path] = {}
     for file in paths:
-        with _safe_open(file) as f:
+        with open_safetensors(file) as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if key in files:
                     raise ValueError(f"tensor {key!r} is in both {files[key].name} and {file.name}")
@@ -51,7 +51,7 @@ def checkpoint_files(root: Path) -> dict[str, Path]:
     return files
 
 
-def _read_json(file: Path) -> dict:
+def read_json(file: Path) -> dict:
     try:
         data = json.loads(file.read_text())
     except (OSError, ValueError) as e:
@@ -61,7 +61,7 @@ def _read_json(file: Path) -> dict:
     return data
 
 
-def _safe_open(file: Path) -> Any:
+def open_safetensors(file: Path) -> Any:
     """``safe_open`` whose failure (a truncated or corrupt file) names the file."""
     try:
         return safe_open(file, framework="pt")

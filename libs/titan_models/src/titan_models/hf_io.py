@@ -32,9 +32,9 @@ from .config_fields import replace_config
 from .family import ModelClass
 from .hf_adapter import HFAdapter, HFTensor
 from .hf_files import (
-    _read_json,
-    _safe_open,
     checkpoint_files,
+    open_safetensors,
+    read_json,
 )
 from .registry import family_for_hf, family_of
 
@@ -176,11 +176,11 @@ def _copy_pieces(
         target = chunk[tuple(i - o for i, o in zip(lead, offset, strict=False))]
         if ht.from_hf is not None:
             if transformed is None:
-                with _safe_open(file) as f:
+                with open_safetensors(file) as f:
                     transformed = ht.from_hf(f.get_tensor(ht.key))
             target.copy_(transformed[rest])
             continue
-        with _safe_open(file) as f:  # mapped only while this slice is read
+        with open_safetensors(file) as f:  # mapped only while this slice is read
             piece = f.get_slice(ht.key)[rest] if rest else f.get_tensor(ht.key)
         target.copy_(piece.reshape(target.shape))
 
@@ -210,7 +210,7 @@ def _open_checkpoint(path: str | os.PathLike) -> tuple[Path, dict, HFAdapter, di
     config_file = root / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} does not exist: not an HF checkpoint folder")
-    hf_config = _read_json(config_file)
+    hf_config = read_json(config_file)
     adapter = family_for_hf(hf_config.get("model_type")).hf_adapter
     files = checkpoint_files(root)
     return root, adapter.adapt_to_checkpoint(hf_config, files), adapter, files
@@ -416,7 +416,7 @@ def _declared_dtype(hf_config: dict) -> torch.dtype | None:
 
 def _first_tensor_dtype(files: dict[str, Path]) -> torch.dtype:
     key, file = next(iter(files.items()))
-    with _safe_open(file) as f:
+    with open_safetensors(file) as f:
         found = f.get_slice(key).get_dtype()
     if found not in _DTYPES:
         raise ValueError(f"tensor {key!r} has dtype {found}; pass dtype= to from_hf")
@@ -460,7 +460,7 @@ def _validate(
         if key in files:
             by_file[files[key]].append(key)
     for file, keys in by_file.items():
-        with _safe_open(file) as f:
+        with open_safetensors(file) as f:
             for key in keys:
                 piece = f.get_slice(key)
                 shape, found = tuple(piece.get_shape()), piece.get_dtype()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .generator import Generation
-from .rollout import PromptImages, RolloutBatch, _EpisodeGeneration
+from .rollout import EpisodeGeneration, PromptImages, RolloutBatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +201,7 @@ def _batch_state(b: RolloutBatch) -> dict[str, Any]:
         "processed_logprobs": gen.processed_logprobs,
         "finish_reasons": list(gen.finish_reasons),
         "weight_version": gen.weight_version,
-        "multi_turn": isinstance(gen, _EpisodeGeneration),
+        "multi_turn": isinstance(gen, EpisodeGeneration),
         "rewards": b.rewards,
         "statuses": list(b.statuses),
         "images": [
@@ -221,7 +221,7 @@ def _batch_from_state(s: dict[str, Any]) -> RolloutBatch:
     return RolloutBatch(
         step=int(s["batch_step"]),
         prompts=[list(p) for p in s["prompts"]],
-        generation=(_EpisodeGeneration if s.get("multi_turn") else Generation)(
+        generation=(EpisodeGeneration if s.get("multi_turn") else Generation)(
             tokens=s["tokens"],
             mask=s["mask"],
             logprobs=s["logprobs"],

@@ -127,7 +127,7 @@ class RolloutBatch:
         if any(not e.weight_versions for e in episodes):
             raise ValueError("every episode needs at least one model turn")
         tokens, mask, logprobs = episode_tensors(episodes)
-        generation = _EpisodeGeneration(
+        generation = EpisodeGeneration(
             tokens=tokens,
             mask=mask,
             logprobs=logprobs,
@@ -158,7 +158,7 @@ class RolloutBatch:
 
 
 @dataclass(frozen=True, slots=True)
-class _EpisodeGeneration(Generation):
+class EpisodeGeneration(Generation):
     """A ``Generation`` whose mask has holes: multi-turn rows, where the environment's ids
     sit between the model's turns (``validate`` checks the shapes only)."""
 
@@ -198,9 +198,9 @@ def collect_rollouts(
     ids = [p.ids for p in rows]
     seeds = [rollout_seed(seed, step, i) for i in range(len(rows))]
     images = tuple(p.images for p in rows) if any(p.images for p in rows) else ()
-    generation = generator.generate(ids, sampling, seeds, **_image_kwargs(images))
+    generation = generator.generate(ids, sampling, seeds, **image_kwargs(images))
     generation.validate(len(rows))  # a broken generator must not reach the loss
-    results = [_safe_score(task, p, r) for p, r in zip(rows, generation.responses(), strict=True)]
+    results = [safe_score(task, p, r) for p, r in zip(rows, generation.responses(), strict=True)]
     return RolloutBatch(
         step=step,
         prompts=ids,
@@ -211,13 +211,13 @@ def collect_rollouts(
     )
 
 
-def _image_kwargs(images: Sequence[PromptImages | None]) -> dict[str, Any]:
+def image_kwargs(images: Sequence[PromptImages | None]) -> dict[str, Any]:
     # Only a batch with images passes the keyword: text-only generators need not take it.
     found = batch_images(images)
     return {} if found is None else {"images": found}
 
 
-def _safe_score(task: Task, prompt: Prompt, response: list[int]) -> RewardResult:
+def safe_score(task: Task, prompt: Prompt, response: list[int]) -> RewardResult:
     try:
         result = task.score(prompt, response)
     except Exception as e:  # a buggy verifier fails one reward, not the run
@@ -237,7 +237,7 @@ def evaluate_accuracy(
     With ``params.temperature == 0`` (greedy) this is the task's accuracy on those prompts.
     """
     prompts = task.prompts(start, count)
-    images = _image_kwargs([p.images for p in prompts])
+    images = image_kwargs([p.images for p in prompts])
     out = generator.generate([p.ids for p in prompts], params, list(range(count)), **images)
     out.validate(count)
     scores = [task.score(p, r).score for p, r in zip(prompts, out.responses(), strict=True)]

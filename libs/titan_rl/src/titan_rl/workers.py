@@ -18,7 +18,7 @@ import torch
 
 from .buffer import RolloutRequest
 from .generator import Generator, SamplingParams
-from .rollout import RolloutBatch, Task, _image_kwargs, _safe_score, rollout_seed
+from .rollout import RolloutBatch, Task, image_kwargs, rollout_seed, safe_score
 
 RolloutSource = Callable[[Generator, RolloutRequest], RolloutBatch]
 """``source(generator, request) -> RolloutBatch`` (``request.num_groups`` groups in order)."""
@@ -57,13 +57,13 @@ class TaskRollouts:
         seeds = [rollout_seed(request.seed, request.step, first + i) for i in range(len(rows))]
         images = tuple(p.images for p in rows) if any(p.images for p in rows) else ()
         ids = [p.ids for p in rows]
-        generation = generator.generate(ids, self.sampling, seeds, **_image_kwargs(images))
+        generation = generator.generate(ids, self.sampling, seeds, **image_kwargs(images))
         generation.validate(len(rows))
         responses = generation.responses()
         if self.pool is None:
-            results = [_safe_score(self.task, p, r) for p, r in zip(rows, responses, strict=True)]
+            results = [safe_score(self.task, p, r) for p, r in zip(rows, responses, strict=True)]
         else:
-            results = list(self.pool.map(_safe_score, [self.task] * len(rows), rows, responses))
+            results = list(self.pool.map(safe_score, [self.task] * len(rows), rows, responses))
         return RolloutBatch(
             step=request.step,
             prompts=ids,

@@ -167,7 +167,7 @@ def allgather_int64(pg: Any, values: list[int]) -> list[list[int]]:
     return [o.cpu().tolist() for o in out]
 
 
-def _allgather_bytes(pg: Any, data: bytes) -> list[bytes]:
+def allgather_bytes(pg: Any, data: bytes) -> list[bytes]:
     """Variable-size exchange (two collectives); used only to explain a layout mismatch."""
     sizes = allgather_int64(pg, [len(data)])
     n = max(s[0] for s in sizes)
@@ -248,7 +248,7 @@ def exchange(
 def _explain_mismatch(pg: Any, rows: list[list[int]], summary: list[str]) -> None:
     differing = [r for r, row in enumerate(rows) if row[:4] != rows[0][:4]]
     try:
-        texts = _allgather_bytes(pg, "\n".join(summary).encode())
+        texts = allgather_bytes(pg, "\n".join(summary).encode())
         base = set(texts[0].decode().splitlines())
         parts = []
         for r in differing[:4]:

@@ -40,7 +40,7 @@ from . import _format as fmt
 from . import _reshard as rs
 from . import _tree as tr
 from ._errors import CheckpointError
-from ._exchange import _allgather_bytes, allgather_int64
+from ._exchange import allgather_bytes, allgather_int64
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -109,7 +109,7 @@ def describe(
                 f"save_hf: {key} must be a tensor, DTensor or sharded tensor (global_shape, "
                 f"dtype, local_chunks()), got {type(value).__name__}"
             )
-        leaf = tr._leaf(value, key, "hf", False)
+        leaf = tr.as_leaf(value, key, "hf", False)
         if fmt.DTYPES[leaf.dtype][1] is None:
             raise TypeError(f"save_hf: {key} has dtype {leaf.dtype}, which safetensors lacks")
         hf_shape = leaf.shape
@@ -151,7 +151,7 @@ def exchange(
             raise error
         return [rows], tag
     mine = {"tag": tag, "rows": rows, "error": None if error is None else str(error)}
-    gathered = [json.loads(d) for d in _allgather_bytes(pg, json.dumps(mine).encode())]
+    gathered = [json.loads(d) for d in allgather_bytes(pg, json.dumps(mine).encode())]
     if error is not None:
         raise error
     bad = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"] is not None]
@@ -333,7 +333,7 @@ def _phase(pg: Any, work: Callable[[], Any]) -> None:
 
 
 def _local_pieces(value: Any, key: str) -> dict[Box, torch.Tensor]:
-    leaf = tr._leaf(value, key, "hf", False)
+    leaf = tr.as_leaf(value, key, "hf", False)
     return {(tuple(o), tuple(t.shape)): t for o, t in rs.local_chunks(leaf) if t.numel()}
 
 
@@ -394,7 +394,7 @@ def _write_pieces(
             for box in todo:
                 host = _host(pieces[box])
                 data = rs.bytes_view(host)
-                starts, run = rs._runs(t.shape, *box)
+                starts, run = rs.contiguous_runs(t.shape, *box)
                 step = run * item
                 writes = [
                     (file.offsets[key] + s * item, data[i * step : (i + 1) * step])

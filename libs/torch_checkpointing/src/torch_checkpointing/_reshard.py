@@ -130,7 +130,9 @@ def _strides(shape: tuple[int, ...]) -> list[int]:
     return st
 
 
-def _runs(shape: tuple[int, ...], lo: tuple[int, ...], n: tuple[int, ...]) -> tuple[list[int], int]:
+def contiguous_runs(
+    shape: tuple[int, ...], lo: tuple[int, ...], n: tuple[int, ...]
+) -> tuple[list[int], int]:
     """Start elements of the contiguous runs of box (lo, n) inside a row-major ``shape``, and
     the run length in elements."""
     nd = len(shape)
@@ -221,8 +223,8 @@ def _plan_overlap(
         and _count_runs(tuple(t.shape), n) == 1
     ):
         # Straight into the target's memory: no scratch buffer, no second copy.
-        (s_start,), _ = _runs(c.shape, s_lo, n)
-        (t_start,), _ = _runs(tuple(t.shape), t_lo, n)
+        (s_start,), _ = contiguous_runs(c.shape, s_lo, n)
+        (t_start,), _ = contiguous_runs(tuple(t.shape), t_lo, n)
         dst = bytes_view(t)[t_start * isz : t_start * isz + nbytes]
         plan.keep.append(t)
         start = c.start + s_start * isz

@@ -129,7 +129,7 @@ def display(item: str, key: str) -> str:
     return f"{item}.{key}" if key else item
 
 
-def _leaf(obj: Any, key: str, item: str, per_rank: bool) -> Leaf:
+def as_leaf(obj: Any, key: str, item: str, per_rank: bool) -> Leaf:
     where = display(item, key)
     if is_dtensor(obj):
         if per_rank:
@@ -166,7 +166,7 @@ def flatten(item: str, value: Any, *, record_sds: bool = False) -> Flat:
                     f"{display(item, key)}: two entries of item {item!r} flatten to the same "
                     "key; rename one of them"
                 )
-            flat.leaves[key] = _leaf(x, key, item, per_rank)
+            flat.leaves[key] = as_leaf(x, key, item, per_rank)
             return {"$tensor": key}
         if x is None or isinstance(x, bool | int | str):
             return x

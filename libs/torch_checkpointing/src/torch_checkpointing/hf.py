@@ -235,7 +235,7 @@ def load_hf(
             continue
         if not tr.is_tensor_like(target):
             raise TypeError(f"load_hf: {name} must be a tensor to load into, got {type(target)}")
-        leaf = tr._leaf(target, name, "hf", False)
+        leaf = tr.as_leaf(target, name, "hf", False)
         _, dtype, shape, _ = info(name)
         if leaf.dtype != dtype or leaf.shape != shape:
             mismatched.append((name, f"{leaf.dtype}{list(leaf.shape)}", f"{dtype}{list(shape)}"))

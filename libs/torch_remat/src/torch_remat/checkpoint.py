@@ -8,7 +8,7 @@ dropout in a recomputed region draws the same mask twice.
 A unit that writes to a key/value cache cannot be recomputed: the replay in backward would
 append its keys and values a second time (transformers' decoder layers, called with
 ``use_cache=True``, their default). A unit recomputed in backward therefore runs without one,
-as transformers' own gradient checkpointing does (``_without_cache``).
+as transformers' own gradient checkpointing does (``without_cache``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from .offload import _OffloadHooks
+from .offload import OffloadHooks
 from .policies import OP_GROUPS, Budget, EveryNth, Full, Offload, Policy, Selective
 
 __all__ = ["checkpoint"]
@@ -36,7 +36,7 @@ _T = TypeVar("_T")
 
 # Older torch (< 2.15) has no such switch and lets SAC's cache bypass user hooks; then measure()
 # cannot see what Selective caches, which the README states.
-_ROUTE_SAC_THROUGH_HOOKS: dict[str, Any] = (
+ROUTE_SAC_THROUGH_HOOKS: dict[str, Any] = (
     {"respect_saved_tensors_hooks": True}
     if "respect_saved_tensors_hooks"
     in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
@@ -47,7 +47,7 @@ _ROUTE_SAC_THROUGH_HOOKS: dict[str, Any] = (
 _FULL = Full()
 
 
-def _op_policy(policy: Selective) -> Callable[..., CheckpointPolicy]:
+def op_policy(policy: Selective) -> Callable[..., CheckpointPolicy]:
     """A fresh SAC policy function for one forward: counts calls per op to resolve ``op#k``."""
     # Keyed by is_recompute: torch < 2.15 also calls the policy during recomputation.
     calls: dict[bool, defaultdict] = {False: defaultdict(int), True: defaultdict(int)}
@@ -81,7 +81,7 @@ def _op_policy(policy: Selective) -> Callable[..., CheckpointPolicy]:
 
 
 def _selective_contexts(policy: Selective) -> tuple[Any, Any]:
-    return create_selective_checkpoint_contexts(_op_policy(policy))
+    return create_selective_checkpoint_contexts(op_policy(policy))
 
 
 _CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
@@ -89,7 +89,7 @@ _CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 changed across versions and models)."""
 
 
-def _without_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
+def without_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` for a unit that will be recomputed: no key/value cache, ``use_cache=False``.
 
     A cache is a value of one of ``_CACHE_ARGS`` with an ``update`` method (the protocol of
@@ -118,12 +118,12 @@ def checkpoint(fn: Callable[..., _T], *args: Any, policy: Policy = _FULL, **kwar
 
     ``policy`` is ``Full``, ``Selective`` or ``Offload``; ``EveryNth`` and ``Budget`` choose
     among units and belong to ``apply``. Under ``Full`` and ``Selective``, while autograd
-    records, a key/value cache in ``kwargs`` is dropped (see ``_without_cache``).
+    records, a key/value cache in ``kwargs`` is dropped (see ``without_cache``).
     """
-    return _run(fn, policy, frozenset(), args, kwargs)
+    return run_checkpointed(fn, policy, frozenset(), args, kwargs)
 
 
-def _run(
+def run_checkpointed(
     fn: Callable[..., _T],
     policy: Policy,
     resident: frozenset | set,
@@ -132,7 +132,7 @@ def _run(
 ) -> _T:
     """``checkpoint``; ``resident`` (storage keys) names tensors ``Offload`` must not copy."""
     if isinstance(policy, Offload):
-        with _OffloadHooks(set(resident)):
+        with OffloadHooks(set(resident)):
             return fn(*args, **kwargs)
     context: dict[str, Any]
     if isinstance(policy, Full):
@@ -147,7 +147,7 @@ def _run(
     else:
         raise TypeError(f"checkpoint: policy must be Full, Selective or Offload, got {policy!r}")
     if torch.is_grad_enabled():  # without autograd, checkpoint runs fn once: nothing replays
-        kwargs = _without_cache(kwargs)
+        kwargs = without_cache(kwargs)
     return torch.utils.checkpoint.checkpoint(
-        fn, *args, use_reentrant=False, **context, **_ROUTE_SAC_THROUGH_HOOKS, **kwargs
+        fn, *args, use_reentrant=False, **context, **ROUTE_SAC_THROUGH_HOOKS, **kwargs
     )

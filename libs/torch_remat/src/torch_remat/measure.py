@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = ["Measurement", "measure"]
 
-_StorageKey = tuple[str, int]
+StorageKey = tuple[str, int]
 
 
 def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
@@ -34,7 +34,7 @@ def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     return [t]
 
 
-def _storages(t: torch.Tensor) -> list[tuple[_StorageKey, int]]:
+def tensor_storages(t: torch.Tensor) -> list[tuple[StorageKey, int]]:
     """(key, bytes) of each storage behind ``t``; empty and meta storages are skipped."""
     found = []
     for p in _plain_tensors(t):
@@ -46,26 +46,26 @@ def _storages(t: torch.Tensor) -> list[tuple[_StorageKey, int]]:
     return found
 
 
-def _keys(tensors: Iterable[object]) -> set[_StorageKey]:
-    return {k for t in tensors if isinstance(t, torch.Tensor) for k, _ in _storages(t)}
+def storage_keys(tensors: Iterable[object]) -> set[StorageKey]:
+    return {k for t in tensors if isinstance(t, torch.Tensor) for k, _ in tensor_storages(t)}
 
 
-def _model_keys(model: torch.nn.Module) -> set[_StorageKey]:
+def model_storage_keys(model: torch.nn.Module) -> set[StorageKey]:
     """Storages of a module's parameters and buffers: resident whatever the policy."""
-    return _keys([*model.parameters(), *model.buffers()])
+    return storage_keys([*model.parameters(), *model.buffers()])
 
 
-class _Ledger:
+class Ledger:
     """Distinct storages packed for backward, split by where they live."""
 
-    def __init__(self, excluded: set[_StorageKey]) -> None:
+    def __init__(self, excluded: set[StorageKey]) -> None:
         self.excluded = excluded
-        self.resident: dict[_StorageKey, int] = {}
-        self.offloaded: dict[_StorageKey, int] = {}
+        self.resident: dict[StorageKey, int] = {}
+        self.offloaded: dict[StorageKey, int] = {}
 
     def record(self, t: torch.Tensor, *, offloaded: bool = False) -> None:
         into = self.offloaded if offloaded else self.resident
-        for key, nbytes in _storages(t):
+        for key, nbytes in tensor_storages(t):
             if key not in self.excluded:
                 into[key] = nbytes
 
@@ -76,7 +76,7 @@ class _Ledger:
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
-    def __enter__(self) -> _Ledger:
+    def __enter__(self) -> Ledger:
         _LEDGERS.append(self)
         return self
 
@@ -84,16 +84,16 @@ class _Ledger:
         _LEDGERS.remove(self)
 
 
-_LEDGERS: list[_Ledger] = []
+_LEDGERS: list[Ledger] = []
 
 
-def _record_offloaded(host: torch.Tensor) -> None:
+def record_offloaded(host: torch.Tensor) -> None:
     """Called by the offload hooks: ``host`` is the copy kept for backward."""
     for ledger in _LEDGERS:
         ledger.record(host, offloaded=True)
 
 
-def _record_held(t: torch.Tensor) -> None:
+def record_held(t: torch.Tensor) -> None:
     """Called by ``region``: ``t`` is kept for backward outside autograd's saved tensors."""
     for ledger in _LEDGERS:
         ledger.record(t)
@@ -102,14 +102,14 @@ def _record_held(t: torch.Tensor) -> None:
 class _LiveBytes(TorchDispatchMode):
     """Peak of bytes allocated by ops since entry and still alive (CPU peak accounting)."""
 
-    def __init__(self, excluded: set[_StorageKey]) -> None:
+    def __init__(self, excluded: set[StorageKey]) -> None:
         super().__init__()
         self.excluded = excluded
-        self.live: dict[_StorageKey, int] = {}
+        self.live: dict[StorageKey, int] = {}
         self.current = 0
         self.peak = 0
 
-    def _forget(self, key: _StorageKey) -> None:
+    def _forget(self, key: StorageKey) -> None:
         self.current -= self.live.pop(key, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -118,7 +118,7 @@ class _LiveBytes(TorchDispatchMode):
             if not isinstance(t, torch.Tensor):
                 continue
             for p in _plain_tensors(t):
-                for key, nbytes in _storages(p):
+                for key, nbytes in tensor_storages(p):
                     if key in self.live or key in self.excluded:
                         continue
                     self.live[key] = nbytes
@@ -151,7 +151,7 @@ def _default_loss(out: object) -> torch.Tensor:
     return first.float().square().mean()
 
 
-def _check_inputs(
+def check_inputs(
     where: str, inputs: Sequence[object], kwargs: Mapping[str, object] | None
 ) -> tuple[tuple[object, ...], dict[str, object]]:
     """``(args, kwargs)`` of the model call, checked."""
@@ -169,17 +169,17 @@ def _step(model, inputs, kwargs, loss_fn) -> None:
     loss_fn(model(*inputs, **kwargs)).backward()
 
 
-def _saved_bytes_of_forward(
+def saved_bytes_of_forward(
     model: torch.nn.Module, inputs: Sequence[object], kwargs: Mapping[str, object]
-) -> tuple[_Ledger, object]:
+) -> tuple[Ledger, object]:
     """One forward with the ledger attached; returns the ledger and the output (still alive)."""
-    excluded = _model_keys(model) | _keys(tree_leaves((inputs, kwargs)))
-    with _Ledger(excluded) as ledger, ledger.hooks():
+    excluded = model_storage_keys(model) | storage_keys(tree_leaves((inputs, kwargs)))
+    with Ledger(excluded) as ledger, ledger.hooks():
         out = model(*inputs, **kwargs)
     return ledger, out
 
 
-def _on_accelerator(device: torch.device) -> bool:
+def on_accelerator(device: torch.device) -> bool:
     """Whether ``device`` is the machine's accelerator (CUDA, XPU, MPS, ...): its allocator
     counts bytes and its work runs asynchronously to the host."""
     accelerator = torch.accelerator.current_accelerator(check_available=True)
@@ -187,7 +187,7 @@ def _on_accelerator(device: torch.device) -> bool:
 
 
 def _sync(device: torch.device) -> None:
-    if _on_accelerator(device):
+    if on_accelerator(device):
         torch.accelerator.synchronize(device)
 
 
@@ -217,7 +217,7 @@ def measure(
     """
     if steps < 1 or warmup < 0:
         raise ValueError(f"measure: steps must be >= 1 and warmup >= 0, got {steps}, {warmup}")
-    inputs, kwargs = _check_inputs("measure", inputs, kwargs)
+    inputs, kwargs = check_inputs("measure", inputs, kwargs)
     params = list(model.parameters())
     grads = [p.grad for p in params]
     device = next((p.device for p in params), torch.device("cpu"))
@@ -236,19 +236,19 @@ def measure(
         for p in params:
             p.grad = None
 
-        excluded = _model_keys(model) | _keys(tree_leaves((inputs, kwargs)))
-        if _on_accelerator(device):
+        excluded = model_storage_keys(model) | storage_keys(tree_leaves((inputs, kwargs)))
+        if on_accelerator(device):
             _sync(device)
             before = torch.accelerator.memory_allocated(device)
             torch.accelerator.reset_peak_memory_stats(device)
-            ledger, out = _saved_bytes_of_forward(model, inputs, kwargs)
+            ledger, out = saved_bytes_of_forward(model, inputs, kwargs)
             loss_fn(out).backward()
             del out
             _sync(device)
             peak = torch.accelerator.max_memory_allocated(device) - before
         else:
             with _LiveBytes(excluded) as live:
-                ledger, out = _saved_bytes_of_forward(model, inputs, kwargs)
+                ledger, out = saved_bytes_of_forward(model, inputs, kwargs)
                 loss_fn(out).backward()
                 del out
             peak = live.peak

@@ -7,7 +7,7 @@ from typing import cast
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .measure import _keys, _on_accelerator, _record_offloaded, _StorageKey
+from .measure import StorageKey, on_accelerator, record_offloaded, storage_keys
 
 
 class _HostCopy:
@@ -16,7 +16,7 @@ class _HostCopy:
     __slots__ = ("device", "host", "on_device", "pending", "version")
 
     def __init__(self, t: torch.Tensor) -> None:
-        pin = _on_accelerator(t.device)
+        pin = on_accelerator(t.device)
         flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
         self.host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=pin)
         self.host.copy_(flat, non_blocking=pin)
@@ -39,7 +39,7 @@ class _HostCopy:
 _Packed = tuple[_HostCopy, tuple[int, ...], tuple[int, ...], int, torch.dtype]
 
 
-class _OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
+class OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     """Pack: copy the storage to host (pinned, non-blocking on CUDA). Unpack: copy it back.
 
     Copies are per storage, so views of one activation saved by several ops (q, k, v of one
@@ -49,18 +49,18 @@ class _OffloadHooks(torch.autograd.graph.saved_tensors_hooks):
     second CPU buffer: the round trip and the accounting run, but no device memory is saved.
     """
 
-    def __init__(self, resident: set[_StorageKey]) -> None:
+    def __init__(self, resident: set[StorageKey]) -> None:
         copies: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> _HostCopy
 
         def pack(t: torch.Tensor) -> object:
             base = t._base if t._base is not None else t
-            if (base.is_leaf and base.requires_grad) or (_keys([t]) & resident):
+            if (base.is_leaf and base.requires_grad) or (storage_keys([t]) & resident):
                 return t
             storage = t.untyped_storage()
             copy = copies.get(storage)
             if copy is None or copy.version != t._version:
                 copy = copies[storage] = _HostCopy(t)
-                _record_offloaded(copy.host)
+                record_offloaded(copy.host)
             copy.pending += 1
             return copy, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype
 

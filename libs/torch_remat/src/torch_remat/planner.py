@@ -28,19 +28,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
-from .checkpoint import _ROUTE_SAC_THROUGH_HOOKS, _without_cache
+from .checkpoint import ROUTE_SAC_THROUGH_HOOKS, without_cache
 from .measure import (
-    _check_inputs,
-    _keys,
-    _Ledger,
-    _model_keys,
-    _on_accelerator,
-    _saved_bytes_of_forward,
-    _StorageKey,
-    _storages,
+    Ledger,
+    StorageKey,
+    check_inputs,
+    model_storage_keys,
+    on_accelerator,
+    saved_bytes_of_forward,
+    storage_keys,
+    tensor_storages,
 )
 from .policies import Budget, Full, Policy, Selective
-from .units import Units, _resolve_units, _wrapped
+from .units import Units, resolve_units, wrapped_units
 
 __all__ = ["Plan", "PlanRow", "plan"]
 
@@ -53,7 +53,7 @@ class _OpCall:
     unit: str
     name: str  # "mm#3": the 4th aten.mm call of this unit's forward
     seconds: float
-    storages: list[tuple[_StorageKey, int]]
+    storages: list[tuple[StorageKey, int]]
     savable: bool = True
 
 
@@ -78,7 +78,7 @@ class _Recorder(TorchDispatchMode):
         k = self.counts[packet]
         self.counts[packet] += 1
         storages = [
-            s for t in tree_leaves(out) if isinstance(t, torch.Tensor) for s in _storages(t)
+            s for t in tree_leaves(out) if isinstance(t, torch.Tensor) for s in tensor_storages(t)
         ]
         # Held until planning ends so that no storage address is reused within the profile.
         self.keep.append(out)
@@ -93,7 +93,7 @@ class _Recorder(TorchDispatchMode):
             )
         )
         if func._schema.is_mutable:
-            mutated = _keys(
+            mutated = storage_keys(
                 args[i] if i < len(args) else kwargs.get(a.name)
                 for i, a in enumerate(func._schema.arguments)
                 if a.alias_info is not None and a.alias_info.is_write
@@ -107,7 +107,7 @@ class _Recorder(TorchDispatchMode):
 
 def _profile(
     model: nn.Module, inputs: tuple, kwargs: dict, units: list[tuple[str, nn.Module]]
-) -> tuple[list[_OpCall], _Ledger, list[object]]:
+) -> tuple[list[_OpCall], Ledger, list[object]]:
     """One forward with every unit fully checkpointed, recording each unit's ops."""
     calls: list[_OpCall] = []
     keep: list[object] = []
@@ -122,13 +122,13 @@ def _profile(
 
         def forward(*args, **kwargs):
             # as the unit will run under its policy: the op stream SAC sees (op#k) must match
-            kwargs = _without_cache(kwargs)
+            kwargs = without_cache(kwargs)
             return torch.utils.checkpoint.checkpoint(
                 inner,
                 *args,
                 use_reentrant=False,
                 context_fn=contexts,
-                **_ROUTE_SAC_THROUGH_HOOKS,
+                **ROUTE_SAC_THROUGH_HOOKS,
                 **kwargs,
             )
 
@@ -137,7 +137,7 @@ def _profile(
     for name, module in units:
         wrap(name, module)
     try:
-        ledger, out = _saved_bytes_of_forward(model, inputs, kwargs)
+        ledger, out = saved_bytes_of_forward(model, inputs, kwargs)
         keep.append(out)
     finally:
         for module in originals.values():
@@ -201,7 +201,7 @@ class Plan:
 
 def _fork_rng(model: nn.Module):
     """Restore the host's RNG and that of every accelerator device the model is on."""
-    on = {p.device for p in model.parameters() if _on_accelerator(p.device)}
+    on = {p.device for p in model.parameters() if on_accelerator(p.device)}
     if not on:
         return torch.random.fork_rng(devices=[])
     devices = sorted(d.index if d.index is not None else 0 for d in on)
@@ -225,14 +225,14 @@ def plan(
     a budget above the total (in bytes) or below what ``Full`` on every unit needs.
     """
     budget = budget if isinstance(budget, Budget) else Budget(budget)
-    chosen_units = _resolve_units(model, units)
-    if _wrapped(model):
+    chosen_units = resolve_units(model, units)
+    if wrapped_units(model):
         raise ValueError(
-            f"plan: units {_wrapped(model)} already have remat policies; plan an unwrapped model"
+            f"plan: units {wrapped_units(model)} already have remat policies; plan an unwrapped model"
         )
-    inputs, kwargs = _check_inputs("plan", sample_inputs, sample_kwargs)
+    inputs, kwargs = check_inputs("plan", sample_inputs, sample_kwargs)
     with _fork_rng(model), torch.enable_grad():
-        total_ledger, out = _saved_bytes_of_forward(model, inputs, kwargs)
+        total_ledger, out = saved_bytes_of_forward(model, inputs, kwargs)
         del out
         total = sum(total_ledger.resident.values())
         if isinstance(budget.limit, float):
@@ -274,8 +274,8 @@ def plan(
             rows,
         )
 
-    held: set[_StorageKey] = set(fixed.resident)
-    excluded = _model_keys(model) | _keys(tree_leaves((inputs, kwargs)))
+    held: set[StorageKey] = set(fixed.resident)
+    excluded = model_storage_keys(model) | storage_keys(tree_leaves((inputs, kwargs)))
     used = min_bytes
 
     def extra(call: _OpCall) -> int:

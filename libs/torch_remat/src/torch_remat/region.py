@@ -20,9 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, SelectiveCheckpointContext
 
-from .checkpoint import _op_policy
-from .measure import _record_held
-from .offload import _OffloadHooks
+from .checkpoint import op_policy
+from .measure import record_held
+from .offload import OffloadHooks
 from .policies import Full, Offload, Policy, Selective
 
 __all__ = ["region"]
@@ -81,7 +81,7 @@ class _Tape(TorchDispatchMode):
             return x
         ref = self.produced.get(_key(x))
         if ref is None:  # from outside the span: the tape holds it until backward
-            _record_held(x)
+            record_held(x)
             return x
         return ref
 
@@ -102,7 +102,7 @@ class _Tape(TorchDispatchMode):
                 self.kept[i] = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
                 for x in self.kept[i]:
                     if isinstance(x, torch.Tensor):
-                        _record_held(x)
+                        record_held(x)
         return out
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -157,12 +157,12 @@ def region(policy: Policy):
     if torch.compiler.is_compiling():
         raise ValueError("region: eager only; under torch.compile use apply() or checkpoint()")
     if isinstance(policy, Offload):
-        with _OffloadHooks(set()):
+        with OffloadHooks(set()):
             yield
         return
     if not torch.is_grad_enabled():
         yield
         return
-    tape = _Tape(_op_policy(policy) if isinstance(policy, Selective) else None)
+    tape = _Tape(op_policy(policy) if isinstance(policy, Selective) else None)
     with torch.autograd.graph.saved_tensors_hooks(tape.pack, tape.unpack), tape:
         yield

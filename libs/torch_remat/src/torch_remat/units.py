@@ -13,9 +13,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .checkpoint import _run
+from .checkpoint import run_checkpointed
 from .fqn import fqn_matches
-from .measure import _model_keys
+from .measure import model_storage_keys
 from .policies import Budget, EveryNth, Full, Offload, Policy, Selective, UnitPolicies
 
 __all__ = ["apply", "remove"]
@@ -79,7 +79,7 @@ class _HFCheck:
         warnings.warn(msg, stacklevel=stacklevel + 1)
 
 
-def _resolve_units(model: nn.Module, units: Units) -> list[tuple[str, nn.Module]]:
+def resolve_units(model: nn.Module, units: Units) -> list[tuple[str, nn.Module]]:
     """The units in module order, each once; a pattern or module that matches nothing is an error."""
     named = [(n, m) for n, m in model.named_modules() if n]
     if units is None:
@@ -159,8 +159,8 @@ def _wrap(module: nn.Module, name: str, policy: Policy, hf_check: _HFCheck) -> N
     def forward(*args: Any, **kwargs: Any) -> Any:
         if mine[0][1] and torch.is_grad_enabled() and not hf_check.quiet():
             hf_check(mine, at_forward=True, stacklevel=2)
-        resident = _model_keys(module) if isinstance(policy, Offload) else frozenset()
-        return _run(inner, policy, resident, args, kwargs)
+        resident = model_storage_keys(module) if isinstance(policy, Offload) else frozenset()
+        return run_checkpointed(inner, policy, resident, args, kwargs)
 
     module.forward = forward
     setattr(module, _ATTR, policy)
@@ -189,7 +189,7 @@ def apply(
         raise ValueError(
             f"apply: on_hf_checkpointing must be one of {_ON_HF}, got {on_hf_checkpointing!r}"
         )
-    chosen_units = _resolve_units(model, units)
+    chosen_units = resolve_units(model, units)
     for name, module in chosen_units:
         if hasattr(module, _ATTR):
             raise ValueError(f"apply: unit {name!r} already has a remat policy; remove() it first")
@@ -231,5 +231,5 @@ def remove(model: nn.Module) -> list[str]:
     return removed
 
 
-def _wrapped(model: nn.Module) -> list[str]:
+def wrapped_units(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if hasattr(m, _ATTR)]

@@ -189,14 +189,14 @@ def tracing_context(model: nn.Module) -> Iterator[None]:
     dicts = {id(d): d for d, _, _ in saved}
     import titan_models.components.attention_metadata as meta
 
-    check = meta._check_document_ids
+    check = meta.check_document_ids
     try:
         for d, key, _ in saved:
             d.pop(key, None)
-        setattr(meta, "_check_document_ids", lambda ids: ids)  # noqa: B010 (a staticmethod slot)
+        setattr(meta, "check_document_ids", lambda ids: ids)  # noqa: B010 (a staticmethod slot)
         yield
     finally:
-        setattr(meta, "_check_document_ids", check)  # noqa: B010
+        setattr(meta, "check_document_ids", check)  # noqa: B010
         for key, d in dicts.items():
             d.clear()
             d.update(order[key])
@@ -207,7 +207,7 @@ def host_checks(micro: Sequence[Batch]) -> None:
     import titan_models.components.attention_metadata as meta
 
     for mb in micro:
-        meta._check_document_ids(mb.document_ids)
+        meta.check_document_ids(mb.document_ids)
 
 
 def _flexshard_states(model: nn.Module) -> list[Any]:

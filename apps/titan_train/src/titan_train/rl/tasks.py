@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
@@ -24,7 +24,9 @@ import titan_rl
 from titan_train.config import JobConfig
 from titan_train.data.arithmetic import Problem, answer_breakdown, arithmetic_problem
 from titan_train.data.tokenizers import ByteTokenizer
-from titan_train.rl.config import RLJob
+
+if TYPE_CHECKING:  # annotations only: rl.config imports this module to check task names
+    from titan_train.rl.config import RLJob
 
 Evaluate = Callable[[titan_rl.Generator], dict[str, float]]
 

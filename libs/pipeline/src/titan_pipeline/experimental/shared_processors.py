@@ -31,12 +31,12 @@ from titan_pipeline.simulator import (
     Costs,
     DeadlockError,
     Interval,
+    Seg,
     Timeline,
-    _matching_send,
-    _Seg,
-    _segments,
-    _transfer_times,
-    _Wiring,
+    Wiring,
+    matching_send,
+    segments,
+    transfer_times,
 )
 
 __all__ = ["Contention", "simulate_shared"]
@@ -130,7 +130,7 @@ class Contention:
             ]
             # send action -> the span its receiver spent waiting for that data
             waiting = {
-                _matching_send(w.action): _Span(w.start, w.end) for ivs in tl.waits for w in ivs
+                matching_send(w.action): _Span(w.start, w.end) for ivs in tl.waits for w in ivs
             }
             for r in range(num):
                 for iv in tl.intervals[r]:
@@ -145,7 +145,7 @@ class Contention:
                 for (a, b), actions in batches.items():
                     wakes = any(a in waiting.get(x, ()) for x in actions)
                     (waking if wakes else posting)[_others_busy(busy, r, a)].append(b - a)
-            transfers.extend(_transfer_times(tl))
+            transfers.extend(transfer_times(tl))
         return cls(
             tuple(map(tuple, stretch)),
             tuple(map(tuple, posting)),
@@ -245,7 +245,7 @@ def simulate_shared(
     if contention is not None:
         rng = random.Random(seed)
 
-        def draw(seg: _Seg, others: int, wakes: bool, base: float) -> float:
+        def draw(seg: Seg, others: int, wakes: bool, base: float) -> float:
             if isinstance(seg, Action):
                 factor = contention._draw_stretch(others, base, rng)
                 return base if factor is None else base * factor
@@ -264,7 +264,7 @@ def _replay_shared(
     schedule: Schedule,
     costs: Costs,
     speed: Callable[[int], float],
-    draw: Callable[[_Seg, int, bool, float], float] | None = None,
+    draw: Callable[[Seg, int, bool, float], float] | None = None,
     latency: Callable[[], float] | None = None,
 ) -> Timeline:
     """``simulator._replay`` (simulation semantics) with the ranks sharing processors.
@@ -278,8 +278,8 @@ def _replay_shared(
     by event: the next event is the earliest end of a piece of work at the current rates or
     the earliest arrival of data some rank waits for.
     """
-    segs = [_segments(acts) for acts in schedule.actions]
-    wiring = _Wiring(schedule, segs, costs.communication, latency)
+    segs = [segments(acts) for acts in schedule.actions]
+    wiring = Wiring(schedule, segs, costs.communication, latency)
     num = len(segs)
     pos = [0] * num
     left: list[float | None] = [None] * num  # work left on the current segment, None: not begun
@@ -328,9 +328,7 @@ def _begun(work: float | None) -> float:
     return work
 
 
-def _wakes_a_waiting_rank(
-    wiring: _Wiring, r: int, pos: list[int], left: list[float | None]
-) -> bool:
+def _wakes_a_waiting_rank(wiring: Wiring, r: int, pos: list[int], left: list[float | None]) -> bool:
     """Whether rank ``r``'s current segment is a batch that sends to a rank whose next
     action is waiting for exactly that data."""
     seg = wiring.segs[r][pos[r]]
@@ -351,14 +349,14 @@ def _start_segments(
     r: int,
     now: float,
     costs: Costs,
-    wiring: _Wiring,
+    wiring: Wiring,
     pos: list[int],
     left: list[float | None],
     began: list[float],
     intervals: list[list[Interval]],
     wake: list[float],
     drawn: list[int],
-    draw: Callable[[_Seg, int, bool, float], float] | None,
+    draw: Callable[[Seg, int, bool, float], float] | None,
 ) -> bool:
     """Begin rank ``r``'s next pieces of work at ``now`` (finishing free ones at once) until
     it is busy, done or waiting; return whether any free piece finished. With ``draw``, the
@@ -394,7 +392,7 @@ def _finish_segment(
     si: int,
     now: float,
     began: list[float],
-    wiring: _Wiring,
+    wiring: Wiring,
     intervals: list[list[Interval]],
 ) -> None:
     seg = wiring.segs[r][si]

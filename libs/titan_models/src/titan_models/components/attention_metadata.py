@@ -122,9 +122,9 @@ class AttentionMetadata:
         non-decreasing along each row (checked on the host for CPU tensors; on an accelerator
         by a device-side assertion, so no host sync). Positions restart at 0 in every document
         unless given. ``bidirectional``: no causal mask inside a document."""
-        ids = _check_document_ids(document_ids)
+        ids = check_document_ids(document_ids)
         B, S = ids.shape
-        starts = _starts(ids)
+        starts = document_starts(ids)
         if positions is None:
             positions = torch.arange(S, device=ids.device) - starts
         _check_shape("positions", positions, (B, S))
@@ -167,7 +167,7 @@ class AttentionMetadata:
         # (built from host ints, so also under FakeTensorMode).
         ids = torch.tensor([d for d, n in enumerate(sizes) for _ in range(n)]).view(B, seq_len)
         ids = ids.to(device)
-        starts = _starts(ids)
+        starts = document_starts(ids)
         if positions is None:
             positions = torch.arange(seq_len, device=ids.device) - starts
         _check_shape("positions", positions, (B, seq_len))
@@ -294,10 +294,10 @@ class AttentionMetadata:
 def positions_from_document_ids(document_ids_BS: torch.Tensor) -> torch.Tensor:
     """Each token's position inside its document: 0 at every change of document id."""
     S = document_ids_BS.shape[1]
-    return torch.arange(S, device=document_ids_BS.device) - _starts(document_ids_BS)
+    return torch.arange(S, device=document_ids_BS.device) - document_starts(document_ids_BS)
 
 
-def _starts(ids_BS: torch.Tensor) -> torch.Tensor:
+def document_starts(ids_BS: torch.Tensor) -> torch.Tensor:
     """Index where each token's document begins (a change of id starts a document)."""
     B, S = ids_BS.shape
     index_BS = torch.arange(S, device=ids_BS.device).expand(B, S)
@@ -315,7 +315,7 @@ def _cu_seqlens(starts_BS: torch.Tensor) -> torch.Tensor:
     return torch.cat([flat_starts, flat_starts.new_full((1,), B * S)]).to(torch.int32)
 
 
-def _check_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
+def check_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
     if not isinstance(document_ids, torch.Tensor) or document_ids.dim() != 2:
         shape = tuple(document_ids.shape) if isinstance(document_ids, torch.Tensor) else None
         raise ValueError(f"document_ids must be a (B, S) tensor, got shape {shape}")

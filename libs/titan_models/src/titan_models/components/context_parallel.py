@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 import torch
 
-from .attention_metadata import AttentionMetadata, _starts
+from .attention_metadata import AttentionMetadata, document_starts
 from .context_parallel_comm import GroupComm
 
 ALGORITHMS = ("ring", "allgather")
@@ -99,8 +99,8 @@ class ContextParallel:
     def token_index(self, local_len: int, device: torch.device | str) -> torch.Tensor:
         """``(local_len,)`` index in the whole sequence of each of this rank's tokens."""
         c = local_len // 2
-        first = _chunk_start(self.rank, 0, self.size, c)
-        second = _chunk_start(self.rank, 1, self.size, c)
+        first = chunk_start(self.rank, 0, self.size, c)
+        second = chunk_start(self.rank, 1, self.size, c)
         return torch.cat(
             [
                 torch.arange(first, first + c, device=device),
@@ -166,7 +166,7 @@ def shard_metadata(
                 f"got {tuple(document_ids.shape)}"
             )
         full = zigzag_unshard(cp.comm.all_gather(document_ids.contiguous()).wait(), dim=1)
-        starts = cp.shard(_starts(full), dim=1)
+        starts = cp.shard(document_starts(full), dim=1)
     if positions is None:
         positions = index - starts if starts is not None else index.expand(batch_size, -1)
     elif tuple(positions.shape) != (batch_size, seq_len):
@@ -188,7 +188,7 @@ def shard_metadata(
 # --- the plan: which tiles meet which key chunks ---------------------------------------------
 
 
-def _chunk_start(rank: int, half: int, size: int, c: int) -> int:
+def chunk_start(rank: int, half: int, size: int, c: int) -> int:
     """Global index of the first token of ``rank``'s first (``half=0``) or second chunk."""
     return (rank if half == 0 else 2 * size - 1 - rank) * c
 
@@ -223,12 +223,12 @@ def _plan(
         j = (rank - s) % size
         items = []
         for hq in (0, 1):
-            gq = _chunk_start(rank, hq, size, c)
+            gq = chunk_start(rank, hq, size, c)
             for t0 in range(0, c, tile):
                 t1 = min(c, t0 + tile)
                 i0, i1 = gq + t0, gq + t1 - 1
                 for hk in (0, 1):
-                    gk = _chunk_start(j, hk, size, c)
+                    gk = chunk_start(j, hk, size, c)
                     lo, hi = gk, min(gk + c - 1, i1)
                     if window is not None:
                         lo = max(lo, i0 - window + 1)

@@ -72,7 +72,7 @@ def _format(dtype: torch.dtype) -> tuple[float, int, int]:
     return _FORMATS[dtype]
 
 
-def _pow2_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def pow2_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Smallest power of two ``s`` with ``amax / s <= fmax``, exactly (from the binary exponent,
     no log rounding); 1 for zero, NaN for inf/NaN, exponent clamped to e8m0's range."""
     fmax = _format(dtype)[0]
@@ -127,7 +127,7 @@ def quantize(
     _format(dtype)
     axis = _check(x, granularity, axis)
     xf = x.float()
-    scale = _pow2_scale(_amax(xf, granularity, axis), dtype)
+    scale = pow2_scale(_amax(xf, granularity, axis), dtype)
     if granularity == "block":
         q = (xf.unflatten(axis, (-1, MX_BLOCK)) / scale).to(dtype).flatten(axis, axis + 1)
         return q, scale.squeeze(axis + 1)
@@ -153,7 +153,7 @@ def quantization_error_bound(
     _, m, d = _format(dtype)
     axis = _check(x, granularity, axis)
     xf = x.float()
-    scale = _pow2_scale(_amax(xf, granularity, axis), dtype)
+    scale = pow2_scale(_amax(xf, granularity, axis), dtype)
     if granularity == "block":
         scale = scale.expand(*xf.unflatten(axis, (-1, MX_BLOCK)).shape).flatten(axis, axis + 1)
     return xf.abs() * 2.0 ** -(m + 1) + scale * 2.0 ** (d - 1)

@@ -323,12 +323,12 @@ def _group_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:
 def _per_group_columns(t: torch.Tensor, gid: torch.Tensor, groups: int, dtype: torch.dtype):
     """Rowwise wgrad operand: ``t`` (R, C) scaled per (group, column) over the group's rows;
     returns (q, per-row scales (R, C))."""
-    from .float8 import _pow2_scale
+    from .float8 import pow2_scale
 
     amax = t.new_zeros(groups + 1, t.shape[1]).float()
     idx = gid[:, None].expand(-1, t.shape[1]).long()
     amax = amax.scatter_reduce(0, idx, t.float().abs(), "amax", include_self=True)
-    scale = _pow2_scale(amax, dtype).index_select(0, gid.long())
+    scale = pow2_scale(amax, dtype).index_select(0, gid.long())
     return (t.float() / scale).to(dtype), scale
 
 

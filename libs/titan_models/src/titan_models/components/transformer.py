@@ -276,9 +276,9 @@ class Transformer(nn.Module):
         ``embeddings``: the ``(B, S, D)`` input of the blocks when a family made it itself
         (image features at their placeholders); ``tokens`` still give the shape."""
         B, S = tokens.shape[:2]
-        _check_shape("positions", positions, (B, S))
+        check_shape("positions", positions, (B, S))
         if input_lengths is not None:
-            _check_input_lengths(input_lengths, B, S, kv_cache)
+            check_input_lengths(input_lengths, B, S, kv_cache)
         meta = build_attention_metadata(
             B,
             S,
@@ -420,7 +420,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
 
-def _check_shape(name: str, tensor: torch.Tensor | None, shape: tuple[int, ...]) -> None:
+def check_shape(name: str, tensor: torch.Tensor | None, shape: tuple[int, ...]) -> None:
     if tensor is not None and tuple(tensor.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
 
@@ -447,11 +447,11 @@ def _check_windows(config: TransformerConfig) -> None:
             )
 
 
-def _check_input_lengths(
+def check_input_lengths(
     input_lengths: torch.Tensor, B: int, S: int, kv_cache: KVCache | None
 ) -> None:
     if kv_cache is None:
         raise ValueError("input_lengths needs a kv_cache (it says how far each row advances)")
-    _check_shape("input_lengths", input_lengths, (B,))
+    check_shape("input_lengths", input_lengths, (B,))
     if bool((input_lengths < 1).any()) or bool((input_lengths > S).any()):
         raise ValueError(f"input_lengths must lie in [1, {S}], got {input_lengths.tolist()}")

@@ -33,7 +33,7 @@ from ..components.hyper_connections import HyperConnection, HyperHead
 from ..components.init import Init, prefixed
 from ..components.kv_cache import KVCache
 from ..components.moe import MoEFeedForward
-from ..components.transformer import _check_input_lengths, _check_shape
+from ..components.transformer import check_input_lengths, check_shape
 from .attention import DeepSeekV4Attention
 from .config import HASH_MOE, DeepSeekV4Config
 
@@ -174,16 +174,16 @@ class DeepSeekV4(Transformer):
         """Embedding, stream expansion and blocks: the flattened streams ``(B, S, N·D)``."""
         c = cast(DeepSeekV4Config, self.config)
         B, S = tokens.shape[:2]
-        _check_shape("positions", positions, (B, S))
+        check_shape("positions", positions, (B, S))
         if input_lengths is not None:
-            _check_input_lengths(input_lengths, B, S, kv_cache)
+            check_input_lengths(input_lengths, B, S, kv_cache)
         if kv_cache is not None and not isinstance(kv_cache, CompressedKVCache):
             raise ValueError("DeepSeek-V4 decodes with its own cache: use model.new_kv_cache()")
         if kv_cache is not None and positions is not None:
             raise ValueError("DeepSeek-V4's cache places tokens by slot: positions must be None")
         if not tokens.is_floating_point():
             token_ids = tokens
-        _check_shape("token_ids", token_ids, (B, S))
+        check_shape("token_ids", token_ids, (B, S))
         if token_ids is None and any(c.mlp_layer_types[int(i)] == HASH_MOE for i in self.layers):
             raise ValueError(
                 "this stage has hash-routed MoE layers: pass token_ids (B, S) with its hidden "

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ..context_parallel import ContextParallelShard, _chunk_start
+from ..context_parallel import ContextParallelShard, chunk_start
 from .delta_rule import chunk_delta_rule
 from .short_conv import ShortConvolution
 
@@ -75,7 +75,7 @@ def sharded_short_convs(
         parts = []
         for half in (0, 1):
             start_B = shard.starts[:, half * c]
-            index = _chunk_start(r, half, n, c) + torch.arange(-halo, 0, device=x_all.device)
+            index = chunk_start(r, half, n, c) + torch.arange(-halo, 0, device=x_all.device)
             inside = index[None] >= start_B[:, None]
             parts += [torch.where(inside, start_B[:, None], -2), shard.starts[:, half * c :][:, :c]]
         segments = torch.cat(parts, dim=1)
@@ -114,7 +114,7 @@ def _incoming(shard: ContextParallelShard, half: int, c: int) -> torch.Tensor | 
     (``None``: always, no documents)."""
     if shard.starts is None:
         return None
-    return shard.starts[:, half * c] < _chunk_start(shard.cp.rank, half, shard.cp.size, c)
+    return shard.starts[:, half * c] < chunk_start(shard.cp.rank, half, shard.cp.size, c)
 
 
 def _halves(inputs, half: int) -> list[torch.Tensor]:

@@ -29,7 +29,7 @@ from torch import nn
 from ..attention import build_attention_metadata
 from ..init import Init, prefixed
 from ..kv_cache import KVCache
-from ..transformer import Transformer, TransformerConfig, _check_input_lengths
+from ..transformer import Transformer, TransformerConfig, check_input_lengths
 from .deepstack import add_at, check_placeholders, placeholder_index, scatter
 from .rotary import MultimodalRotaryEmbedding, batch_multimodal_positions
 
@@ -139,7 +139,7 @@ class VisionLanguageTransformer(Transformer):
                 f"{tuple(positions.shape)}"
             )
         if input_lengths is not None:
-            _check_input_lengths(input_lengths, B, S, kv_cache)
+            check_input_lengths(input_lengths, B, S, kv_cache)
         grids = grid_list(image_grid_thw)
         meta = build_attention_metadata(
             B,
