@@ -188,14 +188,14 @@ def test_context_parallel_composes_with_pipeline_and_expert_parallelism(composed
         (
             ["--model.family", "deepseek_v4", "--parallel.cp", "2"],
             2,
-            "parallel.cp=2 does not compose with model.family='deepseek_v4' (its plan: no "
-            "context parallelism) yet",
+            "parallel.cp=2 is not supported by deepseek_v4 debug: the model's attention cannot "
+            "be split over a sequence yet",
         ),
         (
             ["--model.family", "qwen3_5", "--parallel.cp", "4", "--training.seq-len", "16"],
             4,
             "parallel.cp=4 splits training.seq_len=16 into chunks of 2 tokens, shorter than "
-            "the linear-attention conv window's 3 earlier inputs",
+            "the model's smallest context-parallel chunk of 3 tokens",
         ),
     ],
 )

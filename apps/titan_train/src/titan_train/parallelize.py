@@ -203,7 +203,10 @@ def check_plan(cfg: JobConfig, dims: ParallelDims, plan: titan_models.ModelPlan)
         degree = getattr(dims, axis)
         why = plan.refusal(axis)
         if degree > 1 and why is not None:
-            raise ValueError(f"parallel.{axis}={degree}: {name} {why} (use parallel.{axis}=1)")
+            raise ValueError(
+                f"parallel.{axis}={degree} is not supported by {name}: {why} (use "
+                f"parallel.{axis}=1)"
+            )
     if dims.tp > 1:
         for field_name, count in plan.tp_divisors:
             if count % dims.tp:

@@ -189,29 +189,29 @@ def with_capabilities(plan: ModelPlan, config: TransformerConfig) -> ModelPlan:
     if latent:
         refused.setdefault(
             "tp",
-            f"has replicated projections whose outputs the local heads share ({latent[0]}, "
+            f"the model has replicated projections whose outputs the local heads share ({latent[0]}, "
             "MLA's latents); their gradients need a sum no tensor-parallel style expresses yet",
         )
     if plan.tied_parameters:
-        why = "ties its embedding and output head; tied weights cannot be split yet"
+        why = "the model ties its embedding and output head; tied weights cannot be split yet"
         refused.setdefault("tp", why)
         refused.setdefault("pp", why)
     mtp = getattr(config, "num_mtp_modules", 0) or 0
     if mtp:
         refused.setdefault(
             "pp",
-            f"uses multi-token prediction (num_mtp_modules={mtp}), which needs the embedding and "
+            f"the model uses multi-token prediction (num_mtp_modules={mtp}), which needs the embedding and "
             "the head on one stage",
         )
         refused.setdefault(
             "cp",
-            f"uses multi-token prediction (num_mtp_modules={mtp}), which shifts tokens along the "
+            f"the model uses multi-token prediction (num_mtp_modules={mtp}), which shifts tokens along the "
             "whole sequence",
         )
     if not plan.context_parallel:
-        refused.setdefault("cp", "its attention cannot be split over a sequence yet")
+        refused.setdefault("cp", "the model's attention cannot be split over a sequence yet")
     if not plan.experts:
-        refused.setdefault("ep", "has no MoE layers")
+        refused.setdefault("ep", "the model has no MoE layers")
     min_chunk = 1
     has_types = getattr(config, "layer_types", None) or hasattr(config, "full_attention_interval")
     if has_types and "linear_attention" in resolved_layer_types(config):
