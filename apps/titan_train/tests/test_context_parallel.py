@@ -74,9 +74,13 @@ def _validation_losses(out: str, name: str) -> list[float]:
     return [row["loss"] for row in rows if row["split"] == "validation"]
 
 
+ONE_PROCESS = ["--parallel.dp-shard", "1", "--parallel.dp-replicate", "1", "--parallel.ep", "1",
+               "--parallel.tp", "1", "--parallel.pp", "1", "--parallel.cp", "1"]  # fmt: skip
+
+
 def _first_step_loss_of_global_batch(out: str, dp: int, *argv: str) -> float:
     """One process, the dp ranks' first batches: the loss a DP run must log at step 1."""
-    cfg = _cfg(out, "reference", *argv)
+    cfg = _cfg(out, "reference", *argv, *ONE_PROCESS)  # the layout's data, one process
     job = resolve(cfg)
     model = build_model(job, torch.device("cpu"))
     total, tokens = 0.0, 0

@@ -115,9 +115,13 @@ def _qk_norms(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+ONE_PROCESS = ["--parallel.dp-shard", "1", "--parallel.dp-replicate", "1", "--parallel.ep", "1",
+               "--parallel.tp", "1", "--parallel.pp", "1", "--parallel.cp", "1"]  # fmt: skip
+
+
 def _first_step_loss_of_global_batch(out: str, dp: int, *argv: str) -> float:
     """One process, the dp ranks' first batches concatenated: the loss a DP run must log."""
-    cfg = _cfg(out, "reference", *argv)
+    cfg = _cfg(out, "reference", *argv, *ONE_PROCESS)  # the layout's data, one process
     job = resolve(cfg)
     model = build_model(job, torch.device("cpu"))
     total, tokens = 0.0, 0
