@@ -11,7 +11,7 @@ Layers (an arrow only points down)::
 Nothing imports ``titan_train``, and no shipped source imports the dev-only
 ``titan_testing``. Besides our own packages, a library's source may import only the
 standard library, its declared dependencies and its optional extras (plus modules that come
-with torch, such as triton); an integration module ``integrations/<host>.py`` may also import
+with torch, such as triton); an integration module ``integrations/<host>.py`` (or ``integrations/<host>/``) may also import
 its host ``<host>``.
 """
 
@@ -120,6 +120,8 @@ def check_layering(root: Path) -> list[Violation]:
                 # `integrations/<host>.py` is the one place that imports a host framework
                 # (which is no dependency: the module is imported only where the host is).
                 host = {path.stem} if path.parent.name == "integrations" else set()
+                if path.parent.parent.name == "integrations":  # integrations/<host>/ package
+                    host = {path.parent.name}
                 for line, mod in _top_level_imports(path):
                     rule = _rule_broken(name, mod, is_src, declared | host, stdlib)
                     if rule:

@@ -83,6 +83,7 @@ from titan_train.config import (
     TrainingConfig,
 )
 from titan_train.device import resolve_device
+from titan_train.integrations.verl.support import ModeContext, lr_scheduler
 from titan_train.losses import autocast
 from titan_train.materialize import global_state, materialize
 from titan_train.model_config import ModelClass
@@ -283,7 +284,7 @@ class TitanEngine(BaseEngine):
 
         params = [p for p in self.pm.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(params, self.optimizer_config)
-        self.lr_scheduler = _lr_scheduler(self.optimizer, self.optimizer_config)
+        self.lr_scheduler = lr_scheduler(self.optimizer, self.optimizer_config)
 
     @property
     def parallel_model(self) -> ParallelModel:
@@ -315,11 +316,11 @@ class TitanEngine(BaseEngine):
 
     def train_mode(self, **kwargs: Any) -> BaseEngineCtx:
         """Context in which the model trains (zeroes gradients on exit, as veRL's engines do)."""
-        return _ModeCtx(self, "train", **kwargs)
+        return ModeContext(self, "train", **kwargs)
 
     def eval_mode(self, **kwargs: Any) -> BaseEngineCtx:
         """Context in which the model evaluates."""
-        return _ModeCtx(self, "eval", **kwargs)
+        return ModeContext(self, "eval", **kwargs)
 
     # --- layout -----------------------------------------------------------------------
 
@@ -518,20 +519,6 @@ class TitanEngine(BaseEngine):
         return state
 
 
-class _ModeCtx(BaseEngineCtx):
-    """veRL's train/eval context: the module's mode; train zeroes the gradients on exit."""
-
-    def __enter__(self) -> None:
-        super().__enter__()
-        self.engine.module.train(self.mode == "train")
-
-    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
-        zero = self.zero_grad_on_exit or exc_type is not None
-        if self.mode == "train" and zero and self.engine.optimizer is not None:
-            self.engine.optimizer_zero_grad()
-        super().__exit__(exc_type, exc_value, traceback)
-
-
 @EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cuda", "cpu"])
 class TitanEngineWithLMHead(TitanEngine):
     """The Titan engine for causal language models: per-token log-probs (and entropy) of the
@@ -606,26 +593,3 @@ class TitanEngineWithLMHead(TitanEngine):
         if sum_pi2:
             out["sum_pi_squared"] = verl_F.calculate_sum_pi_squared_from_logits(logits_TV)
         return {k: torch.nested.nested_tensor_from_jagged(v, offsets) for k, v in out.items()}
-
-
-def _lr_scheduler(optimizer: torch.optim.Optimizer, config: FSDPOptimizerConfig) -> Any:
-    """veRL's LR schedule for ``config`` (constant or cosine, with warmup), as its FSDP
-    engine builds it."""
-    warmup = config.lr_warmup_steps
-    if warmup is None or warmup <= 0:
-        warmup = int(config.lr_warmup_steps_ratio * config.total_training_steps)
-    if config.lr_scheduler_type == "constant":
-        return verl_F.get_constant_schedule_with_warmup(optimizer, num_warmup_steps=warmup)
-    if config.lr_scheduler_type == "cosine":
-        return verl_F.get_cosine_schedule_with_warmup(
-            optimizer,
-            num_warmup_steps=warmup,
-            num_training_steps=config.total_training_steps,
-            min_lr_ratio=config.min_lr_ratio,
-            num_cycles=config.num_cycles,
-            zero_indexed_step=config.zero_indexed_step,
-        )
-    raise ValueError(
-        f"optimizer_config.lr_scheduler_type={config.lr_scheduler_type!r} must be 'constant' or "
-        "'cosine'"
-    )
