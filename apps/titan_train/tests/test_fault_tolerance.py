@@ -82,6 +82,21 @@ def test_helpers():
     assert _first_line(RuntimeError(gloo)) == "Read error: Connection reset by peer"
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_outer_optimizer_plain_averaging_or_nesterov(momentum):
+    from titan_train.fault_tolerance import outer_optimizer
+    from titan_train.fault_tolerance_config import FaultToleranceConfig
+
+    p = torch.nn.Parameter(torch.ones(3))
+    ft = FaultToleranceConfig(outer_lr=1.0, outer_momentum=momentum)
+    opt = outer_optimizer([p], ft)
+    assert opt.param_groups[0]["nesterov"] == (momentum > 0)
+    p.grad = torch.full((3,), 0.25)  # the pseudo-gradient: synced weights - averaged weights
+    opt.step()
+    expected = 0.75 if momentum == 0 else 1 - 0.25 * (1 + momentum)  # Nesterov's first step
+    torch.testing.assert_close(p.detach(), torch.full((3,), expected), rtol=0, atol=1e-7)
+
+
 def test_a_healed_group_skips_exactly_the_batches_it_trained():
     ft = object.__new__(FaultTolerance)  # only the data-position bookkeeping
     ft.replica_id, ft.loader, ft._batch = 1, iter(range(100)), None

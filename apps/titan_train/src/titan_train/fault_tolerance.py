@@ -87,6 +87,14 @@ def data_shard(cfg: JobConfig, pm: Any) -> tuple[int, int]:
     return ft.replica_id * pm.dims.dp + pm.dp_rank, ft.group_size * pm.dims.dp
 
 
+def outer_optimizer(params: Sequence[torch.Tensor], ft: Any) -> torch.optim.Optimizer:
+    """DiLoCo's outer optimizer: SGD on the averaged pseudo-gradient with
+    ``fault_tolerance.outer_lr`` and ``outer_momentum`` (Nesterov when the momentum is > 0;
+    momentum 0 and lr 1 is plain averaging of the groups' weights)."""
+    momentum = ft.outer_momentum
+    return torch.optim.SGD(params, lr=ft.outer_lr, momentum=momentum, nesterov=momentum > 0)
+
+
 class FaultTolerance:
     """One rank's side of a fault-tolerant job: what ``train_step`` and the loop call.
 
@@ -133,9 +141,7 @@ class FaultTolerance:
         if self.sync_steps > 1:
             named = [(n, p) for n, p in pm.parts[0].named_parameters()]
             params = [p for _, p in named if p.requires_grad]
-            self.outer = torch.optim.SGD(
-                params, lr=ft.outer_lr, momentum=ft.outer_momentum, nesterov=True
-            )
+            self.outer = outer_optimizer(params, ft)
             self._backup = {n: _local(p).detach().clone() for n, p in named}
 
     # --- checkpoints ----------------------------------------------------------------------
