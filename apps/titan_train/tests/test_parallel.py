@@ -142,6 +142,9 @@ def runs(tmp_path_factory):
     w2 = run_distributed(_train_cases, 2, out + "/w2", WORLD2, True, timeout=600)
     got = w2[0] | {"qk_norms_rank1": w2[1]["qwen3_moe_tp2/qk_norms"]}
     got |= run_distributed(_train_cases, 4, out + "/w4", WORLD4, False, timeout=600)[0]
+    profiling = Path(f"{out}/w4/pp2_dp2/profiling")
+    got["phase_files"] = sorted(p.name for p in profiling.glob("phases_rank*.jsonl"))
+    got["timeline"] = (profiling / "timeline.png").exists()
     got["single"] = train(_cfg(out, "single", "--metrics.validate-every", "5"))["losses"]
     moe = train(_cfg(out, "qwen3_moe_single", "--model.family", "qwen3_moe"))
     got["qwen3_moe_single"] = moe["losses"]
@@ -162,6 +165,11 @@ def runs(tmp_path_factory):
         out, 4, *WORLD4["qwen3_moe_ep2_dp4"]
     )
     return got
+
+
+def test_every_rank_logs_its_phases_and_rank_0_draws_the_timeline(runs):
+    assert runs["phase_files"] == [f"phases_rank{r}.jsonl" for r in range(4)]
+    assert runs["timeline"]
 
 
 def _falls(losses: list[float]) -> None:

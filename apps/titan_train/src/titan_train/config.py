@@ -381,6 +381,11 @@ def validate(cfg: JobConfig) -> None:
     from titan_train.profiling import parse_steps
 
     parse_steps(cfg.profiling.trace_steps)
+    if cfg.profiling.flight_recorder < 0:
+        raise ValueError(
+            f"profiling.flight_recorder={cfg.profiling.flight_recorder} must be >= 0 "
+            "(collectives kept per process group; 0: off)"
+        )
     if cfg.moe.dispatch not in ("all_to_all", "symm_mem"):
         raise ValueError(f"moe.dispatch={cfg.moe.dispatch!r} must be 'all_to_all' or 'symm_mem'")
     if cfg.moe.symm_mem_max_tokens < 0:

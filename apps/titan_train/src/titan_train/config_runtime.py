@@ -55,3 +55,8 @@ class ProfilingConfig:
     memory_snapshot: bool = False
     """CUDA: record the allocator's history and dump it (``memory_snapshot_rank<r>.pickle``);
     CPU: a table of the bytes each module saves for backward in the first step."""
+    flight_recorder: int = 2000
+    """Multi-rank runs: torch's collective flight recorder keeps the last N collectives of
+    every process group (NCCL or gloo); on a watchdog timeout or a failed step each rank
+    writes ``<run>/profiling/flight_recorder_rank<r>.json`` and ``stacks_rank<r>.txt``.
+    0: off. An environment that sets TORCH_FR_BUFFER_SIZE itself wins."""

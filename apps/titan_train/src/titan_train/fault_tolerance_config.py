@@ -32,11 +32,13 @@ class FaultToleranceConfig:
     """local_replicas: restarts of each replica group before it is given up."""
     sync_steps: int = 1
     """1: gradients averaged over the live groups every step. H > 1: DiLoCo: H inner steps per
-    group, then an outer Nesterov SGD step on the averaged pseudo-gradient."""
+    group, then an outer SGD step on the averaged pseudo-gradient."""
     outer_lr: float = 0.7
-    """DiLoCo outer learning rate."""
+    """DiLoCo outer learning rate (0.7 with momentum 0.9: the DiLoCo paper's, for H in the
+    hundreds). For short intervals (H of a few steps) plain averaging, outer_lr 1 with
+    outer_momentum 0, tracks synchronous training far closer (``benchmarks/diloco.py``)."""
     outer_momentum: float = 0.9
-    """DiLoCo outer Nesterov momentum."""
+    """DiLoCo outer momentum, Nesterov when > 0; 0 with outer_lr 1 averages the weights."""
     process_group: Literal["gloo", "nccl"] = "gloo"
     """torchft process group across the replica groups."""
     timeout_s: float = 60.0

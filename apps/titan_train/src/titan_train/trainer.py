@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import titan_models
-from titan_train import run_report
+from titan_train import flight_recorder, run_report
 from titan_train.build import Job, build_loaders, build_optimizer, build_parallel, resolve
 from titan_train.checkpointing import (
     TrainState,
@@ -39,7 +39,13 @@ from titan_train.checkpointing import (
 )
 from titan_train.config import JobConfig
 from titan_train.data.packing import IGNORE_INDEX, Batch
-from titan_train.device import device_type, free_memory_bytes, init_process_group, resolve_device
+from titan_train.device import (
+    backend_for,
+    device_type,
+    free_memory_bytes,
+    init_process_group,
+    resolve_device,
+)
 from titan_train.errors import ConfigError, ExportError, NonFiniteError
 from titan_train.evaluation import validate_run
 from titan_train.fault_tolerance import FaultTolerance, data_shard
@@ -67,6 +73,7 @@ from titan_train.run_folder import (
     plan_run_folder,
     write_config,
 )
+from titan_train.timeline import PhaseLog, draw_timeline
 from titan_train.watchdog import StepWatchdog
 
 __all__ = [
@@ -237,6 +244,8 @@ def _train(job: Job, stop_after: int | None) -> dict[str, Any]:
         if device.type == "cuda":  # cuBLAS needs a fixed workspace to be deterministic
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+    if dims.world_size > 1:
+        flight_recorder.enable(cfg.profiling.flight_recorder)  # before the first group
     init_process_group(device, cfg.comm.timeout_s)
     pm = build_parallel(job, device_type(cfg.training.device))
     _check_memory(pm, cfg, device)
@@ -310,10 +319,19 @@ def _train(job: Job, stop_after: int | None) -> dict[str, Any]:
     steps_since_log = 0
     saved = plan.resume_step or 0
     end = cfg.training.steps if stop_after is None else min(stop_after, cfg.training.steps)
-    watchdog = StepWatchdog(_watchdog_limit(cfg), rank=rank) if dims.world_size > 1 else None
-    stop = run_report.StopRequest()
     p = cfg.profiling
     phases, profiling_dir = StepPhases(device), run_dir / "profiling"
+    phase_log = PhaseLog(profiling_dir, rank, plan.resume_step)
+
+    def record_flight(reason: str) -> None:
+        flight_recorder.dump(profiling_dir, rank, backend_for(device), reason)
+
+    watchdog = None
+    if dims.world_size > 1:
+        watchdog = StepWatchdog(
+            _watchdog_limit(cfg), rank=rank, on_fire=lambda: record_flight("step watchdog")
+        )
+    stop = run_report.StopRequest()
     tracer = Tracer(parse_steps(p.trace_steps), profiling_dir, rank)
     saved_bytes = (
         ActivationMemory(pm.parts[0]) if p.memory_snapshot and device.type == "cpu" else None
@@ -344,6 +362,8 @@ def _train(job: Job, stop_after: int | None) -> dict[str, Any]:
                     if state.step % cfg.metrics.log_every == 0 or state.step == end:
                         losses += guard.read()  # the one host read per log interval
                         elapsed = time.perf_counter() - last_log
+                        phase_times = phases.read()
+                        phase_log.add(state.step, steps_since_log, phase_times)
                         tps = steps_since_log * tokens_per_step / elapsed
                         logger.log(
                             state.step,
@@ -355,7 +375,7 @@ def _train(job: Job, stop_after: int | None) -> dict[str, Any]:
                                 "mfu": tps * flops_per_token / (peak * dims.world_size),
                                 **moe_load(result.expert_counts),
                                 **memory_bytes(device),
-                                **phases.read(),
+                                **phase_times,
                                 **(ft.metrics() if ft else {}),
                             },
                         )
@@ -374,9 +394,11 @@ def _train(job: Job, stop_after: int | None) -> dict[str, Any]:
                     tracer.after_step(state.step)
                     if watchdog is not None:
                         watchdog.beat(state.step)
-            except Exception:
+            except Exception as e:
                 if stop.requested and dims.world_size > 1:  # a peer stopped first
                     raise _interrupted(state.step, ckpt, cfg) from None
+                if dims.world_size > 1:
+                    record_flight(f"step {state.step + 1}: {type(e).__name__}: {e}")
                 raise
             if stop.requested and state.step < end:
                 if dims.world_size == 1 and ckpt is not None and saved < state.step:
@@ -387,6 +409,10 @@ def _train(job: Job, stop_after: int | None) -> dict[str, Any]:
             watchdog.pause()  # the last save and the export may take longer than a step
         if ckpt is not None:
             ckpt.wait()
+        if dims.world_size > 1:
+            dist.barrier()  # every rank's phases are written
+        if rank == 0:
+            draw_timeline(profiling_dir)
         failed = False
     finally:
         tracer.close()

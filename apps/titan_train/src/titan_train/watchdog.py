@@ -6,8 +6,9 @@ or stopped peer into an error on every live rank; the watchdog is the backstop f
 collective times out (a rank stuck in its own work, a stalled device, a collective library
 that ignores its timeout). It never fires before the process-group timeout would have: its
 limit is that timeout plus a grace period. When it fires it prints which rank, which step
-and how long, dumps every thread's stack, and exits the process with status 3 (torchrun then
-ends the other ranks).
+and how long, dumps every thread's stack, calls ``on_fire`` (the trainer writes the collective
+flight recorder there), and exits the process with status 3 (torchrun then ends the other
+ranks).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 EXIT_STALLED = 3
 """Exit status of a rank the watchdog ended."""
@@ -26,10 +28,17 @@ class StepWatchdog:
     """Call ``beat(step)`` at least every ``limit_s`` seconds while training; ``pause()``
     around work that may legitimately take longer (a final export), ``close()`` at the end."""
 
-    def __init__(self, limit_s: float, *, rank: int = 0, poll_s: float | None = None) -> None:
+    def __init__(
+        self,
+        limit_s: float,
+        *,
+        rank: int = 0,
+        poll_s: float | None = None,
+        on_fire: Callable[[], object] | None = None,
+    ) -> None:
         if not limit_s > 0:
             raise ValueError(f"StepWatchdog: limit_s={limit_s} must be > 0")
-        self.limit_s, self.rank = float(limit_s), rank
+        self.limit_s, self.rank, self.on_fire = float(limit_s), rank, on_fire
         self._poll = poll_s if poll_s is not None else min(5.0, self.limit_s / 4)
         self._step = 0
         self._last = time.monotonic()
@@ -68,4 +77,9 @@ class StepWatchdog:
         )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
+        if self.on_fire is not None:
+            try:
+                self.on_fire()
+            except Exception as e:  # the exit below matters more
+                print(f"titan-train: watchdog: on_fire failed: {e}", file=sys.stderr, flush=True)
         os._exit(EXIT_STALLED)
