@@ -38,8 +38,8 @@ from .hf_io import HFExport, from_hf, hf_export, hf_model_config, load_hf_state,
 from .kimi_k25 import KimiK25, KimiK25Config, KimiK25VisionConfig
 from .kimi_linear import KimiLinear, KimiLinearConfig
 from .llama3 import Llama3, Llama3Config
-from .muse_glimmer import MuseGlimmer, MuseGlimmerConfig
 from .mtp import mtp_loss
+from .muse_glimmer import MuseGlimmer, MuseGlimmerConfig
 from .plan import ModelPlan, PipelineUnit, TensorParallelPlan, check_tensor_parallel
 from .qwen3 import Qwen3, Qwen3Config
 from .qwen3_5 import Qwen3_5, Qwen3_5Config

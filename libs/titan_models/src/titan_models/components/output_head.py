@@ -32,8 +32,8 @@ class SoftCappedLinear(nn.Linear):
             )
         self.multiplier, self.cap = multiplier, cap
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.soft_cap(super().forward(x))
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self.soft_cap(super().forward(input))
 
     def soft_cap(self, logits: torch.Tensor) -> torch.Tensor:
         """The cap applied to raw logits ``x Wᵀ`` (in their dtype)."""

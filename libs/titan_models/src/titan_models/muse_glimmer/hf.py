@@ -17,7 +17,8 @@ layout is transformers' own names).
 - Config: ``text_config`` (per-layer ``layer_types`` and ``layer_rope_theta``, 0 = NoPE),
   ``vision_config`` (``layer_types`` of ``full_attention`` / ``window_attention``),
   ``out_hidden_size`` (must be the tower width times ``merge_size²``),
-  ``projector_hidden_size``, the media token ids. The image start / end ids are the
+  ``projector_hidden_size``, the media token ids; ``tie_word_embeddings`` at the top (the
+  one transformers reads; ``text_config``'s is ignored there, so here too). The image start / end ids are the
   tokenizer's, not the config's: ``to_hf`` writes them as extra fields and ``from_hf``
   reads them when present.
 """
@@ -254,7 +255,8 @@ class MuseGlimmerHFAdapter(HFAdapter[MuseGlimmerConfig]):
             rope=rope,
             max_seq_len=max_pos,
             norm_eps=float(text.get("rms_norm_eps", 1e-5)),
-            tie_embeddings=bool(text.get("tie_word_embeddings", False)),
+            # transformers ties the head at the top level only (text_config's flag is unread)
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             init_std=text.get("initializer_range", 0.02),
             **_text_layers(text, rope.theta),
             vision=tower,
@@ -312,4 +314,5 @@ class MuseGlimmerHFAdapter(HFAdapter[MuseGlimmerConfig]):
             "projector_hidden_size": config.projector_hidden_dim,
             "projector_hidden_act": "gelu",
             **{name: getattr(config, name) for name in _TOKEN_FIELDS},
+            "tie_word_embeddings": config.tie_embeddings,
         }
