@@ -376,3 +376,18 @@ def test_full_size_flavour_has_the_public_parameter_count():
         dataclasses.replace(read, vision_start_token_id=200_080, vision_end_token_id=200_081)
         == config
     )
+
+
+def test_tower_tokens_of_multi_frame_grids_match_transformers(hf_glimmer):
+    """Grids of t > 1 frames (each frame its own document and windows, merged on its own)
+    beside a still image: the tower's normed tokens equal transformers' image features."""
+    hf, folder = hf_glimmer("public-pattern")
+    ours = titan_models.from_hf(folder).eval()
+    grids = [(3, 4, 4), (1, 4, 6), (2, 8, 4)]
+    g = torch.Generator().manual_seed(3)
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), 2 * 3 * 16, generator=g)
+    with torch.no_grad():
+        theirs = torch.cat(hf.model.get_image_features(pixels, torch.tensor(grids)).pooler_output)
+        mine = ours.visual(pixels, grids)
+    assert mine.shape == theirs.shape == ((48 + 24 + 64) // 4, 64)
+    assert _max_diff(mine, theirs) <= 1e-4

@@ -218,15 +218,14 @@ class MuseGlimmerVisionTower(nn.Module):
                 for t, h, w in grids
             ]
         )
+        # (column + 1, row + 1): the reference's flipped, 1-based patch positions
         rope = self.rope((coords_N2 + 1).to(device)[order_N], x_ND.dtype)
         frames = [h * w for t, h, w in grids for _ in range(t)]
-        metas = {
-            True: _bidirectional(frames, device, backend),
-            False: _bidirectional(windows, device, backend),
-        }
+        whole_frames = _bidirectional(frames, device, backend)
+        in_windows = _bidirectional(windows, device, backend)
         x_1ND = x_ND[order_N][None]
         for i, block in enumerate(self.blocks):
-            x_1ND = block(x_1ND, rope, metas[i in c.global_layers])
+            x_1ND = block(x_1ND, rope, whole_frames if i in c.global_layers else in_windows)
         x_ND = self.post_norm(x_1ND[0][torch.argsort(order_N)])
         tokens_MP = self.adapter(self._shuffled(x_ND, grids))
         return scaleless_rms_norm(self.projection(tokens_MP), self.out_norm_eps)
