@@ -108,6 +108,12 @@ def _vision_language(
             f"data.source={cfg.data.source!r} needs a vision-language model; {cfg.model.family} "
             "has no vision tower (e.g. --model.family qwen3_vl)"
         )
+    for name in ("vision_start_token_id", "vision_end_token_id"):
+        if getattr(config, name) is None:  # a tokenizer id the HF config may not carry
+            raise ValueError(
+                f"data.source={cfg.data.source!r} needs the model config's {name} (the image "
+                f"start / end token of its tokenizer); {cfg.model.family} has {name}=None"
+            )
     return config
 
 

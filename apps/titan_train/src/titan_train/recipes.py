@@ -112,6 +112,20 @@ def kimi_k25_debug() -> JobConfig:
     return cfg
 
 
+@recipe
+def muse_glimmer_debug() -> JobConfig:
+    """Tiny Muse Glimmer (4 layers: NoPE + global on 0 and 3, sliding between; soft-capped
+    head; a 2-block tower with window attention) on the built-in shapes corpus, images
+    through the image-text path (patches row by row, each frame-major); 60 steps."""
+    cfg = qwen3_vl_debug()
+    cfg.name = "muse_glimmer_debug"
+    cfg.model = ModelConfig(family="muse_glimmer", flavor="debug")
+    cfg.training.steps = 60
+    cfg.lr_schedule.warmup_steps = 10
+    cfg.metrics.validate_every = 20
+    return cfg
+
+
 def _full_size(name: str, family: str, flavor: str, parallel: ParallelConfig) -> JobConfig:
     """A published-size model at a production layout. The vocabulary is the flavour's (the
     built-in byte tokenizer's ids fit in it; pass ``--data.tokenizer`` for the real one)."""

@@ -12,6 +12,7 @@ from .components import (
     LoRALinear,
     Normal,
     RopeConfig,
+    SoftCappedLinear,
     Transformer,
     TransformerConfig,
     apply_lora,
@@ -38,6 +39,7 @@ from .kimi_k25 import KimiK25, KimiK25Config, KimiK25VisionConfig
 from .kimi_linear import KimiLinear, KimiLinearConfig
 from .llama3 import Llama3, Llama3Config
 from .mtp import mtp_loss
+from .muse_glimmer import MuseGlimmer, MuseGlimmerConfig
 from .plan import ModelPlan, PipelineUnit, TensorParallelPlan, check_tensor_parallel
 from .qwen3 import Qwen3, Qwen3Config
 from .qwen3_5 import Qwen3_5, Qwen3_5Config
@@ -73,6 +75,8 @@ __all__ = [
     "LoRAGroupedExperts",
     "LoRALinear",
     "ModelPlan",
+    "MuseGlimmer",
+    "MuseGlimmerConfig",
     "Normal",
     "PipelineUnit",
     "Qwen3",
@@ -89,6 +93,7 @@ __all__ = [
     "Qwen3_5Moe",
     "Qwen3_5MoeConfig",
     "RopeConfig",
+    "SoftCappedLinear",
     "TensorParallelPlan",
     "Transformer",
     "TransformerConfig",

@@ -43,7 +43,9 @@ class ImageProcessor:
 
     A tower that reads each image's patches row by row (``vision.patch_order == "raster"``,
     Kimi K2.5's MoonViT) gets them in that order instead of the processor's merge-block
-    order, normalised with the tower's ``image_mean`` / ``image_std`` where it names them."""
+    order, normalised with the tower's ``image_mean`` / ``image_std`` where it names them;
+    one that flattens a patch frame-major (``vision.patch_layout == "time_channel"``, Muse
+    Glimmer's ``(T, C, P, P)``) gets each patch so instead of the processor's ``(C, T, P, P)``."""
 
     def __init__(self, vision: Any, *, min_pixels: int, max_pixels: int) -> None:
         """``vision``: a config with ``patch_size``, ``temporal_patch_size`` and
@@ -64,6 +66,8 @@ class ImageProcessor:
         self.unit = vision.patch_size * vision.spatial_merge_size
         self.max_pixels = max_pixels
         self.raster = getattr(vision, "patch_order", "merge_blocks") == "raster"
+        self.time_channel = getattr(vision, "patch_layout", "channel_time") == "time_channel"
+        self.patch_shape = (3, vision.temporal_patch_size, vision.patch_size, vision.patch_size)
         normalise: dict[str, Any] = {
             name: list(getattr(vision, name))
             for name in ("image_mean", "image_std")
@@ -100,6 +104,8 @@ class ImageProcessor:
             m = self.merge
             blocks = pixels.reshape(t, h // m, w // m, m, m, -1)
             pixels = blocks.permute(0, 1, 3, 2, 4, 5).reshape(t * h * w, -1)
+        if self.time_channel:  # (C, T, P, P) -> (T, C, P, P) per patch
+            pixels = pixels.reshape(-1, *self.patch_shape).transpose(1, 2).reshape(t * h * w, -1)
         return pixels, grid
 
 

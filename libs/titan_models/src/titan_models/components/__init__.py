@@ -27,6 +27,7 @@ from .lora import (
 from .mla import MultiHeadLatentAttention
 from .moe import MoEFeedForward
 from .norm import GatedRMSNorm, RMSNorm
+from .output_head import SoftCappedLinear
 from .quantize import Float8GroupedExperts, Float8Linear, quantize_modules
 from .rope import (
     Llama3RopeScaling,
@@ -72,6 +73,7 @@ __all__ = [
     "RMSNorm",
     "RopeConfig",
     "RotaryEmbedding",
+    "SoftCappedLinear",
     "Transformer",
     "TransformerBlock",
     "TransformerConfig",
