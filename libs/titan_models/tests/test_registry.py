@@ -22,6 +22,7 @@ def test_list_models_names_every_family_and_all_flavors():
         "qwen3_vl": ["debug", "2B", "4B", "8B", "32B"],
         "qwen3_vl_moe": ["debug", "30B-A3B", "235B-A22B"],
         "kimi_k25": ["debug", "1T"],
+        "muse_spark": ["debug", "816B"],
     }
 
 
@@ -38,7 +39,7 @@ def test_unknown_family_lists_the_known_ones():
         ValueError,
         match=r"unknown model family 'gpt2'; known: \['llama3', 'qwen3', 'qwen3_moe', "
         r"'deepseek_v3', 'gpt_oss', 'deepseek_v4', 'qwen3_5', 'qwen3_5_moe', 'kimi_linear', "
-        r"'qwen3_vl', 'qwen3_vl_moe', 'kimi_k25'\]",
+        r"'qwen3_vl', 'qwen3_vl_moe', 'kimi_k25', 'muse_spark'\]",
     ):
         titan_models.get_model("gpt2", "debug")
 

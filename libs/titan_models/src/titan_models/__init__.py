@@ -38,6 +38,7 @@ from .kimi_k25 import KimiK25, KimiK25Config, KimiK25VisionConfig
 from .kimi_linear import KimiLinear, KimiLinearConfig
 from .llama3 import Llama3, Llama3Config
 from .mtp import mtp_loss
+from .muse_spark import MuseSpark, MuseSparkConfig
 from .plan import ModelPlan, PipelineUnit, TensorParallelPlan, check_tensor_parallel
 from .qwen3 import Qwen3, Qwen3Config
 from .qwen3_5 import Qwen3_5, Qwen3_5Config
@@ -73,6 +74,8 @@ __all__ = [
     "LoRAGroupedExperts",
     "LoRALinear",
     "ModelPlan",
+    "MuseSpark",
+    "MuseSparkConfig",
     "Normal",
     "PipelineUnit",
     "Qwen3",

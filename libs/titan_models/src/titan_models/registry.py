@@ -14,6 +14,7 @@ from . import (
     kimi_k25,
     kimi_linear,
     llama3,
+    muse_spark,
     qwen3,
     qwen3_5,
     qwen3_5_moe,
@@ -41,6 +42,7 @@ FAMILIES: dict[str, ModelFamily[Any]] = {
         qwen3_vl.FAMILY,
         qwen3_vl_moe.FAMILY,
         kimi_k25.FAMILY,
+        muse_spark.FAMILY,
     )
 }
 

@@ -15,6 +15,7 @@ from .dense_attention import math_attention, sdpa
 from .feedforward import FeedForward
 from .init import Constant, HashRoutes, Init, Normal, init_state, local_chunks
 from .kv_cache import KVCache, LayerKVCache, LayerRecurrentState
+from .logit_softcap import SoftcapLinear
 from .lora import (
     LoRAGroupedExperts,
     LoRALinear,
@@ -26,7 +27,7 @@ from .lora import (
 )
 from .mla import MultiHeadLatentAttention
 from .moe import MoEFeedForward
-from .norm import GatedRMSNorm, RMSNorm
+from .norm import GatedRMSNorm, InputScaledRMSNorm, RMSNorm, unit_rms
 from .quantize import Float8GroupedExperts, Float8Linear, quantize_modules
 from .rope import (
     Llama3RopeScaling,
@@ -60,6 +61,7 @@ __all__ = [
     "GatedRMSNorm",
     "HashRoutes",
     "Init",
+    "InputScaledRMSNorm",
     "KVCache",
     "LayerKVCache",
     "LayerRecurrentState",
@@ -72,6 +74,7 @@ __all__ = [
     "RMSNorm",
     "RopeConfig",
     "RotaryEmbedding",
+    "SoftcapLinear",
     "Transformer",
     "TransformerBlock",
     "TransformerConfig",
@@ -100,6 +103,7 @@ __all__ = [
     "scaled_grouped_linear",
     "scaled_linear",
     "sdpa",
+    "unit_rms",
     "zigzag_shard",
     "zigzag_unshard",
 ]
