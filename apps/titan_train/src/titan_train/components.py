@@ -9,7 +9,9 @@ alternative kernels plug in.
 ``chunked_cross_entropy`` replaces the output head with the loss itself: given the step's
 labels (``targets``), the head computes the cross-entropy over chunks of rows, each chunk's
 logits recomputed in backward (``torch.utils.checkpoint``), so the full (tokens x vocabulary)
-logits never exist, forward or backward. Without labels it returns ordinary logits.
+logits never exist, forward or backward. Without labels it returns ordinary logits. A head
+that maps its raw logits further (``titan_models.components.SoftcapLinear``: Muse Spark's
+output multiplier and tanh soft cap) keeps that map, applied to each chunk's logits.
 """
 
 from __future__ import annotations
@@ -31,9 +33,16 @@ class ChunkedCrossEntropyHead(nn.Module):
     """The output head fused with the loss: summed cross-entropy over ``chunk_rows``-row
     chunks while ``targets`` are set, logits otherwise."""
 
-    def __init__(self, weight: nn.Parameter, chunk_rows: int = 1024) -> None:
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        chunk_rows: int = 1024,
+        logit_map: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """``logit_map``: what the replaced head does to its raw logits ``h Wᵀ`` (a soft cap);
+        ``None``: nothing."""
         super().__init__()
-        self.weight, self.chunk_rows = weight, chunk_rows
+        self.weight, self.chunk_rows, self.logit_map = weight, chunk_rows, logit_map
         self._labels: torch.Tensor | None = None
 
     @contextlib.contextmanager
@@ -47,30 +56,47 @@ class ChunkedCrossEntropyHead(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self._labels is None:
-            return F.linear(h, self.weight)
-        return chunked_cross_entropy_sum(h, self.weight, self._labels, self.chunk_rows)
+            logits = F.linear(h, self.weight)
+            return self.logit_map(logits) if self.logit_map is not None else logits
+        return chunked_cross_entropy_sum(
+            h, self.weight, self._labels, self.chunk_rows, logit_map=self.logit_map
+        )
 
 
 def chunked_cross_entropy_sum(
-    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_rows: int
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_rows: int,
+    *,
+    logit_map: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``sum CE(h @ weight.T, labels)`` (ignoring ``-100``), one chunk of rows at a time; each
-    chunk keeps only its input for backward and recomputes its logits there."""
+    """``sum CE(map(h @ weight.T), labels)`` (ignoring ``-100``), one chunk of rows at a time;
+    each chunk keeps only its input for backward and recomputes its logits there."""
     rows, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     for h_c, y_c in zip(rows.split(chunk_rows), y.split(chunk_rows), strict=True):
-        total = total + checkpoint(_chunk_loss, h_c, weight, y_c, use_reentrant=False)
+        total = total + checkpoint(_chunk_loss, h_c, weight, y_c, logit_map, use_reentrant=False)
     return total
 
 
-def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = F.linear(h, weight).float()
-    return F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
+def _chunk_loss(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    y: torch.Tensor,
+    logit_map: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> torch.Tensor:
+    logits = F.linear(h, weight)
+    if logit_map is not None:
+        logits = logit_map(logits)
+    return F.cross_entropy(logits.float(), y, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def _chunked_cross_entropy(module: nn.Module) -> nn.Module:
     if not isinstance(module, nn.Linear) or module.bias is not None:
         raise TypeError("needs the bias-free nn.Linear output head")
+    if isinstance(module, titan_models.components.SoftcapLinear):  # keep its soft cap
+        return ChunkedCrossEntropyHead(module.weight, logit_map=module.cap_logits)
     return ChunkedCrossEntropyHead(module.weight)
 
 
