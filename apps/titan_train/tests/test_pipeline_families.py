@@ -2,7 +2,8 @@
 not plain residual blocks: gpt-oss (sliding / full attention with sinks, biased experts),
 DeepSeek-V4 (its stages send ``hc_mult`` residual streams, and its hash-routed layers need the
 token ids on every stage), Qwen3.5-MoE and Kimi Linear (linear-attention state per document),
-and Kimi K2.5 on text (its vision tower rides on the first stage and gets no gradient).
+Kimi K2.5 on text (its vision tower rides on the first stage and gets no gradient), and Muse
+Spark (normed embedding on the first stage, soft-capped head on the last).
 
 One spawn of two ranks runs every family through the app's own path (build on meta, split by
 the plan, materialise, one 1F1B step over 2 microbatches of a packed batch). Each rank also
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from titan_testing import run_distributed
 from titan_train.cli import parse_config
 
-FAMILIES = ("gpt_oss", "deepseek_v4", "qwen3_5_moe", "kimi_linear", "kimi_k25")
+FAMILIES = ("gpt_oss", "deepseek_v4", "qwen3_5_moe", "kimi_linear", "kimi_k25", "muse_spark")
 EXTRA = {"kimi_k25": ["--data.source", "arithmetic"]}  # the app's PP takes text batches only
 TOLERANCE = 1e-5  # fp32; measured 0.0 (the same ops on the same microbatches)
 PP2 = [

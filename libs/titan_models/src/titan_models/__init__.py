@@ -1,5 +1,5 @@
 """Model zoo (Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3, Qwen3.5, Qwen3.5-MoE, Kimi Linear, Qwen3-VL,
-Qwen3-VL-MoE), Hugging Face interop, KV-cache decoding, declarative plans."""
+Qwen3-VL-MoE, Muse Spark Open), Hugging Face interop, KV-cache decoding, declarative plans."""
 
 from .components import (
     AttentionMetadata,
