@@ -358,3 +358,10 @@ def test_ep2_matches_one_process():
         assert out["placed"] == [f"layers.{i}.feed_forward" for i in (0, 2, 3)]
         for key in ("logits", "expert_grads", "other_grads"):
             assert out[key] <= 1e-5, (key, out[key])
+
+
+def test_to_hf_refuses_a_rope_base_transformers_would_not_use(tmp_path):
+    model, config = _debug_model(layer_rope_theta=(500_000.0, 1_000.0, 500_000.0, 0.0))
+    with pytest.raises(ValueError, match=r"layer_rope_theta\[1\]=1000.0 cannot be written"):
+        titan_models.to_hf(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -146,6 +146,13 @@ class MuseSparkHFAdapter(HFAdapter[MuseSparkConfig]):
     def config_to_hf(self, config: MuseSparkConfig) -> dict[str, Any]:
         """The nested HF ``config.json``: our model as ``text_config``, the public towers'."""
         c = config
+        odd = [i for i in range(c.num_layers) if c.rope_theta(i) not in (0.0, c.rope.theta)]
+        if odd:
+            raise ValueError(
+                f"MuseSparkConfig.layer_rope_theta[{odd[0]}]={c.rope_theta(odd[0])!r} cannot be "
+                f"written as an HF muse_spark checkpoint (supported: 0 or rope.theta="
+                f"{c.rope.theta!r}: transformers 5.24 rotates every RoPE layer by rope_theta)"
+            )
         rope = rope_to_hf(c.rope)
         params = {"rope_type": "default", **(rope["rope_scaling"] or {})}
         text = {
@@ -253,10 +260,8 @@ def _windows(
         raise ValueError(
             "HF text_config field sliding_window is missing (layer_types has sliding layers)"
         )
-    theta = [
-        thetas[i] if thetas else (0 if (layers - 1 - i) % 4 == 0 else 1) for i in range(layers)
-    ]
-    rope_layers = tuple(i for i in range(layers) if theta[i])
+    nope = [thetas[i] == 0 if thetas else (layers - 1 - i) % 4 == 0 for i in range(layers)]
+    rope_layers = tuple(i for i in range(layers) if not nope[i])
     return window, None if sliding == rope_layers else sliding
 
 
