@@ -361,7 +361,7 @@ def test_ep2_matches_one_process():
 
 
 def test_to_hf_refuses_a_rope_base_transformers_would_not_use(tmp_path):
-    model, config = _debug_model(layer_rope_theta=(500_000.0, 1_000.0, 500_000.0, 0.0))
+    model, _ = _debug_model(layer_rope_theta=(500_000.0, 1_000.0, 500_000.0, 0.0))
     with pytest.raises(ValueError, match=r"layer_rope_theta\[1\]=1000.0 cannot be written"):
         titan_models.to_hf(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
