@@ -91,3 +91,33 @@ def test_local_compile_trains_like_eager(tmp_path):
     eager = train(parse_config([*common, "--name", "eager"]))
     compiled = train(parse_config([*common, "--name", "compiled", "--compile.enabled"]))
     torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=0, atol=1e-4)
+
+
+def test_chunked_head_keeps_a_soft_capped_heads_logit_map():
+    """Muse Spark's head scales and soft-caps its logits: the chunked loss applies the same
+    map per chunk, so its loss and gradients equal the plain head's."""
+    import titan_models
+    from titan_train.components import apply_overrides
+
+    _, config = titan_models.get_model("muse_spark", "debug")
+    head = titan_models.SoftCappedLinear(
+        config.dim, 512, multiplier=config.output_multiplier, cap=2.0
+    )
+    model = torch.nn.Module()
+    model.output = head
+    torch.manual_seed(0)
+    h = torch.randn(300, config.dim) * 4
+    y = torch.randint(0, 512, (300,))
+    plain = F.cross_entropy(head(h), y, reduction="sum")
+    (plain_grad,) = torch.autograd.grad(plain, head.weight)
+    assert apply_overrides(model, ("output=chunked_cross_entropy",)) == {
+        "output": "chunked_cross_entropy"
+    }
+    chunked_head = model.output
+    assert isinstance(chunked_head, ChunkedCrossEntropyHead)
+    with chunked_head.targets(y):
+        loss = chunked_head(h)
+    (grad,) = torch.autograd.grad(loss, chunked_head.weight)
+    torch.testing.assert_close(loss, plain, rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad, plain_grad, rtol=0, atol=1e-5)
+    torch.testing.assert_close(chunked_head(h), head(h))  # no targets: the capped logits

@@ -87,3 +87,21 @@ def test_dry_run_rejects_a_tp_degree_that_does_not_divide_the_heads(capsys):
         == 2
     )
     assert "parallel.tp=3 must divide the model's num_heads=32" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("name", "world", "cp", "seq_len"),
+    [("muse_spark_open_96k", 256, 4, 96 * 1024), ("muse_spark_open_192k", 512, 8, 192 * 1024)],
+)
+def test_muse_spark_open_recipes_resolve_to_the_seed_layouts(name, world, cp, seq_len):
+    from titan_train.parallelize import ParallelDims
+
+    cfg = get_recipe(name)
+    dims = ParallelDims.resolve(cfg, world)
+    assert (dims.pp, dims.dp, dims.tp, dims.cp, dims.ep) == (1, 16, 4, cp, 64)
+    assert (cfg.model.family, cfg.model.flavor, cfg.training.seq_len) == (
+        "muse_spark",
+        "816B",
+        seq_len,
+    )
+    assert (seq_len // cp) % 2 == 0  # whole zig-zag chunks per CP rank

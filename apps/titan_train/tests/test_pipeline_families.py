@@ -2,9 +2,9 @@
 not plain residual blocks: gpt-oss (sliding / full attention with sinks, biased experts),
 DeepSeek-V4 (its stages send ``hc_mult`` residual streams, and its hash-routed layers need the
 token ids on every stage), Qwen3.5-MoE and Kimi Linear (linear-attention state per document),
-and Kimi K2.5 and Muse Glimmer on text (the vision tower rides on the first stage and gets no
-gradient; Muse Glimmer's stages also split its NoPE / sliding layers and keep the soft cap on
-the last).
+and Kimi K2.5, Muse Glimmer and Muse Spark on text (a vision tower rides on the first stage and
+gets no gradient; Muse Glimmer's stages also split its NoPE / sliding layers and keep the soft
+cap on the last; Muse Spark's normed embedding is on the first stage).
 
 One spawn of two ranks runs every family through the app's own path (build on meta, split by
 the plan, materialise, one 1F1B step over 2 microbatches of a packed batch). Each rank also
@@ -21,7 +21,9 @@ import torch.distributed as dist
 from titan_testing import run_distributed
 from titan_train.cli import parse_config
 
-FAMILIES = ("gpt_oss", "deepseek_v4", "qwen3_5_moe", "kimi_linear", "kimi_k25", "muse_glimmer")
+FAMILIES = (
+    "gpt_oss", "deepseek_v4", "qwen3_5_moe", "kimi_linear", "kimi_k25", "muse_glimmer", "muse_spark",
+)  # fmt: skip
 TEXT = ["--data.source", "arithmetic"]  # the app's PP takes text batches only
 EXTRA = {"kimi_k25": TEXT, "muse_glimmer": TEXT}
 TOLERANCE = 1e-5  # fp32; measured 0.0 (the same ops on the same microbatches)

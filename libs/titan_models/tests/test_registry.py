@@ -23,6 +23,7 @@ def test_list_models_names_every_family_and_all_flavors():
         "qwen3_vl_moe": ["debug", "30B-A3B", "235B-A22B"],
         "kimi_k25": ["debug", "1T"],
         "muse_glimmer": ["debug", "30B"],
+        "muse_spark": ["debug", "816B"],
     }
 
 
@@ -39,7 +40,7 @@ def test_unknown_family_lists_the_known_ones():
         ValueError,
         match=r"unknown model family 'gpt2'; known: \['llama3', 'qwen3', 'qwen3_moe', "
         r"'deepseek_v3', 'gpt_oss', 'deepseek_v4', 'qwen3_5', 'qwen3_5_moe', 'kimi_linear', "
-        r"'qwen3_vl', 'qwen3_vl_moe', 'kimi_k25', 'muse_glimmer'\]",
+        r"'qwen3_vl', 'qwen3_vl_moe', 'kimi_k25', 'muse_glimmer', 'muse_spark'\]",
     ):
         titan_models.get_model("gpt2", "debug")
 

@@ -353,6 +353,39 @@ def kimi_linear_48b_a3b() -> JobConfig:
     return cfg
 
 
+@recipe
+def muse_spark_debug() -> JobConfig:
+    """Tiny Muse Spark Open (gated attention, NoPE / sliding layers, residual gates, pooled MoE
+    with a dense block among sparse ones, soft-capped head) on arithmetic."""
+    cfg = llama3_debug()
+    cfg.name = "muse_spark_debug"
+    cfg.model = ModelConfig(family="muse_spark", flavor="debug")
+    return cfg
+
+
+def _muse_spark_open(name: str, seq_len: int, cp: int) -> JobConfig:
+    """Muse-Spark-Open-816B-A42B (text) at the seed's layout: TP 4 within a node, CP ``cp``,
+    FSDP 16, the 256 routed experts over EP 64 (four per GPU, carved out of FSDP x CP), one
+    ``seq_len``-token sequence per data-parallel rank; full remat."""
+    cfg = _full_size(name, "muse_spark", "816B", ParallelConfig(dp_shard=16, tp=4, cp=cp, ep=64))
+    cfg.training.seq_len = seq_len
+    cfg.training.batch_size = 1
+    cfg.remat = RematConfig(policy="full")
+    return cfg
+
+
+@recipe
+def muse_spark_open_96k() -> JobConfig:
+    """Muse Spark Open 816B at 96K tokens on 256 GPUs: PP 1, DP 16, TP 4, CP 4, EP 64."""
+    return _muse_spark_open("muse_spark_open_96k", 96 * 1024, cp=4)
+
+
+@recipe
+def muse_spark_open_192k() -> JobConfig:
+    """Muse Spark Open 816B at 192K tokens on 512 GPUs: PP 1, DP 16, TP 4, CP 8, EP 64."""
+    return _muse_spark_open("muse_spark_open_192k", 192 * 1024, cp=8)
+
+
 def _vision_language(name: str, family: str, flavor: str, parallel: ParallelConfig) -> JobConfig:
     """A published-size Qwen3-VL model on the built-in shapes corpus (the model's own image
     processor settings: 16-pixel patches, 2 × 2 merge)."""

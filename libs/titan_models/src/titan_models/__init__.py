@@ -1,5 +1,5 @@
 """Model zoo (Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3, Qwen3.5, Qwen3.5-MoE, Kimi Linear, Qwen3-VL,
-Qwen3-VL-MoE), Hugging Face interop, KV-cache decoding, declarative plans."""
+Qwen3-VL-MoE, Muse Spark Open), Hugging Face interop, KV-cache decoding, declarative plans."""
 
 from .components import (
     AttentionMetadata,
@@ -40,6 +40,7 @@ from .kimi_linear import KimiLinear, KimiLinearConfig
 from .llama3 import Llama3, Llama3Config
 from .mtp import mtp_loss
 from .muse_glimmer import MuseGlimmer, MuseGlimmerConfig
+from .muse_spark import MuseSpark, MuseSparkConfig
 from .plan import ModelPlan, PipelineUnit, TensorParallelPlan, check_tensor_parallel
 from .qwen3 import Qwen3, Qwen3Config
 from .qwen3_5 import Qwen3_5, Qwen3_5Config
@@ -77,6 +78,8 @@ __all__ = [
     "ModelPlan",
     "MuseGlimmer",
     "MuseGlimmerConfig",
+    "MuseSpark",
+    "MuseSparkConfig",
     "Normal",
     "PipelineUnit",
     "Qwen3",

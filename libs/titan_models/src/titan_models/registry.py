@@ -15,6 +15,7 @@ from . import (
     kimi_linear,
     llama3,
     muse_glimmer,
+    muse_spark,
     qwen3,
     qwen3_5,
     qwen3_5_moe,
@@ -43,6 +44,7 @@ FAMILIES: dict[str, ModelFamily[Any]] = {
         qwen3_vl_moe.FAMILY,
         kimi_k25.FAMILY,
         muse_glimmer.FAMILY,
+        muse_spark.FAMILY,
     )
 }
 

@@ -26,7 +26,7 @@ from .lora import (
 )
 from .mla import MultiHeadLatentAttention
 from .moe import MoEFeedForward
-from .norm import GatedRMSNorm, RMSNorm
+from .norm import GatedRMSNorm, InputScaledRMSNorm, RMSNorm, unit_rms
 from .output_head import SoftCappedLinear
 from .quantize import Float8GroupedExperts, Float8Linear, quantize_modules
 from .rope import (
@@ -61,6 +61,7 @@ __all__ = [
     "GatedRMSNorm",
     "HashRoutes",
     "Init",
+    "InputScaledRMSNorm",
     "KVCache",
     "LayerKVCache",
     "LayerRecurrentState",
@@ -102,6 +103,7 @@ __all__ = [
     "scaled_grouped_linear",
     "scaled_linear",
     "sdpa",
+    "unit_rms",
     "zigzag_shard",
     "zigzag_unshard",
 ]

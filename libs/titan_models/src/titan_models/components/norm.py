@@ -74,3 +74,32 @@ class GatedRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, activation={self.activation}"
+
+
+def unit_rms(x: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """``x / rms(x)`` over the last dimension with no learned scale (Muse Spark's QK-norm,
+    attention-output norm, embedding norm and post-attention norm), in at least fp32."""
+    return F.rms_norm(_at_least_fp32(x), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+class InputScaledRMSNorm(nn.Module):
+    """``rms_norm(x · (1 + weight))``: the zero-centred scale applied *before* the
+    normalisation (Muse Spark's post-feed-forward and post-expert norms), so the weight sets
+    each channel's share of the norm rather than the output's scale. The scaled input is
+    rounded to ``x``'s dtype before the statistics, as ``transformers`` does."""
+
+    def __init__(self, dim: int, *, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scaled = (_at_least_fp32(x) * (_at_least_fp32(self.weight) + 1.0)).to(x.dtype)
+        return unit_rms(scaled, eps=self.eps)
+
+    def param_init(self, *, std: float = 0.0, out_std: float = 0.0) -> dict[str, Init]:
+        """Scale of one on every channel (a weight of zero)."""
+        return {"weight": Constant(0.0)}
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

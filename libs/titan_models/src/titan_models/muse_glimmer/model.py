@@ -32,12 +32,12 @@ from ..components import AttentionMetadata, FeedForward, KVCache, LayerKVCache, 
 from ..components.attention import cached_keys
 from ..components.backends import attend
 from ..components.init import Init, Normal, prefixed
+from ..components.norm import unit_rms
 from ..components.output_head import SoftCappedLinear
 from ..components.rope import apply_rotary
 from ..components.transformer import Transformer
 from ..components.vision import check_placeholders, grid_list, placeholder_index, scatter
 from .config import MuseGlimmerConfig
-from .norms import scaleless_rms_norm
 from .vision import MuseGlimmerVisionTower
 
 
@@ -78,8 +78,8 @@ class GatedAttention(nn.Module):
         kv_cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
         B, S, _ = x_BSD.shape
-        q_BSHE = scaleless_rms_norm(self.wq(x_BSD).view(B, S, -1, self.head_dim), self.norm_eps)
-        k_BSKE = scaleless_rms_norm(self.wk(x_BSD).view(B, S, -1, self.head_dim), self.norm_eps)
+        q_BSHE = unit_rms(self.wq(x_BSD).view(B, S, -1, self.head_dim), eps=self.norm_eps)
+        k_BSKE = unit_rms(self.wk(x_BSD).view(B, S, -1, self.head_dim), eps=self.norm_eps)
         v_BSKE = self.wv(x_BSD).view(B, S, -1, self.head_dim)
         if self.rotary:
             q_BSHE, k_BSKE = apply_rotary(q_BSHE, rope), apply_rotary(k_BSKE, rope)
@@ -235,7 +235,7 @@ class MuseGlimmer(Transformer):
         # vocabulary); an image's tokens then replace them.
         media = (tokens == config.image_token_id) | (tokens == config.video_token_id)
         h_BSD = self.tok_embeddings(tokens.masked_fill(media, 0))
-        h_BSD = scaleless_rms_norm(h_BSD, config.norm_eps)
+        h_BSD = unit_rms(h_BSD, eps=config.norm_eps)
         if pixel_values is not None:
             visual = self.visual if "visual" in self._modules else None
             if visual is None:

@@ -32,11 +32,11 @@ from torch import nn
 from ..components.attention_metadata import AttentionMetadata
 from ..components.backends import attend, prepare_attention, resolve_attention_backend
 from ..components.init import Init, Normal, prefixed
+from ..components.norm import unit_rms
 from ..components.rope import apply_rotary
 from ..components.vision import PatchEmbed, VisionFeedForward, VisionRotaryEmbedding
 from ..components.vision.encoder import layer_norm_init, linear_init, vision_activation
 from .config import MuseGlimmerVisionConfig
-from .norms import scaleless_rms_norm
 
 _BLOCK_NORM_EPS = 1e-5
 """Epsilon of the blocks' LayerNorms (fixed in the reference, whatever the config says)."""
@@ -228,7 +228,7 @@ class MuseGlimmerVisionTower(nn.Module):
             x_1ND = block(x_1ND, rope, whole_frames if i in c.global_layers else in_windows)
         x_ND = self.post_norm(x_1ND[0][torch.argsort(order_N)])
         tokens_MP = self.adapter(self._shuffled(x_ND, grids))
-        return scaleless_rms_norm(self.projection(tokens_MP), self.out_norm_eps)
+        return unit_rms(self.projection(tokens_MP), eps=self.out_norm_eps)
 
     def _positions(self, grids: Sequence[Sequence[int]]) -> torch.Tensor:
         """``(N, D)`` position embeddings: per distinct ``(h, w)``, the table resampled to

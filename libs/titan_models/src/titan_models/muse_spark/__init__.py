@@ -1,0 +1,28 @@
+"""Muse Spark Open (text): gated GQA with per-layer RoPE / NoPE and sliding windows, residual
+gates, a pooled MoE, a soft-capped head."""
+
+from ..family import ModelFamily
+from .config import MUSE_SPARK_FLAVORS, MuseSparkConfig
+from .hf import MuseSparkHFAdapter
+from .model import MuseSpark, MuseSparkBlock, router_config
+from .plan import plan
+
+FAMILY = ModelFamily(
+    name="muse_spark",
+    model_cls=MuseSpark,
+    config_cls=MuseSparkConfig,
+    flavors=MUSE_SPARK_FLAVORS,
+    hf_adapter=MuseSparkHFAdapter(),
+    plan=plan,
+)
+
+__all__ = [
+    "FAMILY",
+    "MUSE_SPARK_FLAVORS",
+    "MuseSpark",
+    "MuseSparkBlock",
+    "MuseSparkConfig",
+    "MuseSparkHFAdapter",
+    "plan",
+    "router_config",
+]
