@@ -1,25 +1,32 @@
 """A steady-state training step forces no device-to-host synchronisation: over the steady
 steps of every debug recipe, every op that would make the host wait for the device (reading
-a value, data-dependent shapes) happens only in the steps that log.
+a value, data-dependent shapes, a copy to the host) happens only in the steps that log.
 
 The recipes: dense Llama (sdpa and varlen attention), MoE with local experts, FP8
 (emulated kernels), Qwen3.5 (linear attention), DeepSeek-V4, Qwen3-VL with images, in this
-process; DP-shard 2, MoE with EP 2, CP 2 and PP 2 in one spawn of two ranks.
+process; DP-shard 2, MoE with EP 2, CP 2 and PP 2 in one spawn of two ranks, with EP 2 once
+more on exact (host-read) buffer sizes: the detector must see that read, and the losses
+must be bitwise those of the static shapes.
 
-Named exceptions, each a host read of a *host* tensor that an accelerator never makes:
+Two detectors: a dispatch mode for the ops that read or size by device data, and a function
+mode for ``Tensor.tolist`` / ``numpy`` / ``cpu``, which a CPU tensor serves without an op.
 
-- the ``varlen`` backend's tile plan (``varlen._plan``): on CPU (no flash varlen kernel)
-  the tiles are shaped by the documents' lengths, read from the batch's ``cu_seqlens``,
-  which live in host memory there, so nothing waits. On an accelerator ``varlen`` runs
-  torch's flash varlen kernel over the device ``cu_seqlens`` (static size, no read), or
-  FlexAttention where that kernel does not run (fp32, sinks, softcap);
+Named exceptions, each a read of a *host* tensor that an accelerator never makes:
+
+- the ``varlen`` backend's tile plan (``varlen._plan``): on CPU (no flash varlen kernel, no
+  FlexAttention backward) the tiles are shaped by the documents' lengths, read from the
+  batch's ``cu_seqlens`` in host memory, so nothing waits. On an accelerator ``varlen``
+  runs torch's flash varlen kernel over the device ``cu_seqlens`` (static size, no read),
+  or FlexAttention's device-built block mask where that kernel does not run;
+- the data loaders (``titan_train/data/``), which build batches from host data before the
+  trainer moves them to the device;
 - torch's AdamW step counters (CPU tensors unless ``capturable``);
 - the document-id check, which reads CPU ids (a device-side assertion on an accelerator).
 
 ``flex`` attention has no backward on CPU (torch 2.15): its forward (the block mask built
-from the batch's documents, and the attention) is counted in the validation forward of the
-varlen recipe's twin below, un-compiled. Fake-backend mode (``test_fake_mode.py``) runs
-steps where any read of a device value raises, whatever the backend.
+from the batch's documents, and the attention) is checked un-compiled, last. Fake-backend
+mode (``test_fake_mode.py``) runs steps where any read of a device value raises, whatever
+the backend.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from titan_testing import run_distributed
 
@@ -48,14 +56,19 @@ _SYNCING = {
     "aten::allclose",
     "aten::repeat_interleave",
 }
+# Host copies that never reach the dispatcher on CPU (seen as tensor methods instead).
+_COPIES = {"tolist", "numpy", "cpu"}
 STEPS, LOG_EVERY = 6, 3
 STEADY = [s for s in range(3, STEPS + 1) if s % LOG_EVERY]  # steps that do not log
 
-# Reads of host tensors, named by (function, file): see the module docstring.
+# Reads of host tensors, named by (function, file; "*": any function of that file or
+# folder): see the module docstring. The data loaders build batches from host data before
+# the trainer moves them to the device.
 _HOST_READS = {
     ("_get_value", "optim/optimizer.py"),
     ("check_document_ids", "attention_metadata.py"),
     ("_plan", "components/varlen.py"),
+    ("*", "titan_train/data/"),
 }
 _REPO = str(Path(__file__).resolve().parents[3])
 _NOT_OURS = ("/tests/", "/.venv/")
@@ -73,11 +86,23 @@ class _SyncCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
-        if name in _SYNCING and not _host_side(name, args, kwargs):
-            self.seen[(self.step, name)] += 1
-            if self.step in STEADY:
-                self.where.setdefault(name, _caller())
+        if name in _SYNCING and not _host_side(name, kwargs):
+            self.count(name)
         return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self._copies = _HostCopies(self)
+        self._copies.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self._copies.__exit__(*exc)
+
+    def count(self, name: str) -> None:
+        self.seen[(self.step, name)] += 1
+        if self.step in STEADY:
+            self.where.setdefault(name, _caller())
 
     def by_step(self) -> dict[int, dict[str, int]]:
         out: dict[int, dict[str, int]] = {}
@@ -86,14 +111,29 @@ class _SyncCounter(TorchDispatchMode):
         return out
 
 
-def _host_side(name: str, args: tuple, kwargs: dict | None) -> bool:
+class _HostCopies(TorchFunctionMode):
+    """``Tensor.tolist`` / ``numpy`` / ``cpu``: device-to-host copies on an accelerator, which
+    CPU tensors serve without an op the dispatch mode would see."""
+
+    def __init__(self, counter: _SyncCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in _COPIES and not _host_side(name, None):
+            self.counter.count(f"Tensor.{name}")
+        return func(*args, **(kwargs or {}))
+
+
+def _host_side(name: str, kwargs: dict | None) -> bool:
     """Reads that stay on the host: ``repeat_interleave`` given its output size, and the
     host-tensor reads of ``_HOST_READS``."""
     if name == "aten::repeat_interleave":
         return bool(kwargs)
     stack = traceback.extract_stack(limit=12)
     return any(
-        frame.name == fn and frame.filename.endswith(path)
+        (frame.name == fn or fn == "*") and path in frame.filename
         for frame in stack
         for fn, path in _HOST_READS
     )
@@ -117,9 +157,9 @@ _COMMON = [
 ]  # fmt: skip
 
 
-def _count_syncs(out_dir: str, recipe: str, *argv: str) -> tuple[dict, dict[str, str]]:
+def _count_syncs(out_dir: str, recipe: str, *argv: str) -> tuple[dict, dict[str, str], list]:
     """Syncing ops by the step whose loop iteration ran them (train step + the loop body),
-    and where each op first ran in a steady step."""
+    where each op first ran in a steady step, and the logged losses."""
     import titan_train.trainer as trainer
     from titan_train.cli import parse_config
 
@@ -134,10 +174,10 @@ def _count_syncs(out_dir: str, recipe: str, *argv: str) -> tuple[dict, dict[str,
     cfg = parse_config(["--output-dir", out_dir, "--name", "syncs", *_COMMON, *argv], recipe)
     try:
         with counter:
-            trainer.train(cfg)
+            losses = trainer.train(cfg)["losses"]
     finally:
         trainer.train_step = step_fn
-    return counter.by_step(), counter.where
+    return counter.by_step(), counter.where, losses
 
 
 def _steady(syncs: dict[int, dict[str, int]]) -> dict[int, dict[str, int]]:
@@ -159,7 +199,7 @@ ONE_PROCESS = {
 
 @pytest.mark.parametrize("case", sorted(ONE_PROCESS))
 def test_no_host_sync_outside_log_steps_on_one_process(tmp_path, case):
-    syncs, where = _count_syncs(str(tmp_path), *ONE_PROCESS[case])
+    syncs, where, _ = _count_syncs(str(tmp_path), *ONE_PROCESS[case])
     assert _steady(syncs) == {}, (syncs, where)
     assert syncs.get(LOG_EVERY), "the log steps do read values (the detector sees them)"
 
@@ -167,6 +207,11 @@ def test_no_host_sync_outside_log_steps_on_one_process(tmp_path, case):
 TWO_RANKS = {
     "dp_shard2": ("llama3_debug", "--parallel.dp-shard", "2"),
     "qwen3_moe_ep2": ("qwen3_moe_debug", "--parallel.dp-shard", "2", "--parallel.ep", "2"),
+    # the dynamic dispatch, to show the detector sees its split-size read
+    "qwen3_moe_ep2_exact_sizes": (
+        "qwen3_moe_debug", "--parallel.dp-shard", "2", "--parallel.ep", "2",
+        "--moe.no-static-shapes",
+    ),
     "cp2": ("llama3_debug", "--parallel.cp", "2", "--parallel.dp-shard", "1"),
     "pp2": (
         "llama3_debug", "--parallel.pp", "2", "--parallel.dp-shard", "1",
@@ -175,7 +220,7 @@ TWO_RANKS = {
 }  # fmt: skip
 
 
-def _count_layouts(out_dir: str) -> dict[str, tuple[dict, dict[str, str]]]:
+def _count_layouts(out_dir: str) -> dict[str, tuple[dict, dict[str, str], list]]:
     return {name: _count_syncs(f"{out_dir}/{name}", *argv) for name, argv in TWO_RANKS.items()}
 
 
@@ -184,20 +229,44 @@ def test_no_host_sync_outside_log_steps_on_two_ranks(tmp_path):
     bad = {
         (rank, name): (_steady(syncs), where)
         for rank, layouts in enumerate(ranks)
-        for name, (syncs, where) in layouts.items()
+        for name, (syncs, where, _) in layouts.items()
         if _steady(syncs)
     }
-    assert bad == {}, bad
+    exact = {(rank, "qwen3_moe_ep2_exact_sizes") for rank in range(2)}
+    assert set(bad) == exact, bad
+    for rank in range(2):  # one read of the split sizes per MoE layer and micro-batch
+        steady, where = bad[(rank, "qwen3_moe_ep2_exact_sizes")]
+        assert all(ops == {"Tensor.tolist": 4} for ops in steady.values()), steady
+        assert "dispatch.py" in where["Tensor.tolist"]
+    # Static shapes pad and never drop: the same losses, bitwise.
+    static, exact_sizes = (
+        ranks[0][name][2] for name in ("qwen3_moe_ep2", "qwen3_moe_ep2_exact_sizes")
+    )
+    assert static == exact_sizes and len(static) == STEPS
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_forward_reads_nothing_on_the_host(monkeypatch):
-    """``flex`` where CPU allows (the forward, un-compiled): the block mask is built from the
-    batch's document ids on the device, and nothing is read back."""
+    """``flex`` where CPU allows (the forward): the block mask is built from the batch's
+    document ids on the device, and nothing around the attention kernel reads back. The
+    kernel call itself runs with the detectors paused: FlexAttention compiles itself even
+    "eagerly", and torch.compile refuses a user dispatch mode."""
     import titan_models
     from titan_models.components import flex
 
+    functions = flex._flex_functions
+
+    def unseen_kernel():
+        attention, create_block_mask = functions()
+
+        def attention_unseen(*args, **kwargs):
+            with _disable_current_modes():
+                return attention(*args, **kwargs)
+
+        return attention_unseen, create_block_mask
+
     monkeypatch.setattr(flex, "_EAGER_FLEX", True)
+    monkeypatch.setattr(flex, "_flex_functions", unseen_kernel)
     model_cls, config = titan_models.get_model("llama3", "debug", attention_backend="flex")
     with torch.device("meta"):
         model = model_cls(config)
