@@ -4,7 +4,7 @@ a value, data-dependent shapes, a copy to the host) happens only in the steps th
 
 The recipes: dense Llama (sdpa and varlen attention), MoE with local experts, FP8
 (emulated kernels), Qwen3.5 (linear attention), DeepSeek-V4, Qwen3-VL with images, in this
-process; DP-shard 2, MoE with EP 2, CP 2 and PP 2 in one spawn of two ranks, with EP 2 once
+process (the other debug recipes in the slow step); DP-shard 2, MoE with EP 2, CP 2 and PP 2 in one spawn of two ranks, with EP 2 once
 more on exact (host-read) buffer sizes: the detector must see that read, and the losses
 must be bitwise those of the static shapes.
 
@@ -197,9 +197,25 @@ ONE_PROCESS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", sorted(ONE_PROCESS))
+# The other debug recipes, in the slow step: their paths are the ones above, composed.
+SLOW_ONE_PROCESS = {
+    "gpt_oss": ("gpt_oss_debug",),
+    "deepseek_v3": ("deepseek_v3_debug",),
+    "qwen3_5_moe": ("qwen3_5_moe_debug",),
+    "kimi_linear": ("kimi_linear_debug",),
+    "qwen3_vl_moe_images": ("qwen3_vl_moe_debug", "--training.seq-len", "64"),
+    "kimi_k25_images": ("kimi_k25_debug", "--training.seq-len", "64"),
+}
+CASES = [
+    *sorted(ONE_PROCESS),
+    *(pytest.param(name, marks=pytest.mark.slow) for name in sorted(SLOW_ONE_PROCESS)),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_no_host_sync_outside_log_steps_on_one_process(tmp_path, case):
-    syncs, where, _ = _count_syncs(str(tmp_path), *ONE_PROCESS[case])
+    argv = ONE_PROCESS.get(case) or SLOW_ONE_PROCESS[case]
+    syncs, where, _ = _count_syncs(str(tmp_path), *argv)
     assert _steady(syncs) == {}, (syncs, where)
     assert syncs.get(LOG_EVERY), "the log steps do read values (the detector sees them)"
 
