@@ -1,4 +1,5 @@
-"""Expert parallelism over gloo: AllToAllDispatcher equals the same MoE run locally (1e-5).
+"""Expert parallelism over gloo: AllToAllDispatcher equals the same MoE run locally (1e-5),
+and its static-shape (padded, sync-free) exchange equals the dynamic one bitwise.
 
 One ``run_distributed`` call per world size runs every case (spawning ranks costs seconds).
 The reference is the same MoE with all experts on one process: each rank's output and input
@@ -38,6 +39,7 @@ CASES = {
     ),
     "deepseek_sigmoid_grouped_static_shapes": dict(
         tokens=[10, 3, 8, 1],
+        max_tokens=10,  # static blocks for uneven token counts
         moe=dict(
             num_experts=8,
             top_k=3,
@@ -124,6 +126,11 @@ def _run_case(case_seed, case, device="cpu", dispatcher="all_to_all"):
         ref_grads.append({n: p.grad.clone() for n, p in ref.named_parameters()})
 
     ep = copy.deepcopy(full)
+    if "max_tokens" in case and dispatcher == "all_to_all":
+        cfg = ep.config
+        dispatcher = AllToAllDispatcher(
+            cfg.router.num_experts, None, cfg.permute, max_tokens=case["max_tokens"]
+        )
     placement = expert_parallel(ep, dispatcher=dispatcher)
     x = inputs[rank].clone().requires_grad_()
     y = ep(x)
@@ -143,9 +150,30 @@ def _run_case(case_seed, case, device="cpu", dispatcher="all_to_all"):
     return errs
 
 
+def _static_minus_dynamic(top_k: int) -> dict[str, float]:
+    """Largest difference between the static-shape (padded, sync-free) exchange and the
+    dynamic one (split sizes read on the host) on the same tokens: outputs, input and
+    parameter gradients. Dropless both: equal token counts, no drop."""
+    rank = dist.get_rank()
+    x = torch.randn(12, 16, generator=torch.Generator().manual_seed(300 + rank))
+    g = torch.randn(12, 16, generator=torch.Generator().manual_seed(400 + rank))
+    got = []
+    for static in (False, True):
+        moe = _build(7, num_experts=8, top_k=top_k, shared=8)
+        moe.config.permute = PermuteConfig(alignment=4, static_shapes=static)
+        expert_parallel(moe)
+        xi = x.clone().requires_grad_()
+        y = moe(xi)
+        (y * g).sum().backward()
+        got.append([y, xi.grad, *(p.grad for p in moe.parameters())])
+    names = ["out", "x.grad", *(n for n, _ in moe.named_parameters())]
+    return {n: _max_err(a, b) for n, a, b in zip(names, *got, strict=True)}
+
+
 def _all_cases():
     ws = dist.get_world_size()
     results = {name: _run_case(i, case) for i, (name, case) in enumerate(CASES.items())}
+    bitwise = {k: _static_minus_dynamic(k) for k in (2, 6)}  # top 6 > 4 local experts at ep 2
     moe = _build(0, num_experts=8, top_k=2)
     expert_parallel(moe)
     assert isinstance(moe.dispatcher, AllToAllDispatcher)
@@ -163,12 +191,14 @@ def _all_cases():
         ExpertPlacement(num_experts=6, ep_size=4, ep_rank=0)
     except ValueError as e:
         errors.append(str(e))
-    return results, errors
+    return results, errors, bitwise
 
 
 def _check(world_size):
     per_rank = run_distributed(_all_cases, world_size, timeout=300)
-    for rank, (results, errors) in enumerate(per_rank):
+    for rank, (results, errors, bitwise) in enumerate(per_rank):
+        for top_k, errs in bitwise.items():
+            assert all(err == 0.0 for err in errs.values()), (rank, top_k, errs)
         for case, errs in results.items():
             for what, err in errs.items():
                 assert err <= 1e-5, f"rank {rank} {case} {what}: {err}"

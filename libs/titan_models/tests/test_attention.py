@@ -11,7 +11,7 @@ import torch
 
 import titan_models
 from titan_models import AttentionMetadata, attend
-from titan_models.components import backends, flex
+from titan_models.components import backends, flex, varlen
 from titan_models.components.dense_attention import dense_attention
 
 TOL = 1e-5  # fp32 backends vs an fp64 reference
@@ -164,6 +164,16 @@ def test_flex_forward_equals_the_reference(eager_flex, seed):
         _check("flex", seed, grads=False)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("seed", [0, 4, 9])
+def test_varlen_without_flash_on_an_accelerator_runs_flex(eager_flex, monkeypatch, seed):
+    # The CPU posing as an accelerator (FlexAttention with a backward): no host tile plan.
+    monkeypatch.setattr(flex, "_NO_FLEX_BACKWARD", ())
+    monkeypatch.setattr(varlen, "_plan", None)  # a host plan would fail here
+    with torch.no_grad():
+        _check("varlen", seed, grads=False)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("seed", range(4))
@@ -273,10 +283,30 @@ def test_bad_attention_config_names_the_field(override, match):
         titan_models.get_model("llama3", "debug", **override)
 
 
+def test_cu_seqlens_are_built_without_reading_the_device():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name in ("aten::_local_scalar_dense", "aten::nonzero"):
+                self.seen.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    meta = AttentionMetadata.from_document_ids(torch.tensor([[0, 0, 1, 1, 1, 2], [3] * 6]))
+    with Reads() as reads:
+        cu = meta.cu_seqlens
+    assert reads.seen == [] and cu.shape == (13,)
+
+
 def test_cu_seqlens_are_the_document_boundaries_of_the_flattened_batch():
     ids = torch.tensor([[0, 0, 1, 1, 1, 2], [3, 3, 3, 3, 4, 4]])
     meta = AttentionMetadata.from_document_ids(ids)
-    assert meta.cu_seqlens.tolist() == [0, 2, 5, 6, 10, 12]
+    # a static B·S + 1 entries: the boundaries, then empty documents at the end
+    assert meta.cu_seqlens.tolist() == [0, 2, 5, 6, 10, 12, 12, 12, 12, 12, 12, 12, 12]
     assert meta.cu_seqlens.dtype == torch.int32 and meta.max_seqlen == 4
     assert meta.positions.tolist() == [[0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 0, 1]]
     with_empty = AttentionMetadata.from_lengths([[2, 0, 4]], 6, "cpu")

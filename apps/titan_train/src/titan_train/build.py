@@ -33,7 +33,7 @@ from titan_train.data.tokenizers import Tokenizer, build_tokenizer
 from titan_train.device import resolve_device
 from titan_train.errors import ConfigError
 from titan_train.fault_tolerance import replica_config
-from titan_train.graph import check_graph
+from titan_train.graph import check_graph, static_moe_shapes
 from titan_train.loaders import IMAGE_TEXT, check_data, loaders
 from titan_train.lora import apply_lora_config, check_lora
 from titan_train.low_precision import apply_quantize, check_low_precision
@@ -171,6 +171,8 @@ def build_model(job: Job, device: torch.device) -> nn.Module:
             model = job.model_cls(job.model_config)
         model.init_weights(device=device, seed=cfg.training.seed)
     apply_overrides(model, cfg.model.overrides)
+    if cfg.moe.static_shapes:
+        static_moe_shapes(model)
     apply_quantize(model, cfg)
     apply_lora_config(model, cfg)  # adapters start from training.seed, the base is frozen
     return model
@@ -187,6 +189,8 @@ def build_parallel(
     with torch.device("meta"):
         model = job.model_cls(job.model_config)
     apply_overrides(model, job.cfg.model.overrides)
+    if job.cfg.moe.static_shapes:
+        static_moe_shapes(model)
     if edit is not None:
         edit(model)
     try:

@@ -20,6 +20,11 @@ class MoEConfig:
     symm_mem_max_tokens: int = 0
     """symm_mem: most tokens one rank passes to a MoE layer in one call, which sizes the
     static buffers (0: the call's own count, the same on every rank in training)."""
+    static_shapes: bool = True
+    """Dropless MoE buffers sized from shapes alone (dist_moe ``static_shapes``): no host
+    sync, bitwise the same numerics; under all_to_all EP each rank sends every rank a block
+    of its T tokens (memory: ep x T rows each way, and expert buffers for the worst case).
+    False: exact sizes, read back on the host every layer (one sync each)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -10,14 +10,23 @@ All dispatchers share one interface::
 * ``AllToAllDispatcher(group)``: expert parallelism over a process group (gloo or NCCL).
   Expert ``e`` lives on rank ``e // (E / ep)``. Dropless: a token travels once to each rank
   that owns at least one of its experts (not once per expert), with its local expert ids;
-  counts are exchanged first (one small all-to-all and one read-back for the split sizes),
-  tokens go with an uneven ``all_to_all_single``, the owner groups the received
-  (token, local expert) assignments by expert, runs them, combines them with the routing
-  weights (sent over at combine time) into one partial sum per token, and sends that one row
-  back; the source adds the partial sums of the ranks it visited. Capacity mode
-  (``capacity_factor``): each rank sends exactly ``C`` rows per expert (padding and drops as
-  in ``permute.py``), so the exchange is an even all-to-all with no host sync at all (every
-  rank must then hold the same number of tokens).
+  the owner groups the received (token, local expert) assignments by expert, runs them,
+  combines them with the routing weights (sent over at combine time) into one partial sum per
+  token, and sends that one row back; the source adds the partial sums of the ranks it
+  visited. Three sizings of the exchange:
+
+  - dynamic (default): counts are exchanged first (one small all-to-all and one read-back
+    of the split sizes: the host sync), tokens go with an uneven ``all_to_all_single``;
+  - static (``static_shapes=True``): each rank sends every rank a block of ``max_tokens``
+    rows (default: its T, which every rank must then share), its tokens for that rank in
+    token order and zero rows after them: an even all-to-all, no host sync, no drop (a rank
+    needs a token at most once). Pad, never drop: the numerics are bitwise the dynamic
+    mode's. The cost is memory: ``ep * max_tokens`` rows each way, and an expert buffer
+    sized for the worst case, ``ep * max_tokens * min(K, E / ep)`` assignments (+ alignment
+    padding), where the dynamic mode holds what arrived;
+  - capacity (``capacity_factor``): each rank sends exactly ``C`` rows per expert (padding
+    and drops as in ``permute.py``): even, no host sync, assignments past ``C`` dropped
+    (every rank must then hold the same number of tokens).
 * ``SymmMemDispatcher(group)`` (``symm_mem.py``): one-sided puts into peers' symmetric
   buffers with signal flags, static shapes, no host sync; expert GEMMs overlap the exchange.
 
@@ -139,9 +148,13 @@ class _EPContext:
     local_plan: PermutePlan | None = None
     """Dropless: the received (row, local expert) assignments grouped by local expert."""
     splits: tuple[list[int], list[int]] | None = None
-    """Dropless: (rows received from each rank, rows sent to each rank)."""
+    """Dropless, dynamic: (rows received from each rank, rows sent to each rank); None with
+    static shapes (even blocks)."""
     token: torch.Tensor | None = None
-    """Dropless: the token of each sent row."""
+    """Dropless: the token of each sent row (0 for padding rows)."""
+    order: torch.Tensor | None = None
+    """Dropless: (rows, min(K, local experts)) which of its token's K choices each sent row
+    carries, valid ones first."""
     rows_per_expert: int = 0
     """Capacity mode: C, rows each source sends per expert."""
 
@@ -182,33 +195,115 @@ class ExpertParallelDispatcher(Dispatcher):
 
 
 class AllToAllDispatcher(ExpertParallelDispatcher):
-    """Expert parallelism over ``group`` with ``all_to_all_single`` (uneven when dropless)."""
+    """Expert parallelism over ``group`` with ``all_to_all_single``: uneven when dropless
+    (split sizes read on the host), even with static shapes or a capacity factor.
+
+    ``max_tokens`` (``PermuteConfig.static_shapes`` only): the most tokens any rank passes in
+    one call; every rank then sends ``max_tokens`` rows to every rank, so ranks may hold
+    different token counts. None: this call's T, which every rank must then share (a
+    training step's micro-batches do).
+    """
 
     def __init__(
         self,
         num_experts: int,
         group: dist.ProcessGroup | None = None,
         config: PermuteConfig | None = None,
+        *,
+        max_tokens: int | None = None,
     ) -> None:
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+        ):
+            raise ValueError(
+                f"AllToAllDispatcher: max_tokens must be None or an int >= 1, got {max_tokens!r}"
+            )
         super().__init__(num_experts, group, config)
+        self.max_tokens = max_tokens
 
     def _exchange(self, x_PRD):
         ep = x_PRD.shape[0]
         out = _AllToAll.apply(x_PRD.reshape(-1, x_PRD.shape[-1]), None, None, self.group)
         return out.reshape(ep, -1, x_PRD.shape[-1])
 
+    def _rows_per_rank(self, num_tokens: int) -> int:
+        """Static shapes: rows each rank sends every rank (a rank gets a token at most once)."""
+        if self.max_tokens is None:
+            return num_tokens
+        if num_tokens > self.max_tokens:
+            raise ValueError(
+                f"AllToAllDispatcher: this rank got {num_tokens} tokens, more than "
+                f"max_tokens={self.max_tokens}"
+            )
+        return self.max_tokens
+
     def dispatch(self, x_TD, indices_TK, counts=None):
         if self.config.capacity_factor is not None:
             return self._dispatch_capacity(x_TD, indices_TK, counts)
-        ep, el, e = self.placement.ep_size, self.num_local_experts, self.num_experts
+        ep, el = self.placement.ep_size, self.num_local_experts
+        kernels, static = self.config.kernels, self.config.static_shapes
         device = x_TD.device
-        if counts is None:
-            counts = expert_histogram(indices_TK, e, backend=self.config.kernels)
         # 1. which ranks each token must visit (once per rank, however many experts there).
         member_TP = torch.zeros(indices_TK.shape[0], ep, dtype=torch.bool, device=device)
         member_TP.scatter_(1, indices_TK // el, True)
         dest_TP = torch.where(member_TP, torch.arange(ep, device=device), -1)
-        # 2. exchange counts: for each destination, assignments per local expert and rows.
+        # 2. rows for each destination rank, in token order: max_tokens-row blocks (static,
+        # zero rows after the real ones), or exactly the rows it needs, counted on the host.
+        splits = recv_counts = None
+        if static:
+            send_plan = plan_permutation(
+                dest_TP,
+                ep,
+                PermuteConfig(alignment=1, kernels=kernels),
+                capacity=self._rows_per_rank(x_TD.shape[0]),
+            )
+        else:
+            splits, recv_counts, send_counts = self._exchange_counts(indices_TK, member_TP, counts)
+            send_plan = plan_permutation(
+                dest_TP,
+                ep,
+                PermuteConfig(alignment=1, kernels=kernels),
+                counts=send_counts,
+                num_rows=sum(splits[1]),
+            )
+        # 3. each sent row carries its token's local expert ids on the destination (-1 for
+        # experts elsewhere and for padding rows), the valid ones first, in k order.
+        assignment = send_plan.row_assignment
+        token = assignment.clamp(min=0) // ep
+        local_ids = indices_TK.index_select(0, token) - (assignment % ep * el)[:, None]
+        valid = (local_ids >= 0) & (local_ids < el) & (assignment >= 0)[:, None]
+        keep = min(indices_TK.shape[1], el)  # a token meets at most el experts on one rank
+        order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices[:, :keep]
+        local_ids = torch.where(valid, local_ids, -1).gather(1, order)
+        out_splits, in_splits = splits if splits is not None else (None, None)
+        recv_x = _AllToAll.apply(permute(x_TD, send_plan), out_splits, in_splits, self.group)
+        recv_ids = _all_to_all(local_ids, out_splits, in_splits, self.group)
+        # 4. group the received (token, local expert) assignments by local expert.
+        align = self.config.alignment
+        num_rows = None
+        if recv_counts is not None:
+            num_rows = sum(-(-c // align) * align for c in recv_counts)
+        local_plan = plan_permutation(
+            recv_ids,
+            el,
+            PermuteConfig(alignment=align, static_shapes=static, kernels=kernels),
+            num_rows=num_rows,
+        )
+        rows = permute(recv_x, local_plan)
+        ctx = _EPContext(
+            plan=send_plan, local_plan=local_plan, splits=splits, token=token, order=order
+        )
+        return rows, local_plan.group_ends, ctx
+
+    def _exchange_counts(
+        self, indices_TK: torch.Tensor, member_TP: torch.Tensor, counts: torch.Tensor | None
+    ) -> tuple[tuple[list[int], list[int]], list[int], torch.Tensor]:
+        """Dropless, dynamic shapes: (rows received from / sent to each rank), assignments
+        received per local expert (host ints: the host sync of this mode), and rows sent per
+        rank (device)."""
+        ep, el = self.placement.ep_size, self.num_local_experts
+        if counts is None:
+            counts = expert_histogram(indices_TK, self.num_experts, backend=self.config.kernels)
         meta_send = torch.cat([counts.reshape(ep, el), member_TP.sum(0)[:, None]], 1)
         meta_recv = torch.empty_like(meta_send)
         dist.all_to_all_single(meta_recv, meta_send.contiguous(), group=self.group)
@@ -217,46 +312,17 @@ class AllToAllDispatcher(ExpertParallelDispatcher):
         recv_meta = [host[ep + s * (el + 1) : ep + (s + 1) * (el + 1)] for s in range(ep)]
         out_splits = [m[el] for m in recv_meta]
         per_expert = [sum(m[j] for m in recv_meta) for j in range(el)]
-        # 3. rows for each destination rank, in token order, with their local expert ids.
-        send_plan = plan_permutation(
-            dest_TP,
-            ep,
-            PermuteConfig(alignment=1, kernels=self.config.kernels),
-            counts=meta_send[:, el],
-            num_rows=sum(in_splits),
-        )
-        token = send_plan.row_assignment // ep
-        local_ids = (
-            indices_TK.index_select(0, token) - (send_plan.row_assignment % ep * el)[:, None]
-        )
-        local_ids = torch.where((local_ids >= 0) & (local_ids < el), local_ids, -1)
-        recv_x = _AllToAll.apply(permute(x_TD, send_plan), out_splits, in_splits, self.group)
-        recv_ids = _all_to_all(local_ids, out_splits, in_splits, self.group)
-        # 4. group the received (token, local expert) assignments by local expert.
-        align = self.config.alignment
-        local_plan = plan_permutation(
-            recv_ids,
-            el,
-            PermuteConfig(alignment=align, kernels=self.config.kernels),
-            counts=meta_recv[:, :el].sum(0),
-            num_rows=sum(-(-c // align) * align for c in per_expert),
-        )
-        rows = permute(recv_x, local_plan)
-        ctx = _EPContext(
-            plan=send_plan, local_plan=local_plan, splits=(out_splits, in_splits), token=token
-        )
-        return rows, local_plan.group_ends, ctx
+        return (out_splits, in_splits), per_expert, meta_send[:, el]
 
     def combine(self, y_RD, weights_TK, ctx: _EPContext):
         if ctx.local_plan is None:
             return self._combine_capacity(y_RD, weights_TK, ctx)
-        assert ctx.splits is not None  # set with local_plan (dropless)
-        out_splits, in_splits = ctx.splits
+        out_splits, in_splits = ctx.splits if ctx.splits is not None else (None, None)
         # Weighted sum over this rank's experts, per received token; then one row per token
         # goes back, and the source adds up the partial sums of the ranks it visited.
-        recv_w = _AllToAll.apply(
-            weights_TK.index_select(0, ctx.token), out_splits, in_splits, self.group
-        )
+        assert ctx.token is not None and ctx.order is not None  # set with local_plan
+        w = weights_TK.index_select(0, ctx.token).gather(1, ctx.order)
+        recv_w = _AllToAll.apply(w, out_splits, in_splits, self.group)
         partial = unpermute_and_combine(y_RD, ctx.local_plan, recv_w)
         back = _AllToAll.apply(partial, in_splits, out_splits, self.group)
         return unpermute_and_combine(back, ctx.plan)

@@ -46,7 +46,8 @@ class PermuteConfig:
     capacity_factor: float | None = None
     """None: dropless. A float c > 0: each expert keeps at most ceil(c * N / E) assignments."""
     static_shapes: bool = False
-    """Dropless only: size the buffer by the upper bound N + E * (A - 1); no host sync."""
+    """Dropless only: size the buffer by the upper bound N + E * (A - 1); no host sync
+    (expert parallelism: even, padded exchanges, see ``dispatch.py``)."""
     kernels: KernelBackend = "auto"
     """Data-movement backend: "auto" (Triton on CUDA, torch elsewhere), "torch", "triton"."""
 

@@ -215,10 +215,11 @@ class AttentionMetadata:
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
-        """``(N + 1,)`` int32 document boundaries in the flattened ``(B·S)`` tokens, row
-        boundaries included (``[0, S, 2S, ...]`` without documents); empty documents repeat a
-        boundary. Derived on first use (the number of documents is data: on an accelerator
-        that reads a count on the host), so backends that never ask (flex) never pay it."""
+        """int32 document boundaries in the flattened ``(B·S)`` tokens, row boundaries
+        included (``[0, S, 2S, ...]`` without documents); empty documents repeat a boundary.
+        Derived from ``starts`` on first use with a static ``B·S + 1`` entries (the ``N + 1``
+        boundaries, then empty documents at the end), on the device: the number of
+        documents is never read on the host."""
         if self.boundaries is None:
             if self.starts is None:
                 S, device = self.seq_len, self.positions.device
@@ -235,7 +236,8 @@ class AttentionMetadata:
 
     def document_lengths(self) -> list[int]:
         """Host list of the documents' lengths in flattened order (empty ones included);
-        one device→host copy per batch, memoised."""
+        one device→host copy per batch, memoised: for host-planned kernels (``varlen``'s
+        tiles on CPU), not for an accelerator's step."""
         if "lengths" not in self._memo:
             self._memo["lengths"] = self.cu_seqlens.diff().tolist()
         return self._memo["lengths"]
@@ -307,12 +309,17 @@ def document_starts(ids_BS: torch.Tensor) -> torch.Tensor:
 
 
 def _cu_seqlens(starts_BS: torch.Tensor) -> torch.Tensor:
-    """Document boundaries in the flattened tokens (the number of documents is data: one
-    host sync)."""
+    """Document boundaries in the flattened tokens, padded to a static ``T + 1`` entries:
+    the ``N + 1`` boundaries, then ``T`` repeated (empty documents). The number of documents
+    is data; the size is not, so nothing is read on the host."""
     B, S = starts_BS.shape
+    T = B * S
     index_BS = torch.arange(S, device=starts_BS.device).expand(B, S)
-    flat_starts = (starts_BS == index_BS).flatten().nonzero().flatten()
-    return torch.cat([flat_starts, flat_starts.new_full((1,), B * S)]).to(torch.int32)
+    flat_index = torch.arange(T, device=starts_BS.device)
+    is_start_T = (starts_BS == index_BS).flatten()
+    # Starts keep their index, every other token sorts last as T: the starts in order.
+    keys_T = torch.sort(torch.where(is_start_T, flat_index, T)).values
+    return torch.cat([keys_T, keys_T.new_full((1,), T)]).to(torch.int32)
 
 
 def check_document_ids(document_ids: torch.Tensor) -> torch.Tensor:

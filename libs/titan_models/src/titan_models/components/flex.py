@@ -21,6 +21,12 @@ from .attention_metadata import AttentionMetadata
 _NO_FLEX_BACKWARD = ("cpu",)
 """Device types whose torch build has no FlexAttention backward (torch 2.13-2.15)."""
 
+
+def has_backward(device: torch.device) -> bool:
+    """Whether FlexAttention runs forward and backward on ``device`` in this torch build."""
+    return device.type not in _NO_FLEX_BACKWARD
+
+
 _EAGER_FLEX = False
 """Run ``flex_attention`` un-compiled (tests on CPU: same semantics, scores materialised;
 compiling it there takes minutes and supports inference only)."""

@@ -1,12 +1,15 @@
 """The ``varlen`` attention backend: packed documents with no ``S × S`` tensor.
 
-Two implementations of one contract (``attention_backends.attend``), chosen by what the
-device offers, both linear in S for a fixed number of documents or a fixed window:
+Three implementations of one contract (``attention_backends.attend``), chosen by what the
+device offers, all linear in S for a fixed number of documents or a fixed window:
 
 - torch's varlen flash attention (``torch.nn.attention.varlen.varlen_attn``) over the
-  flattened tokens and the batch's ``cu_seqlens``, where it runs: CUDA, fp16/bf16, no sinks,
-  no softcap;
-- otherwise SDPA over tiles planned once per batch and window on the host:
+  flattened tokens and the batch's ``cu_seqlens`` (built on the device, static size), where
+  it runs: CUDA, fp16/bf16, no sinks, no softcap;
+- elsewhere on an accelerator (fp32, sinks, softcap): the ``flex`` backend, whose block
+  mask is built on the device from the documents' starts;
+- on CPU (no flash kernel, no FlexAttention backward): SDPA over tiles planned once per
+  batch and window on the host, where the tensors already are (nothing waits):
 
   * a document no longer than the window (any document without one) is one *causal piece*;
     pieces are grouped by length (rounded up to 2^k or 3·2^(k-1), so a group pads at most a
@@ -24,9 +27,10 @@ device offers, both linear in S for a fixed number of documents or a fixed windo
   explicit scores in query chunks under activation checkpointing (memory linear in the
   document length, compute like the dense path).
 
-The host plan costs one device→host copy of the document lengths per batch (memoised on
-the ``AttentionMetadata``); the forward is excluded from ``torch.compile`` (its shapes are
-data), so a compiled block breaks its graph around it.
+The host plan reads the document lengths once per batch (memoised on the
+``AttentionMetadata``); on an accelerator nothing is read back. The forward is excluded from
+``torch.compile`` (the tiles' shapes are data), so a compiled block breaks its graph around
+it.
 
 Shapes: B batch, S sequence, T = B·S tokens, H query heads, K kv heads, E q/k head dim,
 V value dim; a group: m pieces of Lq queries and Lk keys; C = the window.
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from . import flex
 from .attention_metadata import AttentionMetadata
 from .dense_attention import math_attention, sdpa
 
@@ -104,6 +109,10 @@ def forward(
         )
     if _flash_varlen_runs(q_BSHE, sinks, softcap):
         return _flash_varlen(q_BSHE, k_BSKE, v_BSKV, meta, window=window, scale=scale)
+    if flex.has_backward(q_BSHE.device):  # an accelerator: no host plan, no host read
+        block_mask = meta.prepared(("flex", window), lambda: flex.prepare(meta, window))
+        options = dict(window=window, sinks=sinks, scale=scale, softcap=softcap)
+        return flex.forward(q_BSHE, k_BSKE, v_BSKV, meta, block_mask, **options)
     plan = meta.prepared(("varlen-plan", window), lambda: _plan(meta, window))
     if plan.direct and sinks is None and softcap is None:
         q, k, v = q_BSHE.transpose(1, 2), k_BSKE.transpose(1, 2), v_BSKV.transpose(1, 2)
