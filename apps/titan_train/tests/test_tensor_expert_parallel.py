@@ -84,6 +84,7 @@ def _one_layout(out: str, name: str, recipe: str, argv: list[str]) -> dict:
         build_parallel,
         resolve,
     )
+    from titan_train.data.packing import Batch
     from titan_train.losses import loss_sum
     from titan_train.materialize import materialize
     from titan_train.trainer import train_step
@@ -100,8 +101,10 @@ def _one_layout(out: str, name: str, recipe: str, argv: list[str]) -> dict:
 
     reference = build_model(job, torch.device("cpu"))
     batches = [next(build_loaders(job, dp_rank=r)[0]) for r in range(job.dims.dp)]
-    tokens = sum(b.num_target_tokens for b in batches)
-    ref_loss = sum(loss_sum(reference, b) for b in batches) / tokens
+    # one forward over the global batch: the balance loss is a mean over its sequences
+    fields = ("input_ids", "labels", "document_ids", "positions")
+    whole = Batch(*(torch.cat([getattr(b, f) for b in batches]) for f in fields))
+    ref_loss = loss_sum(reference, whole) / whole.num_target_tokens
     ref_loss.backward()
     ref = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
     assert set(grads) == set(ref), sorted(set(grads) ^ set(ref))

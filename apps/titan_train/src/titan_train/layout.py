@@ -18,7 +18,12 @@ full, replicated, with the same gradients on every ``tp`` rank, as under TP with
 dispatches only its ``1/tp`` slice of them to the experts, and the routed outputs are
 all-gathered over ``tp`` (``dist_moe.TokenSplitDispatcher``; its backward gathers the slices'
 input and routing-weight gradients, so no gradient needs a sum over ``tp``). MoE is per token:
-any ranks can exchange tokens, so ``ep`` needs only to divide ``dp_shard * cp * tp``.
+any ranks can exchange tokens, so ``ep`` needs only to divide ``dp_shard * cp * tp``. The
+price of the split, per MoE layer: an all-gather of the ``(T, D)`` routed outputs over ``tp`` in
+the forward, and of the ``(T, D)`` input and ``(T, top_k)`` routing-weight gradients in the
+backward; in return the experts' work and the all-to-all volume fall by ``tp``. The seed's
+PP1 / DP16 / TP4 / CP4 / EP64 (256 ranks): ``dp_shard x cp x tp = 256``, so each ``ep`` group
+of 64 holds 4 ``dp_shard`` x 4 ``cp`` x 4 ``tp`` ranks, and every expert has 4 copies.
 
 Routed experts are split over ``ep`` and sharded by flexshard over the ranks that hold the same
 ones (``experts_dp``: ``dp_replicate x experts_shard``); everything else over ``dp_replicate x
