@@ -1,5 +1,9 @@
 """TP x EP (x CP) on gloo: the loss and every gradient of one step equal one process's (fp32).
 
+Qwen3-MoE (routed experts) and DeepSeek-V3 (routed + shared experts, MLA by heads, MTP) at
+TP 2 x EP 2 on two ranks; gpt-oss and Kimi K2.5 (images) there too, and Qwen3-MoE at
+TP 2 x CP 2 x DP-shard 2 with EP 2 and EP 8 on eight ranks (slow).
+
 Experts are split over ``ep`` while attention and the dense layers are tensor-parallel on the
 same ranks: every ``tp`` rank routes every token, dispatches its slice of them, and the routed
 outputs are gathered (``titan_train.layout``). One spawn per world size runs the app's own path
@@ -26,7 +30,13 @@ COMMON = [
 TP2_EP2 = ["--parallel.tp", "2", "--parallel.ep", "2", "--parallel.dp-shard", "1"]
 WORLD2 = {  # name: (recipe, arguments); the ep group is the tp group
     "qwen3_moe_tp2_ep2": ("qwen3_moe_debug", TP2_EP2),
+    # routed + shared experts, aux-loss-free bias, MLA by heads (the rope key's gradient
+    # summed over tp), an MTP module
+    "deepseek_v3_tp2_ep2": ("deepseek_v3_debug", TP2_EP2),
+}
+WORLD2_MORE = {
     "gpt_oss_tp2_ep2": ("gpt_oss_debug", TP2_EP2),  # biased experts, attention sinks
+    "kimi_k25_tp2_ep2": ("kimi_k25_debug", TP2_EP2),  # DeepSeek-V3's decoder, with images
 }
 WORLD8 = {  # 8 = dp_shard 2 x cp 2 x tp 2; ep 2 inside each tp group, then ep 8 across all
     "qwen3_moe_tp2_cp2_ep2": (
@@ -103,7 +113,11 @@ def _one_layout(out: str, name: str, recipe: str, argv: list[str]) -> dict:
     batches = [next(build_loaders(job, dp_rank=r)[0]) for r in range(job.dims.dp)]
     # one forward over the global batch: the balance loss is a mean over its sequences
     fields = ("input_ids", "labels", "document_ids", "positions")
-    whole = Batch(*(torch.cat([getattr(b, f) for b in batches]) for f in fields))
+    whole = (
+        batches[0]
+        if len(batches) == 1
+        else Batch(*(torch.cat([getattr(b, f) for b in batches]) for f in fields))
+    )
     ref_loss = loss_sum(reference, whole) / whole.num_target_tokens
     ref_loss.backward()
     ref = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
@@ -151,6 +165,12 @@ def _check(ranks: list[dict], layouts: dict) -> None:
 
 def test_tp2_x_ep2_on_the_same_two_ranks_equals_one_process(tmp_path):
     _check(run_distributed(_layouts, 2, str(tmp_path), WORLD2, timeout=600), WORLD2)
+
+
+@pytest.mark.slow  # two more families: ~70 s on the shared 2-core machine
+def test_tp2_x_ep2_of_gpt_oss_and_kimi_k25_equals_one_process(tmp_path):
+    pytest.importorskip("transformers")  # Kimi K2.5's image processor
+    _check(run_distributed(_layouts, 2, str(tmp_path), WORLD2_MORE, timeout=600), WORLD2_MORE)
 
 
 @pytest.mark.slow  # 8 ranks on the shared 2-core machine

@@ -119,8 +119,7 @@ def check_plan(cfg: JobConfig, dims: ParallelDims, plan: titan_models.ModelPlan)
         _check_context_parallel(cfg, dims, plan.cp_min_chunk)
     if dims.ep > 1 and plan.num_experts % dims.ep:
         raise ValueError(
-            f"parallel.ep={dims.ep} must divide the model's num_experts={plan.num_experts} "
-            f"({name})"
+            f"parallel.ep={dims.ep} must divide the model's num_experts={plan.num_experts} ({name})"
         )
 
 

@@ -189,7 +189,8 @@ def _apply_tensor_parallel(
     embedding, full logits gathered at the head. Norms on the residual stream stay replicated
     (no sequence parallelism yet). The plan's ``replicated`` norms run on the local heads: they
     become replicated DTensors over the head dimension (``SequenceParallel`` on dim 2), so
-    DTensor sums their partial gradients."""
+    DTensor sums their partial gradients. The plan's ``head_shared_columns`` (MLA's rope key)
+    get their gradient summed over ``tp`` by a forward hook's autograd function."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -218,6 +219,32 @@ def _apply_tensor_parallel(
             layout[n] = lora_tensor_parallel(style)
     if layout:
         parallelize_module(module, tp_mesh, layout)
+    for pattern, start in tp_plan.head_shared_columns:  # MLA's rope key: read by every head
+        for n in _matching(modules, pattern):
+            modules[n].register_forward_hook(_sum_grad_columns_hook(start, tp_mesh.get_group()))
+
+
+class _SumGradColumns(torch.autograd.Function):
+    """Forward: the identity. Backward: the gradient's last-dim columns from ``start`` on
+    summed over ``group`` (each rank's local heads gave their part of it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, start: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.start, ctx.group = start, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # pyrefly: ignore[bad-override]  # torch: one arg per output
+        tail = grad[..., ctx.start :].contiguous()
+        dist.all_reduce(tail, group=ctx.group)
+        return torch.cat([grad[..., : ctx.start], tail], dim=-1), None, None
+
+
+def _sum_grad_columns_hook(start: int, group: dist.ProcessGroup) -> Any:
+    def hook(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return _SumGradColumns.apply(out, start, group)
+
+    return hook
 
 
 def _matching(modules: dict[str, nn.Module], pattern: str) -> list[str]:
