@@ -149,6 +149,11 @@ def test_dry_run_is_the_fake_backend_with_no_step(tmp_path, capsys):
             ["--comm.fake-world-size", "4", "--parallel.dp-shard", "4", "--parallel.ep", "3"],
             "parallel.ep=3 must divide parallel.dp_shard*cp*tp = 4*1*1",
         ),
+        (
+            ["--recipe", "qwen3_moe_debug", "--comm.fake-world-size", "2", "--parallel.tp", "2",
+             "--parallel.ep", "2", "--training.seq-len", "63"],
+            "parallel.tp must divide 63",
+        ),
         (["--training.device", "cuda"], "has 0 CUDA device(s)"),
         (["--nproc", "2", "--comm.fake-world-size", "8"], "cannot be combined with --nproc 2"),
     ],

@@ -121,6 +121,14 @@ def check_plan(cfg: JobConfig, dims: ParallelDims, plan: titan_models.ModelPlan)
         raise ValueError(
             f"parallel.ep={dims.ep} must divide the model's num_experts={plan.num_experts} ({name})"
         )
+    local_len = cfg.training.seq_len // dims.cp
+    if dims.ep > 1 and dims.tp > 1 and local_len % dims.tp:
+        # even slices: static-capacity dispatch (fake mode, symm_mem) needs equal token counts
+        raise ValueError(
+            f"parallel.ep={dims.ep} with parallel.tp={dims.tp} splits each sequence's "
+            f"training.seq_len / parallel.cp = {cfg.training.seq_len} / {dims.cp} = {local_len} "
+            f"tokens over the tensor-parallel ranks: parallel.tp must divide {local_len}"
+        )
 
 
 def _check_pipeline(cfg: JobConfig, dims: ParallelDims, units: int) -> None:
