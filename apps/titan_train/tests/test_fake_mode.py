@@ -176,6 +176,7 @@ FULL_SIZE = {
     "qwen3_moe_235b": [
         "--comm.fake-world-size", "256", "--parallel.pp", "1", "--parallel.dp-shard", "16",
         "--parallel.tp", "4", "--parallel.cp", "4", "--parallel.ep", "64",
+        "--remat.policy", "full",  # context parallelism refuses selective remat
     ],
 }  # fmt: skip
 
