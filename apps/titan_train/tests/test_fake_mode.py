@@ -170,23 +170,25 @@ def test_bad_layouts_and_devices_fail_with_one_line_before_allocating(capsys, ar
 # DeepSeek-V3 671B at 256 (PP 2 / DP 128 / EP 64, ~2 min) are left to
 # apps/titan_train/benchmarks/fake_scale.py to keep CI's slow step within its budget; PP x EP
 # in fake mode is checked by the pipeline-stage test above (deepseek_v4_debug, qwen3_moe_debug).
-FULL_SIZE = {
-    "gpt_oss_120b": ["--comm.fake-world-size", "64"],  # DP 64 / EP 32 (recipe)
-    # the seed's Muse Spark layout, PP 1 / DP 16 / TP 4 / CP 4 / EP 64, on Qwen3-235B-A22B
-    "qwen3_moe_235b": [
-        "--comm.fake-world-size", "256", "--parallel.pp", "1", "--parallel.dp-shard", "16",
-        "--parallel.tp", "4", "--parallel.cp", "4", "--parallel.ep", "64",
-        "--remat.policy", "full",  # context parallelism refuses selective remat
-    ],
+FULL_SIZE = {  # recipe: (arguments, how far the shards may add up past the model)
+    "gpt_oss_120b": (["--comm.fake-world-size", "64"], 0.01),  # DP 64 / EP 32 (recipe)
+    # TP 4 x EP 64 on the same ranks (PP 2 / DP 32), one step: ~5 min of the slow budget; TP
+    # leaves routers, shared experts and MLA latents whole on each tp rank (measured +1.6 %)
+    "deepseek_v3_671b": (
+        ["--comm.fake-world-size", "256", "--parallel.dp-shard", "32", "--parallel.tp", "4",
+         "--training.steps", "1"],
+        0.02,
+    ),
 }  # fmt: skip
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", sorted(FULL_SIZE))
 def test_full_size_recipe_runs_two_fake_steps_in_little_memory(tmp_path, recipe):
+    extra, rel = FULL_SIZE[recipe]
     argv = [
-        sys.executable, "-m", "titan_train", "--recipe", recipe, *FULL_SIZE[recipe],
-        "--training.steps", "2", "--output-dir", str(tmp_path),
+        sys.executable, "-m", "titan_train", "--recipe", recipe, "--training.steps", "2",
+        *extra, "--output-dir", str(tmp_path),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     subprocess.run(argv, check=True, env=env, timeout=1500)
@@ -196,7 +198,7 @@ def test_full_size_recipe_runs_two_fake_steps_in_little_memory(tmp_path, recipe)
     per_stage_ranks = report["world_size"] // report["layout"]["pp"]
     assert per_stage_ranks % shards == 0
     total = sum(row["params_bytes"] for row in report["stages"]) * shards
-    assert total == pytest.approx(report["parameters"] * 4, rel=0.01)
+    assert report["parameters"] * 4 * 0.99 <= total <= report["parameters"] * 4 * (1 + rel)
 
 
 def test_a_real_run_that_cannot_hold_its_shard_fails_before_allocating(capsys):
