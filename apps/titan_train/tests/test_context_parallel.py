@@ -182,7 +182,7 @@ def test_context_parallel_composes_with_pipeline_and_expert_parallelism(composed
         (
             ["--model.family", "qwen3_moe", "--parallel.cp", "2", "--parallel.ep", "4"],
             2,
-            "parallel.ep=4 must divide parallel.dp_shard*cp = 1*2",
+            "parallel.ep=4 must divide parallel.dp_shard*cp*tp = 1*2*1",
         ),
         (
             ["--parallel.cp", "2", "--remat.policy", "selective"],

@@ -19,10 +19,11 @@ from titan_train.build import build_model, build_optimizer, resolve
 from titan_train.cli import parse_config
 from titan_train.data.packing import Batch
 from titan_train.errors import ConfigError
+from titan_train.layout import ParallelDims
 from titan_train.loaders import loaders as job_loaders
 from titan_train.lr_schedule import build_lr_scheduler
 from titan_train.materialize import local_bytes
-from titan_train.parallelize import ParallelDims, ParallelModel
+from titan_train.parallelize import ParallelModel
 from titan_train.trainer import train, train_step
 
 STEPS = 6

@@ -52,7 +52,14 @@ WORLD2 = {
         "--model.family", "qwen3_moe", "--parallel.dp-shard", "2", "--parallel.ep", "2",
         "--moe.dispatch", "symm_mem",
     ],
-    "qwen3_moe_tp2": ["--model.family", "qwen3_moe", "--parallel.tp", "2", "--parallel.dp-shard", "1"],
+    "qwen3_moe_tp2": [
+        "--model.family", "qwen3_moe", "--parallel.tp", "2", "--parallel.dp-shard", "1",
+        "--checkpoint.export-hf",
+    ],
+    "qwen3_moe_tp2_ep2": [
+        "--model.family", "qwen3_moe", "--parallel.tp", "2", "--parallel.ep", "2",
+        "--parallel.dp-shard", "1", "--checkpoint.export-hf",
+    ],
     "deepseek_v3_dp2": ["--model.family", "deepseek_v3", "--parallel.dp-shard", "2"],
     "deepseek_v3_ep2": [
         "--model.family", "deepseek_v3", "--parallel.dp-shard", "2", "--parallel.ep", "2",
@@ -94,7 +101,7 @@ def _train_cases(out: str, cases: dict[str, list[str]], resume: bool) -> dict[st
 
 HF_EXPORTS = (
     ("w2", "dp2"), ("w4", "dp2_tp2"), ("w2", "tp2"), ("w2", "pp2"), ("w2", "qwen3_moe_dp2"),
-    ("w2", "qwen3_moe_ep2"),
+    ("w2", "qwen3_moe_ep2"), ("w2", "qwen3_moe_tp2"), ("w2", "qwen3_moe_tp2_ep2"),
 )  # fmt: skip
 
 
@@ -281,3 +288,18 @@ def test_expert_parallel_smaller_than_data_parallel_trains_like_one_process(runs
     # The same tokens reach the same experts and the gradients are scaled alike: equal to
     # the model without expert parallelism, every step.
     torch.testing.assert_close(ep2_dp4, runs["qwen3_moe_dp4"], rtol=0, atol=1e-5)
+
+
+def test_tp2_x_ep2_on_the_same_ranks_trains_like_tp2_and_exports_the_same_model(runs):
+    # Experts split over the two tensor-parallel ranks, each dispatching half of the tokens:
+    # step 1 equals one process; the expert gradients sum the tokens in another grouping, so
+    # later steps follow TP 2 alone to the last bits Adam grows (as TP 2 vs one process).
+    single, tp2 = runs["qwen3_moe_single"], runs["qwen3_moe_tp2"]
+    tp2_ep2 = runs["qwen3_moe_tp2_ep2"]
+    assert abs(tp2_ep2[0] - single[0]) <= 1e-5
+    _falls(tp2_ep2)
+    torch.testing.assert_close(tp2_ep2, tp2, rtol=0, atol=5e-3)
+    logits = runs["hf_logits"]
+    torch.testing.assert_close(
+        logits["qwen3_moe_tp2_ep2"], logits["qwen3_moe_tp2"], rtol=0, atol=1e-4
+    )

@@ -777,6 +777,22 @@ def check_ignored_params() -> dict[str, Any]:
     }
 
 
+def check_nested_full_state_dict() -> dict[str, Any]:
+    """A submodule sharded on its own first (experts over their own mesh), then the rest with
+    its parameters ignored: the full state dict of the whole holds every entry, whole."""
+    model, ref = make_model(), make_model()
+    inner = model.layers[1]
+    fs.shard(inner)
+    mine = list(inner.parameters())
+    fs.shard(model, buckets=fs.default_buckets(model, ignored_params=mine), ignored_params=mine)
+    full = fs.full_state_dict(model, rank0_only=False)
+    want = ref.state_dict()
+    return {
+        "keys": sorted(full) == sorted(want),
+        "err": max(float((full[k] - v).abs().max()) for k, v in want.items()),
+    }
+
+
 def check_optim_state() -> dict[str, Any]:
     """AdamW state as ShardedParams (every placement, rank-ordered reduction): each chunk
     equals the slice of one process's state; filled from one process's full state (what a
@@ -857,6 +873,7 @@ def feature_checks() -> dict[str, Any]:
     return {
         "optim_state": check_optim_state(),
         "ignored": check_ignored_params(),
+        "nested": check_nested_full_state_dict(),
         "overlap": check_overlap(),
         "readme": readme_example(),
         "owned_balance": check_owned_balance(),

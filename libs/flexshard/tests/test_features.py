@@ -114,6 +114,13 @@ def test_ignored_params_stay_whole_and_keep_their_local_gradient(res):
         assert got["grad_err"] <= 1e-6  # this rank's own gradient, not averaged
 
 
+def test_full_state_dict_of_a_module_with_a_separately_sharded_submodule_is_whole(res):
+    world, out = res
+    for r in range(world):
+        got = out[r]["nested"]
+        assert got["keys"] and got["err"] == 0, got  # bucket numbers repeat per module
+
+
 def test_optimizer_state_is_sharded_like_its_parameters_and_reloads_exactly(res):
     world, out = res
     for r in range(world):

@@ -226,7 +226,8 @@ def assert_logits_match():
 def tp_styles():
     """``styles(plan, model) -> {module name: [TensorParallelPlan fields naming it]}``, after
     checking that every module pattern of the plan names at least one module
-    (``head_sharded`` holds parameter patterns: not a module style)."""
+    (``head_sharded`` holds parameter patterns, ``head_shared_columns`` a hook on modules
+    styled otherwise: neither is a module style)."""
     import dataclasses
 
     from titan_models import fqn_matches
@@ -234,10 +235,13 @@ def tp_styles():
     def styles(plan, model) -> dict[str, list[str]]:
         tp = plan.tensor_parallel
         names = [n for n, _ in model.named_modules()]
-        fields = [f.name for f in dataclasses.fields(tp) if f.name != "head_sharded"]
+        hooks = ("head_sharded", "head_shared_columns")
+        fields = [f.name for f in dataclasses.fields(tp) if f.name not in hooks]
         for field in fields:
             for pattern in getattr(tp, field):
                 assert any(fqn_matches(pattern, n) for n in names), (field, pattern)
+        for pattern, _ in tp.head_shared_columns:
+            assert any(fqn_matches(pattern, n) for n in names), ("head_shared_columns", pattern)
         return {
             n: [f for f in fields if any(fqn_matches(p, n) for p in getattr(tp, f))] for n in names
         }

@@ -111,7 +111,8 @@ def test_plan_lists_the_moe_modules_and_tp_covers_everything_else(tp_styles, fam
 @pytest.mark.parametrize("q_lora_rank", [0, 64])
 def test_mla_on_the_tp_plans_head_shards_sums_to_the_whole(q_lora_rank):
     # Emulates TP=2 on one process: each "rank" keeps the weights the plan gives it (colwise:
-    # its rows, rowwise: its columns, replicated: all) and the rowwise outputs are summed.
+    # its rows, rowwise: its columns, replicated / unsharded: all) and the rowwise outputs are
+    # summed.
     model = _model("deepseek_v3", q_lora_rank=q_lora_rank).eval()
     tp = titan_models.get_plan(model.config).tensor_parallel
     full = model.layers["0"].attention
@@ -127,7 +128,7 @@ def test_mla_on_the_tp_plans_head_shards_sums_to_the_whole(q_lora_rank):
             elif any(fqn_matches(p, fqn) for p in tp.rowwise):
                 linear.weight = nn.Parameter(linear.weight.chunk(2, dim=1)[rank].clone())
             else:
-                assert any(fqn_matches(p, fqn) for p in tp.replicated), fqn
+                assert any(fqn_matches(p, fqn) for p in (*tp.replicated, *tp.unsharded)), fqn
         shards.append(shard)
     meta = AttentionMetadata.causal(2, 12, "cpu")
     with torch.no_grad():

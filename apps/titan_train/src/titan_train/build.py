@@ -34,17 +34,12 @@ from titan_train.device import resolve_device
 from titan_train.errors import ConfigError
 from titan_train.fault_tolerance import replica_config
 from titan_train.graph import check_graph, static_moe_shapes
+from titan_train.layout import ParallelDims, build_mesh, check_plan
 from titan_train.loaders import IMAGE_TEXT, check_data, loaders
 from titan_train.lora import apply_lora_config, check_lora
 from titan_train.low_precision import apply_quantize, check_low_precision
 from titan_train.model_config import ModelClass, model_config
-from titan_train.parallelize import (
-    ParallelDims,
-    ParallelModel,
-    build_mesh,
-    check_plan,
-    parallelize,
-)
+from titan_train.parallelize import ParallelModel, parallelize
 from titan_train.run_folder import plan_run_folder
 
 __all__ = [

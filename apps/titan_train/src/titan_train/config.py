@@ -53,7 +53,8 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree."""
     ep: int = 1
-    """Expert-parallel degree (MoE models), carved out of the data-parallel ranks."""
+    """Expert-parallel degree (MoE models), carved out of the dp_shard x cp x tp ranks (under
+    tp each tensor-parallel rank dispatches its slice of the tokens)."""
     cp: int = 1
     """Context-parallel degree: each sequence split over this many ranks (head-tail chunks);
     training.seq_len must be divisible by 2 * cp."""

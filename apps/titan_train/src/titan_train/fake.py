@@ -43,7 +43,8 @@ from titan_train.build import Job, build_loaders, build_optimizer, build_paralle
 from titan_train.config import JobConfig
 from titan_train.device import FAKE_DEVICE, init_fake_process_group
 from titan_train.errors import ConfigError
-from titan_train.parallelize import ParallelDims, ParallelModel
+from titan_train.layout import ParallelDims
+from titan_train.parallelize import ParallelModel
 
 
 class _FusedAttentionMemory(torch.autograd.Function):

@@ -11,22 +11,11 @@ then gives each rank the pieces it holds. The pipeline split happens first, so e
 parallelised on its own, as in torchtitan. No sharding, schedule or MoE logic lives here: only
 the wiring.
 
-Mesh axes, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``; ``dp``
-is ``dp_replicate x dp_shard`` flattened, ``dp_cp`` the same with ``cp``, and under expert
-parallelism ``dp_shard x cp`` unflattens into ``experts_shard x ep`` (as torchtitan carves EP out
-of ``dp_shard x cp``): the ``ep`` group is the innermost ``ep`` ranks of ``dp_shard x cp``, so
-with ``ep`` dividing ``cp`` it lies inside one sequence's context-parallel group (MoE is per
-token: any ranks can exchange tokens). Under pipelining every stage runs on the local ``S / cp``
-tokens of each microbatch; its context-parallel group is the ``cp`` axis at its ``pp`` position.
-Data-parallel ranks read different data; ``tp`` and ``pp`` ranks of one data-parallel rank
-read the same, and its ``cp`` ranks each take their shard of every sequence
-(``ParallelModel.shard_batch``). Parameters are replicated over ``cp`` like over the
-data-parallel ranks, so flexshard shards them over ``dp_shard x cp`` (as torchtitan does).
-Experts are split over ``ep`` and sharded by flexshard over what remains
-(``dp_replicate x experts_shard``); everything else over ``dp_replicate x dp_shard x
-cp`` (HSDP when ``dp_replicate > 1``). flexshard averages gradients over those ranks; an
-expert's gradient already sums the tokens of its ``ep`` group (the all-to-all's backward), so
-its own sharding divides by the whole ``dp x cp`` size.
+The mesh and its axes, what each parallel degree requires and how expert parallelism shares
+ranks with tensor parallelism are ``titan_train.layout``'s (see its docstring). Under
+pipelining every stage runs on the local ``S / cp`` tokens of each microbatch; its
+context-parallel group is the ``cp`` axis at its ``pp`` position. ``ParallelModel.shard_batch``
+gives each ``cp`` rank its shard of every sequence.
 """
 
 from __future__ import annotations
@@ -42,63 +31,12 @@ from torch import nn
 import titan_models
 from titan_train.config import JobConfig
 from titan_train.data.packing import Batch
+from titan_train.layout import ParallelDims
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from flexshard import FlexShardModule
-
-
-@dataclass(frozen=True, slots=True)
-class ParallelDims:
-    """Resolved degrees of one job (``dp_shard=-1`` filled in)."""
-
-    world_size: int
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    pp: int
-    ep: int
-    cp: int = 1
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel ranks: those that read different data."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def dp_cp(self) -> int:
-        """Ranks that hold different tokens of a step (data-parallel x context-parallel):
-        the loss and the replicated parameters' gradients are reduced over them."""
-        return self.dp * self.cp
-
-    @classmethod
-    def resolve(cls, cfg: JobConfig, world_size: int) -> ParallelDims:
-        """Check the degrees against the world size; raise ``ValueError`` naming the fields."""
-        p = cfg.parallel
-        others = p.dp_replicate * p.tp * p.pp * p.cp
-        if p.dp_shard == -1:
-            if world_size % others:
-                raise ValueError(
-                    f"parallel degrees dp_replicate*dp_shard*cp*tp*pp must equal the world size "
-                    f"{world_size}, but dp_replicate*cp*tp*pp = {p.dp_replicate}*{p.cp}*{p.tp}*"
-                    f"{p.pp} = {others} does not divide it (parallel.dp_shard=-1 takes the rest)"
-                )
-            dp_shard = world_size // others
-        else:
-            dp_shard = p.dp_shard
-        product = others * dp_shard
-        if product != world_size:
-            raise ValueError(
-                f"parallel degrees dp_replicate*dp_shard*cp*tp*pp = {p.dp_replicate}*{dp_shard}*"
-                f"{p.cp}*{p.tp}*{p.pp} = {product} must equal the world size {world_size}"
-            )
-        if (dp_shard * p.cp) % p.ep:
-            raise ValueError(
-                f"parallel.ep={p.ep} must divide parallel.dp_shard*cp = {dp_shard}*{p.cp}: "
-                "expert parallelism is carved out of the data- and context-parallel shards"
-            )
-        return cls(world_size, p.dp_replicate, dp_shard, p.tp, p.pp, p.ep, p.cp)
 
 
 @dataclass(slots=True)
@@ -195,114 +133,6 @@ class ParallelModel:
         )
 
 
-def check_plan(cfg: JobConfig, dims: ParallelDims, plan: titan_models.ModelPlan) -> None:
-    """The layout against what the model's plan says it supports; raise before anything is
-    built. The plan is the only source: no family name or config field is looked at here."""
-    name = f"{cfg.model.family} {cfg.model.flavor}"
-    for axis in ("tp", "pp", "cp", "ep"):
-        degree = getattr(dims, axis)
-        why = plan.refusal(axis)
-        if degree > 1 and why is not None:
-            raise ValueError(
-                f"parallel.{axis}={degree} is not supported by {name}: {why} (use "
-                f"parallel.{axis}=1)"
-            )
-    if dims.tp > 1:
-        for field_name, count in plan.tp_divisors:
-            if count % dims.tp:
-                raise ValueError(
-                    f"parallel.tp={dims.tp} must divide the model's {field_name}={count} ({name})"
-                )
-    if dims.pp > 1:
-        _check_pipeline(cfg, dims, len(plan.pipeline_units))
-    if dims.cp > 1:
-        _check_context_parallel(cfg, dims, plan.cp_min_chunk)
-    if dims.ep > 1:
-        if plan.num_experts % dims.ep:
-            raise ValueError(
-                f"parallel.ep={dims.ep} must divide the model's num_experts={plan.num_experts} "
-                f"({name})"
-            )
-        if dims.tp > 1:
-            raise ValueError("parallel.ep > 1 together with parallel.tp > 1 is not supported yet")
-
-
-def _check_pipeline(cfg: JobConfig, dims: ParallelDims, units: int) -> None:
-    import titan_pipeline
-
-    p = cfg.parallel
-    if p.pp_schedule not in titan_pipeline.STAGES_PER_RANK:
-        raise ValueError(
-            f"parallel.pp_schedule={p.pp_schedule!r} is not one of "
-            f"{sorted(titan_pipeline.STAGES_PER_RANK)}"
-        )
-    stages = dims.pp * titan_pipeline.STAGES_PER_RANK[p.pp_schedule]
-    if stages > units:
-        raise ValueError(
-            f"parallel.pp={dims.pp} with schedule {p.pp_schedule!r} needs {stages} stages "
-            f"but the model has only {units} pipeline units (embedding, blocks, head)"
-        )
-    micro = cfg.training.batch_size // cfg.training.grad_accum
-    if micro % p.pp_microbatches:
-        raise ValueError(
-            f"parallel.pp_microbatches={p.pp_microbatches} must divide the micro-batch of "
-            f"{micro} sequences (training.batch_size / training.grad_accum)"
-        )
-
-
-def _check_context_parallel(cfg: JobConfig, dims: ParallelDims, min_chunk: int) -> None:
-    """What context parallelism does not compose with yet: one error naming it."""
-    # selective remat likely caches every score tile's matmul of the attention's forward
-    # (measured: 2,333 GiB of activations per rank, Llama 3 8B at 128K over CP 8)
-    if cfg.remat.policy == "selective":
-        raise ValueError(
-            f"parallel.cp={dims.cp} does not compose with remat.policy='selective' yet; context "
-            "parallelism composes with parallel.dp_shard, dp_replicate, tp, pp and ep (set "
-            "parallel.cp=1 to use it)"
-        )
-    chunk = cfg.training.seq_len // (2 * dims.cp)
-    if chunk < min_chunk:
-        raise ValueError(
-            f"parallel.cp={dims.cp} splits training.seq_len={cfg.training.seq_len} into chunks "
-            f"of {chunk} tokens, shorter than the model's smallest context-parallel chunk of "
-            f"{min_chunk} tokens (the linear-attention conv window's {min_chunk} earlier "
-            f"inputs); use training.seq_len >= {2 * dims.cp * min_chunk}"
-        )
-
-
-def build_mesh(dims: ParallelDims, device_type: str) -> dict[str, Any]:
-    """The device meshes of the job, by axis (empty on one process): ``pp``, ``tp``, ``cp``,
-    ``dp_replicate``, ``dp_shard``, ``dp`` (the two flattened: which data a rank reads),
-    ``dp_cp`` (with ``cp``: over which the loss is summed), ``dp_2d`` (replicate x
-    ``dp_shard·cp``, flexshard's HSDP mesh) and, under expert parallelism, ``ep`` and
-    ``experts_dp`` (replicate x ``dp_shard·cp / ep``: where an expert's copies live)."""
-    if dims.world_size == 1:
-        return {}
-    from torch.distributed.device_mesh import init_device_mesh
-
-    axes = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-    root = init_device_mesh(
-        device_type,
-        (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp),
-        mesh_dim_names=axes,
-    )
-    meshes = {axis: root[axis] for axis in axes}
-    meshes["dp"] = root[("dp_replicate", "dp_shard")]._flatten("dp")
-    dp_cp = root[("dp_replicate", "dp_shard", "cp")]._flatten("dp_cp")
-    meshes["dp_cp"] = dp_cp
-    meshes["dp_2d"] = dp_cp._unflatten(
-        0, (dims.dp_replicate, dims.dp_shard * dims.cp), ("dp_replicate", "dp_shard_cp")
-    )
-    if dims.ep > 1:  # the innermost ep ranks of dp_shard x cp (the ranks nearest each other)
-        split = dp_cp._unflatten(
-            0,
-            (dims.dp_replicate, dims.dp_shard * dims.cp // dims.ep, dims.ep),
-            ("dp_replicate", "experts_shard", "ep"),
-        )
-        meshes |= {"ep": split["ep"], "experts_dp": split[("dp_replicate", "experts_shard")]}
-    return meshes
-
-
 def parallelize(
     model: titan_models.Transformer,
     cfg: JobConfig,
@@ -338,7 +168,7 @@ def parallelize(
             _apply_tensor_parallel(part, plan.tensor_parallel, meshes["tp"])
         if dims.ep > 1:
             mesh_type = next(iter(meshes.values())).device_type
-            pm.experts += _apply_expert_parallel(part, plan, pm.group("ep"), cfg, mesh_type)
+            pm.experts += _apply_expert_parallel(part, plan, pm, cfg, mesh_type)
         if not (cfg.compile.mode == "graph" and "memory" in cfg.compile.passes):
             _apply_remat(part, plan, cfg)  # else the graph's memory pass applies the policy
         if cfg.compile.mode == "local" or cfg.compile.enabled:
@@ -359,7 +189,8 @@ def _apply_tensor_parallel(
     embedding, full logits gathered at the head. Norms on the residual stream stay replicated
     (no sequence parallelism yet). The plan's ``replicated`` norms run on the local heads: they
     become replicated DTensors over the head dimension (``SequenceParallel`` on dim 2), so
-    DTensor sums their partial gradients."""
+    DTensor sums their partial gradients. The plan's ``head_shared_columns`` (MLA's rope key)
+    get their gradient summed over ``tp`` by a forward hook's autograd function."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -388,6 +219,32 @@ def _apply_tensor_parallel(
             layout[n] = lora_tensor_parallel(style)
     if layout:
         parallelize_module(module, tp_mesh, layout)
+    for pattern, start in tp_plan.head_shared_columns:  # MLA's rope key: read by every head
+        for n in _matching(modules, pattern):
+            modules[n].register_forward_hook(_sum_grad_columns_hook(start, tp_mesh.get_group()))
+
+
+class _SumGradColumns(torch.autograd.Function):
+    """Forward: the identity. Backward: the gradient's last-dim columns from ``start`` on
+    summed over ``group`` (each rank's local heads gave their part of it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, start: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.start, ctx.group = start, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # pyrefly: ignore[bad-override]  # torch: one arg per output
+        tail = grad[..., ctx.start :].contiguous()
+        dist.all_reduce(tail, group=ctx.group)
+        return torch.cat([grad[..., : ctx.start], tail], dim=-1), None, None
+
+
+def _sum_grad_columns_hook(start: int, group: dist.ProcessGroup) -> Any:
+    def hook(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return _SumGradColumns.apply(out, start, group)
+
+    return hook
 
 
 def _matching(modules: dict[str, nn.Module], pattern: str) -> list[str]:
@@ -400,15 +257,18 @@ def _matching(modules: dict[str, nn.Module], pattern: str) -> list[str]:
 def _apply_expert_parallel(
     module: nn.Module,
     plan: titan_models.ModelPlan,
-    group: dist.ProcessGroup | None,
+    pm: ParallelModel,
     cfg: JobConfig,
     device_type: str,
 ) -> list[tuple[str, nn.Module, Any]]:
-    """Split each MoE's routed experts over ``group``, tokens exchanged by ``moe.dispatch``:
-    all-to-all collectives, or dist_moe's symmetric-memory puts (emulated in shared memory
-    when the group has no CUDA devices)."""
+    """Split each MoE's routed experts over the ``ep`` group, tokens exchanged by
+    ``moe.dispatch``: all-to-all collectives, or dist_moe's symmetric-memory puts (emulated in
+    shared memory when the group has no CUDA devices). Under tensor parallelism each ``tp``
+    rank dispatches its slice of the (replicated) tokens, the outputs gathered over ``tp``."""
     import dist_moe
 
+    group = pm.group("ep")
+    token_group = pm.group("tp") if pm.dims.tp > 1 else None
     out: list[tuple[str, nn.Module, Any]] = []
     for n, sub in list(module.named_modules()):
         if any(titan_models.fqn_matches(p, n) for p in plan.experts):
@@ -426,7 +286,9 @@ def _apply_expert_parallel(
                     max_tokens=cfg.moe.symm_mem_max_tokens or None,
                     emulate=device_type != "cuda",
                 )
-            placement = dist_moe.expert_parallel(sub, group, dispatcher=dispatcher)
+            placement = dist_moe.expert_parallel(
+                sub, group, dispatcher=dispatcher, token_group=token_group
+            )
             out.append((f"{n}.experts", sub.experts, placement))
     return out
 

@@ -26,6 +26,7 @@ from dist_moe.router import (
     update_expert_biases,
 )
 from dist_moe.symm_mem import SymmMemDispatcher
+from dist_moe.token_split import TokenSplitDispatcher
 
 __version__ = "0.1.0"
 
@@ -46,6 +47,7 @@ __all__ = [
     "SharedExperts",
     "SwiGLU",
     "SymmMemDispatcher",
+    "TokenSplitDispatcher",
     "TopKRouter",
     "__version__",
     "combine_rows",

@@ -28,6 +28,7 @@ from dist_moe.permute import PermuteConfig
 from dist_moe.placement import ExpertPlacement
 from dist_moe.router import ExpertLoad, RouterConfig, TopKRouter
 from dist_moe.symm_mem import SymmMemDispatcher
+from dist_moe.token_split import TokenSplitDispatcher
 
 __all__ = ["MoE", "MoEConfig", "expert_parallel"]
 
@@ -171,6 +172,7 @@ def expert_parallel(
     group: dist.ProcessGroup | None = None,
     *,
     dispatcher: Literal["all_to_all", "symm_mem"] | Dispatcher = "all_to_all",
+    token_group: dist.ProcessGroup | None = None,
 ) -> ExpertPlacement:
     """Shard ``moe``'s routed experts over ``group`` and install an expert-parallel dispatcher.
 
@@ -183,6 +185,11 @@ def expert_parallel(
     stay replicated (their gradients are data-parallel: reduce them as usual). The expert
     parameters are replaced, so call this before building the optimizer. Checks happen before
     anything changes; no collective runs here.
+
+    ``token_group``: a group over which the MoE's input is replicated (a tensor-parallel
+    group): every rank still routes every token, but dispatches only its slice of them, and
+    the routed outputs are gathered over ``token_group`` (``TokenSplitDispatcher``). Router
+    and shared-expert gradients are then whole and equal on every rank of it.
     """
     if not isinstance(moe, MoE):
         raise ValueError(f"expert_parallel: moe must be a MoE, got {type(moe).__name__}")
@@ -214,5 +221,7 @@ def expert_parallel(
         )
         setattr(experts, name, shard)
     experts.num_experts = placement.num_local_experts
+    if token_group is not None:
+        new_dispatcher = TokenSplitDispatcher(new_dispatcher, token_group)
     moe.dispatcher = new_dispatcher
     return placement

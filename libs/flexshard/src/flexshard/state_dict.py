@@ -148,9 +148,10 @@ def full_state_dict(
             if isinstance(info.placement, Replicate):
                 t = info.local.detach()
             else:
-                if b.index not in cache:
-                    cache[b.index] = _gather_bucket_full(b)
-                t = cache[b.index][info.index]
+                # by identity: a nested sharded module (experts) numbers its buckets from 0
+                if id(b) not in cache:
+                    cache[id(b)] = _gather_bucket_full(b)
+                t = cache[id(b)][info.index]
             if info.dtensor is not None:
                 from torch.distributed.tensor import DTensor
 

@@ -31,10 +31,21 @@ class TensorParallelPlan:
     """Norms on the residual stream, run on sequence-sharded activations (weights replicated)."""
     replicated: tuple[str, ...]
     """Modules with replicated weights whose gradients are partial per rank and summed over the
-    tensor-parallel group: the per-head QK-norms (run on the local heads), and MLA's latent
-    down-projections and their norms (``wq_a``, ``q_norm``, ``wkv_a``, ``kv_norm``: computed in
-    full on every rank, read by the local heads only); linear attention's per-head output norm
-    and KDA's low-rank gate inputs (``wf_a``, ``wg_a``)."""
+    tensor-parallel group: the per-head QK-norms (run on the local heads); linear attention's
+    per-head output norm and KDA's low-rank gate inputs (``wf_a``, ``wg_a``). Kimi Linear's and
+    DeepSeek-V4's MLA latents are listed here too, which ``with_capabilities`` refuses under
+    TP; DeepSeek-V3's are ``unsharded``, with a ``head_shared_columns`` rope key."""
+    unsharded: tuple[str, ...] = ()
+    """Modules left whole and plain on every rank, with the same full gradient everywhere:
+    they read the replicated residual stream and feed column-wise layers, whose input
+    gradient torch's TP sums (MLA's latent projections and norms ``wq_a``, ``q_norm``,
+    ``wkv_a``, ``kv_norm``; MTP's ``eh_proj``, which feeds the residual stream)."""
+    head_shared_columns: tuple[tuple[str, int], ...] = ()
+    """``(module pattern, first column)``: replicated linears (on the replicated residual
+    stream) whose output columns from ``first column`` on feed every local head directly, not
+    through a column-wise layer: MLA's rope key, split off ``wkv_a``'s latent. Their gradient
+    is partial per rank and is summed over the tensor-parallel group; the columns before it
+    reach the heads through a column-wise layer, whose input gradient torch's TP sums."""
     head_sharded: tuple[str, ...] = ()
     """*Parameter* FQN patterns (not modules) split on dim 0 with the heads, like the outputs
     of the column-wise projections they act on: linear attention's per-head ``dt_bias`` /
@@ -113,6 +124,8 @@ def decoder_plan(
     sequence_parallel: tuple[str, ...] = (),
     head_modules: tuple[str, ...] = (),
     head_sharded: tuple[str, ...] = (),
+    head_shared_columns: tuple[tuple[str, int], ...] = (),
+    unsharded: tuple[str, ...] = (),
     stage_width: int | None = None,
     stage_inputs: tuple[str, ...] = (),
 ) -> ModelPlan:
@@ -150,6 +163,8 @@ def decoder_plan(
             ),
             replicated=replicated,
             head_sharded=head_sharded,
+            head_shared_columns=head_shared_columns,
+            unsharded=unsharded,
         ),
         pipeline_units=units,
         remat_units=("layers.*", *(f"{m}.*" for m in head_modules)),

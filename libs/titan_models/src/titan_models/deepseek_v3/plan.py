@@ -11,7 +11,10 @@ from .model import DeepSeekV3
 
 def plan(config: DeepSeekV3Config, model_cls: type[nn.Module] = DeepSeekV3) -> ModelPlan:
     """MLA tensor-parallel by heads: ``wq``/``wq_b`` and ``wkv_b`` colwise, ``wo`` rowwise; the
-    latent projections and norms replicated (every rank computes the latents its heads read);
+    latent projections and norms ``unsharded`` (every rank computes the latents its heads
+    read; the column-wise layers after them sum their input gradients), except the rope
+    key that ``wkv_a`` emits after its ``kv_lora_rank`` latent columns, which every local head
+    reads directly (``head_shared_columns``: its gradient summed over the TP group);
     the dense blocks' SwiGLU as Llama; every MoE layer (trunk and MTP) expert-parallel; MTP
     modules on the last pipeline stage. ``model_cls``: the class a family built on this decoder
     uses (its parameters are counted per pipeline unit)."""
@@ -36,10 +39,12 @@ def plan(config: DeepSeekV3Config, model_cls: type[nn.Module] = DeepSeekV3) -> M
             *each(("attention.wo",)),
             *each(("feed_forward.w2",) if dense else (), trunk_only=True),
         ),
-        replicated=(
+        replicated=(),
+        unsharded=(
             *each(tuple(f"attention.{n}" for n in (*q_latent, "wkv_a", "kv_norm"))),
             *(("mtp.*.eh_proj",) if c.num_mtp_modules else ()),
         ),
+        head_shared_columns=tuple((m, c.kv_lora_rank) for m in each(("attention.wkv_a",))),
         sequence_parallel=(
             ("mtp.*.attention_norm", "mtp.*.ffn_norm", "mtp.*.enorm", "mtp.*.hnorm", "mtp.*.norm")
             if c.num_mtp_modules

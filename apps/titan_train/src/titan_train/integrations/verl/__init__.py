@@ -84,10 +84,11 @@ from titan_train.config import (
 )
 from titan_train.device import resolve_device
 from titan_train.integrations.verl.support import ModeContext, lr_scheduler
+from titan_train.layout import ParallelDims, build_mesh, check_plan
 from titan_train.losses import autocast
 from titan_train.materialize import global_state, materialize
 from titan_train.model_config import ModelClass
-from titan_train.parallelize import ParallelDims, ParallelModel, build_mesh, check_plan, parallelize
+from titan_train.parallelize import ParallelModel, parallelize
 
 __all__ = ["TitanActorConfig", "TitanEngine", "TitanEngineConfig", "TitanEngineWithLMHead"]
 
