@@ -14,7 +14,8 @@ Kernels (``ContextParallel.tile_kernel``):
   repeated per query head) for other masked tiles and fp32. A masked tile's bias is
   ``finfo.min``, not ``-inf``: a query row that sees no key of the tile then gets a
   log-sum-exp near ``finfo.min`` (weight 0 when merged) instead of the kernels' 0. No soft
-  cap: a layer with one runs the ``torch`` kernel.
+  cap: a layer with one runs the ``torch`` kernel. The ops want one head dim: a value dim
+  unlike the key's (MLA) is zero-padded per tile.
 - ``flex``: ``flex_attention`` with ``return_aux`` and one ``BlockMask`` per tile (built
   once per batch: causal, window and documents as a ``mask_mod``, so masked blocks are
   skipped); the backward is FlexAttention's backward operator
@@ -289,7 +290,29 @@ def _repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.repeat_interleave(groups, dim=1) if groups > 1 else x
 
 
+def _pad(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return x if x.shape[-1] == dim else torch.nn.functional.pad(x, (0, dim - x.shape[-1]))
+
+
 def _sdpa_forward(q, k, v, tile, opt):
+    """The flash ops want one head dim: the smaller of E and V is zero-padded (MLA's value
+    dim), which changes no score and no output column."""
+    V = v.shape[-1]
+    D = max(q.shape[-1], V)
+    out, lse = _sdpa_ops_forward(_pad(q, D), _pad(k, D), _pad(v, D), tile, opt)
+    return out[..., :V], lse
+
+
+def _sdpa_backward(q, k, v, out, lse, do, tile, opt):
+    E, V = q.shape[-1], v.shape[-1]
+    D = max(E, V)
+    dq, dk, dv = _sdpa_ops_backward(
+        _pad(q, D), _pad(k, D), _pad(v, D), _pad(out, D), lse, _pad(do, D), tile, opt
+    )
+    return dq[..., :E], dk[..., :E], dv[..., :V]
+
+
+def _sdpa_ops_forward(q, k, v, tile, opt):
     causal = tile.masked and tile.causal
     T = q.shape[2]
     if q.device.type == "cuda":
@@ -310,7 +333,7 @@ def _sdpa_forward(q, k, v, tile, opt):
     )
 
 
-def _sdpa_backward(q, k, v, out, lse, do, tile, opt):
+def _sdpa_ops_backward(q, k, v, out, lse, do, tile, opt):
     causal = tile.masked and tile.causal
     T, L = q.shape[2], k.shape[2]
     if q.device.type == "cuda":
