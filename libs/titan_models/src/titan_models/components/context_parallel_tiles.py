@@ -384,11 +384,13 @@ def _flex_tile_backward(q, k, v, out, lse, do, score_mod, block_mask, scale):
     from torch._higher_order_ops.flex_attention import flex_attention_backward
     from torch.nn.attention.flex_attention import _apply_kernel_options
 
-    options = _apply_kernel_options(q, k, v, True, None)
-    # the operator takes the log-sum-exp in base 2, as its forward returns it
+    options = dict(_apply_kernel_options(q, k, v, True, None))
+    # The operator takes the log-sum-exp in base 2, as its forward returns it; with no joint
+    # graph it traces score_mod's own (torch's hint says GraphModule, None is handled).
     dq, dk, dv, _ = flex_attention_backward(
-        q, k, v, out, lse / math.log(2), do, None, score_mod, None, block_mask.as_tuple(),
-        scale, options,
+        q, k, v, out, lse / math.log(2), do, None, score_mod,
+        None,  # pyrefly: ignore[bad-argument-type]
+        block_mask.as_tuple(), scale, options,
     )  # fmt: skip
     return dq, dk, dv
 
