@@ -461,8 +461,7 @@ def validate(cfg: JobConfig) -> None:
         )
     if p.cp_tile_kernel not in ("torch", "flex", "sdpa"):
         raise ValueError(
-            f"parallel.cp_tile_kernel={p.cp_tile_kernel!r} must be one of "
-            "['torch', 'flex', 'sdpa']"
+            f"parallel.cp_tile_kernel={p.cp_tile_kernel!r} must be one of ['torch', 'flex', 'sdpa']"
         )
     _positive("parallel.pp_microbatches", p.pp_microbatches)
     if cfg.checkpoint.interval < 0:
