@@ -3,7 +3,17 @@
 128K-context Llama 3 8B recipe at CP 8.
 
 Run: ``uv run python apps/titan_train/benchmarks/context_parallel.py`` (CPU, no GPU needed;
-``--parts fake gloo recipe`` picks parts).
+``--parts tiles kernels fake gloo recipe`` picks parts).
+
+Part ``tiles`` counts, from the plan the backend executes, the attention tiles one rank runs
+per layer at 128K CP 8 (Llama 3 8B: 32 heads, batch 1) for each tile kernel at its default
+tile size, plain causal and with sliding windows of 128 and 4096.
+
+Part ``kernels`` runs the bare context-parallel attention (forward + backward) on ``--kernel-cp``
+real gloo ranks (one thread each) for each tile kernel side by side: tiles per call, the
+slowest rank's time and its ratio to the ``torch`` kernel, and the largest difference from
+the ``torch`` kernel's output. On CPU, ``flex`` runs un-compiled (FlexAttention's CPU compile
+is forward-only): it materialises each tile's scores, so its time there says nothing of a GPU.
 
 Part ``fake`` runs one forward + backward of a Llama 3 model (``--dim``, ``--layers``, fp32) on
 rank 0's shard of one ``S``-token sequence, for S = 8k, 16k, 32k and CP 1, 2, 4, in the
@@ -24,12 +34,11 @@ blocks in flight and the allocator's slack). On a 2-core machine CP 4 oversubscr
 and the timings of a shared machine are noisy.
 
 Part ``recipe`` is ``titan-train --recipe llama3_8b --comm.fake-world-size 8 --parallel.cp 8
---parallel.dp-shard 1 --training.seq-len 131072 --training.steps 1 --parallel.cp-tile-scores
-268435456 --remat.policy full`` (bf16, FSDP over the 8 context-parallel ranks): the memory
-report of one real step of rank 0. Under fake mode every score tile is a few dozen Python-level
-ops, so the run's time grows with the number of tiles: tiles of 2^28 scores (2896 x 2896 for
-32 heads; 1 GiB in fp32) make 64x fewer than the default 2^22 (4x fewer than 2^26) and count a larger
-transient tile in the peak (an upper bound for smaller tiles).
+--parallel.dp-shard 1 --training.seq-len 131072 --training.steps 1 --parallel.cp-tile-kernel
+sdpa --remat.policy full`` (bf16, FSDP over the 8 context-parallel ranks): the memory report
+of one real step of rank 0 and its tiles per layer. Under fake mode every tile is a few
+Python-level ops, so the run's time grows with the number of tiles (17 per layer with the
+fused kernels' whole-chunk tiles; 8,487 with the ``torch`` kernel's default 2^22 scores).
 """
 
 from __future__ import annotations
@@ -199,6 +208,88 @@ def _gloo(a: argparse.Namespace) -> None:
             )
 
 
+def _tiles(a: argparse.Namespace) -> None:
+    from titan_models.components.context_parallel import tile_count
+    from titan_models.components.context_parallel_tiles import KERNELS, tile_size
+
+    seq, cp, heads = 131072, 8, 32
+    local = seq // cp
+    print(f"Attention tiles per layer per rank (the most over ranks), S={seq}, CP {cp}, {heads}")
+    print("heads, batch 1, each kernel's default tile size (from the plan the backend runs)")
+    print(f"{'kernel':>7} {'window':>7} {'tile':>6} {'tiles':>7}")
+    for kernel in KERNELS:
+        for window in (None, 128, 4096):
+            tile = tile_size(kernel, local, 1, heads, window, 1 << 22)
+            tiles = max(tile_count(r, cp, local, window, False, tile) for r in range(cp))
+            print(f"{kernel:>7} {window or '-':>7} {tile:>6} {tiles:>7}", flush=True)
+
+
+def _kernel_rank(seq: int, heads: int, kv_heads: int, head_dim: int, steps: int) -> dict:
+    """One gloo rank: the bare context-parallel attention of its shard, every kernel."""
+    import torch.distributed as dist
+
+    import titan_models
+    from titan_models.components import attend, flex
+    from titan_models.components.context_parallel import shard_metadata
+
+    flex._EAGER_FLEX = True  # CPU: FlexAttention's compile there is forward-only
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, seq, n, head_dim, generator=g) for n in (heads, kv_heads, kv_heads))
+    rows = {}
+    for kernel in ("torch", "sdpa", "flex"):
+        cp = titan_models.ContextParallel(tile_kernel=kernel)
+        mine = [cp.shard(t).requires_grad_() for t in (q, k, v)]
+        meta = shard_metadata(cp, 1, seq // cp.size, "cpu", positions=None, document_ids=None)
+
+        def step(mine=mine, meta=meta):
+            out = attend(*mine, meta)
+            out.sum().backward()
+            return out.detach()
+
+        out = step()  # warm-up
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        dist.barrier()
+        rows[kernel] = {
+            "seconds": (time.perf_counter() - start) / steps,
+            "tiles": cp.stats.most,
+            "out": out,
+        }
+    reference = rows["torch"]["out"]
+    return {
+        kernel: {
+            "seconds": r["seconds"],
+            "tiles": r["tiles"],
+            "diff": (r["out"] - reference).abs().max().item(),
+        }
+        for kernel, r in rows.items()
+    }
+
+
+def _kernels(a: argparse.Namespace) -> None:
+    from titan_testing import run_distributed
+
+    print(
+        f"\nContext-parallel attention alone, forward + backward, S={a.kernel_seq}, CP "
+        f"{a.kernel_cp} on gloo (one thread per rank), {a.kernel_heads} query / "
+        f"{a.kernel_kv_heads} kv heads of {a.kernel_head_dim}, fp32, batch 1, ring, causal: "
+        f"the slowest rank's time (mean of {a.steps} after a warm-up); flex un-compiled on CPU"
+    )
+    ranks = run_distributed(
+        _kernel_rank, a.kernel_cp, a.kernel_seq, a.kernel_heads, a.kernel_kv_heads,
+        a.kernel_head_dim, a.steps, num_threads=1, timeout=1800,
+    )  # fmt: skip
+    base = max(r["torch"]["seconds"] for r in ranks)
+    print(f"{'kernel':>7} {'tiles':>6} {'seconds':>8} {'vs torch':>9} {'max |diff|':>11}")
+    for kernel in ranks[0]:
+        seconds = max(r[kernel]["seconds"] for r in ranks)
+        diff = max(r[kernel]["diff"] for r in ranks)
+        tiles = ranks[0][kernel]["tiles"]
+        print(f"{kernel:>7} {tiles:>6} {seconds:>8.3f} {seconds / base:>9.3f} {diff:>11.1e}")
+
+
 def _recipe(a: argparse.Namespace) -> None:
     from titan_train.cli import parse_config
     from titan_train.trainer import train
@@ -207,7 +298,7 @@ def _recipe(a: argparse.Namespace) -> None:
         argv = [
             "--output-dir", out, "--comm.fake-world-size", "8", "--parallel.cp", "8",
             "--parallel.dp-shard", "1", "--training.seq-len", "131072", "--training.steps", "1",
-            "--checkpoint.interval", "0", "--parallel.cp-tile-scores", str(a.recipe_tile_scores),
+            "--checkpoint.interval", "0", "--parallel.cp-tile-kernel", a.recipe_tile_kernel,
             "--remat.policy", "full",
         ]  # fmt: skip
         train(parse_config(argv, "llama3_8b"))  # prints the memory table
@@ -225,16 +316,24 @@ def main() -> None:
     p.add_argument("--algorithm", choices=["ring", "allgather"], default="ring")
     p.add_argument("--steps", type=int, default=1, help="timed gloo steps (after one warm-up)")
     p.add_argument(
-        "--recipe-tile-scores",
-        type=int,
-        default=1 << 28,
-        help="score elements per attention tile in the 128K recipe run (its time grows with "
-        "the number of tiles: every tile is a few dozen Python-level ops under fake mode)",
+        "--recipe-tile-kernel",
+        choices=["torch", "flex", "sdpa"],
+        default="sdpa",
+        help="tile kernel of the 128K recipe run (torch: 8,487 tiles per layer, each a few "
+        "dozen Python-level ops under fake mode)",
     )
-    p.add_argument(
-        "--parts", nargs="+", choices=["fake", "gloo", "recipe"], default=["fake", "gloo", "recipe"]
-    )
+    p.add_argument("--kernel-seq", type=int, default=4096)
+    p.add_argument("--kernel-cp", type=int, default=2)
+    p.add_argument("--kernel-heads", type=int, default=8)
+    p.add_argument("--kernel-kv-heads", type=int, default=2)
+    p.add_argument("--kernel-head-dim", type=int, default=64)
+    parts = ["tiles", "kernels", "fake", "gloo", "recipe"]
+    p.add_argument("--parts", nargs="+", choices=parts, default=parts)
     a = p.parse_args()
+    if "tiles" in a.parts:
+        _tiles(a)
+    if "kernels" in a.parts:
+        _kernels(a)
     if "fake" in a.parts:
         _sweep(a)
     if "gloo" in a.parts:

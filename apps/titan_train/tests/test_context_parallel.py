@@ -39,6 +39,9 @@ WORLD2 = {
     "cp2_allgather": [
         "--parallel.cp", "2", "--parallel.dp-shard", "1", "--parallel.cp-algorithm", "allgather",
     ],
+    "cp2_torch_tiles": [
+        "--parallel.cp", "2", "--parallel.dp-shard", "1", "--parallel.cp-tile-kernel", "torch",
+    ],
     # Hybrid: Gated DeltaNet layers pass their state and conv inputs across the shards.
     "cp2_qwen3_5": [*QWEN3_5, "--parallel.cp", "2", "--parallel.dp-shard", "1"],
 }  # fmt: skip
@@ -127,7 +130,7 @@ def _falls(losses: list[float]) -> None:
 def test_context_parallel_layouts_train_like_one_process(runs):
     single = runs["single"]
     _falls(single)
-    for name in ("cp2", "cp2_allgather", "cp2_tp2"):
+    for name in ("cp2", "cp2_allgather", "cp2_torch_tiles", "cp2_tp2"):
         assert abs(runs[name][0] - single[0]) <= 1e-5, (name, runs[name][0], single[0])
         _falls(runs[name])
         # The same tokens and updates with attention split over ranks: close every step.

@@ -201,6 +201,25 @@ def test_full_size_recipe_runs_two_fake_steps_in_little_memory(tmp_path, recipe)
     assert report["parameters"] * 4 * 0.99 <= total <= report["parameters"] * 4 * (1 + rel)
 
 
+@pytest.mark.slow
+def test_llama3_8b_at_128k_cp8_runs_few_attention_tiles_within_28_gib(tmp_path):
+    """Context-parallel attention at 128K CP 8 (the default sdpa tile kernel: whole chunks,
+    one fused call per tile): at most 256 tiles per layer per rank (17; 8,487 with the torch
+    kernel's default tiles), and the activations of one rank stay within 28 GiB (~75 s of
+    CPU)."""
+    argv = [
+        sys.executable, "-m", "titan_train", "--recipe", "llama3_8b",
+        "--comm.fake-world-size", "8", "--parallel.cp", "8", "--parallel.dp-shard", "1",
+        "--training.seq-len", "131072", "--training.steps", "1", "--checkpoint.interval", "0",
+        "--remat.policy", "full", "--output-dir", str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    subprocess.run(argv, check=True, env=env, timeout=1500)
+    (row,) = json.loads((tmp_path / "llama3_8b" / "memory.json").read_text())["stages"]
+    assert row["cp_tiles_per_layer"] <= 256, row
+    assert row["activations_peak_bytes"] <= 28 * 2**30, row
+
+
 def test_a_real_run_that_cannot_hold_its_shard_fails_before_allocating(capsys):
     import resource
 

@@ -135,7 +135,9 @@ def _model_diffs(cp: titan_models.ContextParallel) -> dict[str, float]:
 def _cp_checks() -> dict[str, float]:
     diffs = {}
     for algorithm in ALGORITHMS:
-        cp = titan_models.ContextParallel(algorithm=algorithm, tile_scores=2 * 4 * 5 * 5)
+        cp = titan_models.ContextParallel(
+            algorithm=algorithm, tile_kernel="torch", tile_scores=2 * 4 * 5 * 5
+        )
         diffs |= {f"{algorithm}/{k}": v for k, v in _operator_diffs(cp).items()}
         cp = titan_models.ContextParallel(algorithm=algorithm)
         diffs |= {f"{algorithm}/{k}": v for k, v in _model_diffs(cp).items()}

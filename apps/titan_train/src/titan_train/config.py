@@ -61,8 +61,14 @@ class ParallelConfig:
     cp_algorithm: Literal["ring", "allgather"] = "ring"
     """Context-parallel attention: ring (K/V passed round the ranks, memory O(S / cp)) or
     allgather (K/V gathered whole: fewer, larger messages)."""
+    cp_tile_kernel: Literal["torch", "flex", "sdpa"] = "sdpa"
+    """What computes a context-parallel attention tile (one call returning its log-sum-exp):
+    sdpa (flash-attention ops, fused on every device without a compile; the default), flex
+    (FlexAttention with a block mask per tile, compiled on accelerators: skips masked blocks)
+    or torch (plain ops, the reference). The fused kernels take whole chunks (17 tiles per
+    layer per rank at 128K CP 8)."""
     cp_tile_scores: int = 1 << 22
-    """Context-parallel attention computes scores in tiles of at most this many elements
+    """The torch tile kernel computes scores in tiles of at most this many elements
     (batch x heads x queries x keys; fp32): larger tiles mean fewer kernels and more
     temporary memory."""
     pp_schedule: str = "1f1b"
@@ -458,6 +464,10 @@ def validate(cfg: JobConfig) -> None:
     if p.cp_algorithm not in ("ring", "allgather"):
         raise ValueError(
             f"parallel.cp_algorithm={p.cp_algorithm!r} must be one of ['ring', 'allgather']"
+        )
+    if p.cp_tile_kernel not in ("torch", "flex", "sdpa"):
+        raise ValueError(
+            f"parallel.cp_tile_kernel={p.cp_tile_kernel!r} must be one of ['torch', 'flex', 'sdpa']"
         )
     _positive("parallel.pp_microbatches", p.pp_microbatches)
     if cfg.checkpoint.interval < 0:

@@ -288,6 +288,8 @@ def _fake_steps(job: Job, rank: int, batches: list[Any]) -> dict[str, Any]:
             row["grads_bytes"], row["optimizer_bytes"] = need["grads"], need["optimizer"]
             row["gathered_params_peak_bytes"] = need["gathered"]
             row["activations_estimate_bytes"] = activation_estimate(cfg, dims, config, pm)
+        if pm.context_parallel is not None:  # the plan's tiles of one layer's attention call
+            row["cp_tiles_per_layer"] = pm.context_parallel.stats.most
         if pm.sharded and batches:  # flexshard's count of gathered buffers (peak above shards)
             parts = pm.flexshard_parts()
             mems = [st.mem for part in parts for st in part.flexshard_state.all_states()]
@@ -380,5 +382,8 @@ def _print(report: dict[str, Any]) -> None:
         stage = ",".join(map(str, row["stages"]))
         total = f"{_total(row) / gib:.2f}"
         lines.append("  ".join(f"{c:>13}" for c in (stage, *cells, total, f"{row['seconds']:.1f}")))
+    tiles = [row["cp_tiles_per_layer"] for row in report["stages"] if "cp_tiles_per_layer" in row]
+    if tiles:
+        lines.append(f"context-parallel attention: {max(tiles)} tiles per layer per rank")
     lines.append("per rank: " + "; ".join(verdicts(report)))
     print("\n".join(lines), flush=True)

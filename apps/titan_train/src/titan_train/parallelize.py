@@ -156,6 +156,7 @@ def parallelize(
         pm.context_parallel = titan_models.ContextParallel(
             group=pm.group("cp"),
             algorithm=cfg.parallel.cp_algorithm,
+            tile_kernel=cfg.parallel.cp_tile_kernel,
             tile_scores=cfg.parallel.cp_tile_scores,
         )
     for part in pm.parts:

@@ -21,37 +21,58 @@ a sliding-window layer, ``i - j < window``, where ``start[i]`` is where ``i``'s 
 begins in the whole row (the shard's ``AttentionMetadata`` holds these for its queries:
 ``shard_metadata`` gathers the document ids once per batch). Which (query tile, key chunk)
 pairs can see anything, and which need no mask, is decided on the host from the layout and
-the window alone, so a step reads no device value. Scores are computed in tiles of at most
-``ContextParallel.tile_scores`` elements with an online softmax (flash-attention style: only
-``q, k, v``, the output and its log-sum-exp are saved; backward recomputes the tiles).
+the window alone, so a step reads no device value.
 
-The tiles run as plain torch ops on any device (a fused kernel per block that returns its
-log-sum-exp, such as flash attention, is where ``_tile_forward`` / ``_tile_backward`` would
-plug in). Under a sliding window the blocks still travel round the whole ring; only the tiles
-the window cannot see are skipped.
+Each (query tile, key tile) pair is one call of a tile kernel that returns the tile's output
+and log-sum-exp (``context_parallel_tiles``: ``sdpa`` flash-attention ops, ``flex``
+FlexAttention, or ``torch`` ops); the tiles are merged by their log-sum-exp (flash-attention
+style: only ``q, k, v``, the output and its log-sum-exp are saved), and backward runs each
+tile's backward from the final output and log-sum-exp. The fused kernels take whole chunks
+(17 tiles per layer per rank at CP 8 under a causal mask); the ``torch`` kernel's tiles hold
+at most ``ContextParallel.tile_scores`` scores. Under a sliding window the blocks still
+travel round the whole ring; only the tiles the window cannot see are skipped. Sinks are a
+key with no value in every row's softmax: folded into the merged log-sum-exp.
 
 Model code holds no communication: the caller sets ``model.context_parallel`` to a
 ``ContextParallel`` over its group, and the backend runs three collectives on it
 (``context_parallel_comm``).
 
-Shapes: B batch, S local queries (``seq_len / cp``), H query heads, K kv heads, G = H / K,
-M = S·G query rows (position-major: row ``s·G + g``), E q/k head dim, V value dim, L keys of
-a tile, Tq queries of a tile.
+Shapes: B batch, S local queries (``seq_len / cp``), H query heads, K kv heads, E q/k head
+dim, V value dim; inside, rows are head-major (``(B, H, S, ·)``, views of the inputs).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
+from . import context_parallel_tiles as tiles
 from .attention_metadata import AttentionMetadata, document_starts
 from .context_parallel_comm import GroupComm
+from .context_parallel_tiles import KERNELS, Tile
 
 ALGORITHMS = ("ring", "allgather")
 """The context-parallel attention algorithms (``ContextParallel.algorithm``)."""
+
+
+@dataclass(slots=True)
+class TileStats:
+    """Tiles the context-parallel attention has run (counted on the host from its plans)."""
+
+    calls: int = 0
+    """Attention calls (forward; a rematerialised forward counts again)."""
+    tiles: int = 0
+    """Tiles over all those calls."""
+    most: int = 0
+    """Most tiles in one call: one layer's forward on this rank."""
+
+    def record(self, tiles: int) -> None:
+        """Count one attention call of ``tiles`` tiles."""
+        self.calls += 1
+        self.tiles += tiles
+        self.most = max(self.most, tiles)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,11 +86,21 @@ class ContextParallel:
     algorithm: Literal["ring", "allgather"] = "ring"
     """``ring`` (memory O(S/cp), K/V passed round the ring) or ``allgather`` (see the module
     docstring)."""
+    tile_kernel: Literal["torch", "flex", "sdpa"] = "sdpa"
+    """What computes a tile: ``sdpa`` (flash-attention ops returning the log-sum-exp; fused
+    on every device without a compile), ``flex`` (FlexAttention with a block mask per tile;
+    compiled on accelerators) or ``torch`` (plain ops, the reference): see
+    ``context_parallel_tiles``."""
+    tile_size: int = 0
+    """Queries (and keys) per tile; 0 picks it from the shard (``context_parallel_tiles.
+    tile_size``: a whole chunk for the fused kernels, ``tile_scores`` for ``torch``)."""
     tile_scores: int = 1 << 22
-    """Most score elements (batch x heads x queries x keys) one tile computes at a time
-    (square tiles; 2^22: 16 MiB of fp32 scores)."""
+    """Most score elements (batch x heads x queries x keys) one ``torch`` tile computes at a
+    time (square tiles; 2^22: 16 MiB of fp32 scores)."""
     comm: GroupComm = field(init=False, repr=False, compare=False)
     """The group's collectives (built from ``group``)."""
+    stats: TileStats = field(init=False, repr=False, compare=False)
+    """Tiles run per attention call (host counters: no sync)."""
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -80,7 +111,16 @@ class ContextParallel:
             raise ValueError(
                 f"ContextParallel.tile_scores={self.tile_scores!r} must be an int >= 1"
             )
+        if self.tile_kernel not in KERNELS:
+            raise ValueError(
+                f"ContextParallel.tile_kernel={self.tile_kernel!r} must be one of {list(KERNELS)}"
+            )
+        if not isinstance(self.tile_size, int) or self.tile_size < 0:
+            raise ValueError(
+                f"ContextParallel.tile_size={self.tile_size!r} must be an int >= 0 (0: picked)"
+            )
         object.__setattr__(self, "comm", GroupComm(self.group))
+        object.__setattr__(self, "stats", TileStats())
 
     @property
     def rank(self) -> int:
@@ -193,26 +233,9 @@ def chunk_start(rank: int, half: int, size: int, c: int) -> int:
     return (rank if half == 0 else 2 * size - 1 - rank) * c
 
 
-@dataclass(frozen=True, slots=True)
-class _Item:
-    """One tile: local queries ``[q0, q1)`` against keys ``[k0, k1)`` of a rank's block
-    (each range inside one chunk, so its global indices are contiguous)."""
-
-    q0: int
-    q1: int
-    qg0: int
-    """Global index of query ``q0`` (a tile lies inside one chunk: indices are contiguous)."""
-    k0: int
-    k1: int
-    kg0: int
-    """Global index of key ``k0``."""
-    masked: bool
-    """Some (query, key) pair of the tile is hidden: build its mask."""
-
-
 def _plan(
     rank: int, size: int, local_len: int, window: int | None, documents: bool, tile: int
-) -> list[list[_Item]]:
+) -> list[list[Tile]]:
     """Per ring step ``s`` (the block of rank ``(rank - s) % size``), the tiles to compute:
     every ``tile``-query tile of this rank against ``tile``-key tiles of the part of each key
     chunk it can see (keys after the tile's last query, or a window behind its first, are
@@ -234,105 +257,29 @@ def _plan(
                         lo = max(lo, i0 - window + 1)
                     for a in range(lo, hi + 1, tile):
                         b = min(hi, a + tile - 1)
-                        masked = documents or b > i0 or (window is not None and i1 - a >= window)
+                        cut = window is not None and i1 - a >= window
                         items.append(
-                            _Item(
+                            Tile(
                                 q0=hq * c + t0,
                                 q1=hq * c + t1,
                                 qg0=i0,
                                 k0=hk * c + a - gk,
                                 k1=hk * c + b - gk + 1,
                                 kg0=a,
-                                masked=masked,
+                                masked=documents or b > i0 or cut,
+                                causal=not documents and not cut and a == i0 and b == i1,
                             )
                         )
         steps.append(items)
     return steps
 
 
-# --- tiles -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Options:
-    groups: int
-    """G: query heads per kv head."""
-    key_dim: int
-    """E: where values start in a packed ``[k, v]`` block."""
-    scale: float
-    softcap: float | None
-    window: int | None
-    starts: torch.Tensor | None
-    acc: torch.dtype
-    """Scores, softmax and accumulators: fp32, or the inputs' dtype when wider."""
-
-
-def _scores(
-    q_BKTE: torch.Tensor, k_BKLE: torch.Tensor, item: _Item, opt: _Options
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scores ``(B, K, Tq·G, L)`` (in ``opt.acc``) of a tile with its mask applied (-inf), and the tanh
-    of the soft cap (for its gradient)."""
-    s = (q_BKTE @ k_BKLE.transpose(-1, -2)).to(opt.acc) * opt.scale
-    tanh = None
-    if opt.softcap is not None:
-        tanh = torch.tanh(s / opt.softcap)
-        s = opt.softcap * tanh
-    if item.masked:
-        device = s.device
-        qi = torch.arange(item.qg0, item.qg0 + item.q1 - item.q0, device=device)[:, None]
-        kj = torch.arange(item.kg0, item.kg0 + item.k1 - item.k0, device=device)[None, :]
-        visible_TL = kj <= qi
-        if opt.window is not None:
-            visible_TL = visible_TL & (qi - kj < opt.window)
-        visible = visible_TL[None]
-        if opt.starts is not None:
-            visible = visible & (kj[None] >= opt.starts[:, item.q0 : item.q1, None])
-        B, K, _, L = s.shape
-        s.view(B, K, -1, opt.groups, L).masked_fill_(~visible[:, None, :, None, :], float("-inf"))
-    return s, tanh
-
-
-def _finite(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with -inf (rows that see no key) replaced by 0, so exponentials give 0, not nan."""
-    return torch.where(x == float("-inf"), 0.0, x)
-
-
-def _tile_forward(q, kv, item, opt, o_acc, lse_acc) -> None:
-    G, E = opt.groups, opt.key_dim
-    rows = slice(item.q0 * G, item.q1 * G)
-    k, v = kv[:, :, item.k0 : item.k1, :E], kv[:, :, item.k0 : item.k1, E:]
-    s, _ = _scores(q[:, :, rows], k, item, opt)
-    m = _finite(s.amax(-1))
-    p = torch.exp(s - m[..., None])
-    o_tile = (p.to(v.dtype) @ v).to(opt.acc)  # unnormalised: sum of exp(s - m) v
-    lse_tile = m + torch.log(p.sum(-1))
-    lse_old = lse_acc[:, :, rows]
-    lse_new = torch.logaddexp(lse_old, lse_tile)
-    ref = _finite(lse_new)
-    o_acc[:, :, rows] = (
-        o_acc[:, :, rows] * torch.exp(lse_old - ref)[..., None]
-        + o_tile * torch.exp(m - ref)[..., None]
-    )
-    lse_acc[:, :, rows] = lse_new
-
-
-def _tile_backward(q, kv, item, opt, do, lse, delta, dq, dkv) -> None:
-    """Gradients of one tile given the *final* log-sum-exp: p = exp(s - lse) is the tile's
-    share of the full softmax, so tiles add up to the full gradient."""
-    G, E = opt.groups, opt.key_dim
-    rows = slice(item.q0 * G, item.q1 * G)
-    cols = slice(item.k0, item.k1)
-    q_t, k, v = q[:, :, rows], kv[:, :, cols, :E], kv[:, :, cols, E:]
-    s, tanh = _scores(q_t, k, item, opt)
-    p = torch.exp(s - lse[:, :, rows, None])
-    do_t = do[:, :, rows]
-    acc = opt.acc
-    dkv[:, :, cols, E:] += p.transpose(-1, -2) @ do_t.to(acc)
-    ds = p * ((do_t @ v.transpose(-1, -2)).to(acc) - delta[:, :, rows, None])
-    if tanh is not None:
-        ds = ds * (1 - tanh * tanh)
-    dq[:, :, rows] += (ds @ k.to(acc)) * opt.scale
-    dkv[:, :, cols, :E] += (ds.transpose(-1, -2) @ q_t.to(acc)) * opt.scale
+def tile_count(
+    rank: int, size: int, local_len: int, window: int | None, documents: bool, tile: int
+) -> int:
+    """Tiles one rank computes in one attention call (forward) of a layer: the length of the
+    plan the backend executes."""
+    return sum(len(step) for step in _plan(rank, size, local_len, window, documents, tile))
 
 
 # --- the blocks of every rank, by ring or by gather --------------------------------------------
@@ -357,43 +304,93 @@ def _blocks(cp: ContextParallel, kv: torch.Tensor):
             kv = handle.wait()
 
 
+def _merge(o, lse, rows, o_tile, lse_tile) -> None:
+    """Fold a tile's normalised output and log-sum-exp into the rows' running ones."""
+    lse_old = lse[:, :, rows]
+    lse_new = torch.logaddexp(lse_old, lse_tile)
+    ref = tiles.finite(lse_new)
+    o[:, :, rows] = (
+        o[:, :, rows] * torch.exp(lse_old - ref)[..., None]
+        + o_tile * torch.exp(lse_tile - ref)[..., None]
+    )
+    lse[:, :, rows] = lse_new
+
+
+def _tile_backward(q, block, tile, opt, out, do, lse, delta, dq, dkv) -> None:
+    """One tile's gradients added to ``dq`` and to its block's packed ``dkv``."""
+    E = q.shape[-1]
+    rows, cols = slice(tile.q0, tile.q1), slice(tile.k0, tile.k1)
+    dq_t, dk_t, dv_t = tiles.backward(
+        q[:, :, rows], block[:, :, cols, :E], block[:, :, cols, E:], out[:, :, rows],
+        lse[:, :, rows], do[:, :, rows], None if delta is None else delta[:, :, rows], tile, opt,
+    )  # fmt: skip
+    dq[:, :, rows] += dq_t
+    dkv[:, :, cols, :E] += dk_t
+    dkv[:, :, cols, E:] += dv_t
+
+
 class _Attention(torch.autograd.Function):
-    """Context-parallel attention of this rank's queries over every rank's keys: output and
-    log-sum-exp ``(B, K, M, ·)``; saves only its inputs, output and log-sum-exp."""
+    """Context-parallel attention of this rank's queries ``(B, H, S, E)`` over every rank's
+    keys, sinks folded in: the output ``(B, H, S, V)`` (a view of a ``(B, S, H, V)`` tensor);
+    saves only its inputs, the output and the log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, shard, plan, opt):
-        B, K, M, _ = q.shape
+    def forward(ctx, q, k, v, sinks, shard, plan, opt):
+        B, H, S, _ = q.shape
+        E, V = k.shape[-1], v.shape[-1]
         kv = torch.cat([k, v], dim=-1)
-        o = torch.zeros(B, K, M, v.shape[-1], dtype=opt.acc, device=q.device)
-        lse = torch.full((B, K, M), float("-inf"), dtype=opt.acc, device=q.device)
+        o = torch.zeros(B, S, H, V, dtype=opt.acc, device=q.device).transpose(1, 2)
+        lse = torch.full((B, H, S), float("-inf"), dtype=opt.acc, device=q.device)
         for step, block in _blocks(shard.cp, kv):
-            for item in plan[step]:
-                _tile_forward(q, block, item, opt, o, lse)
+            for tile in plan[step]:
+                rows = slice(tile.q0, tile.q1)
+                o_t, lse_t = tiles.forward(
+                    q[:, :, rows], block[:, :, tile.k0 : tile.k1, :E],
+                    block[:, :, tile.k0 : tile.k1, E:], tile, opt,
+                )  # fmt: skip
+                _merge(o, lse, rows, o_t, lse_t)
+        if sinks is not None:
+            # A sink adds exp(sink) to each softmax's denominator: a key with no value.
+            lse_sunk = torch.logaddexp(lse, sinks.to(opt.acc)[None, :, None])
+            o = o * torch.exp(lse - lse_sunk)[..., None]
+            lse = lse_sunk
         out = o.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
         ctx.shard, ctx.plan, ctx.opt = shard, plan, opt
-        return out, lse
+        return out
 
     @staticmethod
-    def backward(ctx, do, dlse):  # pyrefly: ignore[bad-override]  # torch: one arg per output
-        q, k, v, o, lse = ctx.saved_tensors
+    def backward(ctx, do):  # pyrefly: ignore[bad-override]  # torch: one arg per output
+        q, k, v, sinks, out, lse = ctx.saved_tensors
         cp, plan, opt = ctx.shard.cp, ctx.plan, ctx.opt
-        delta = (do.to(opt.acc) * o.to(opt.acc)).sum(-1)
-        if dlse is not None:  # the log-sum-exp is an output too (sinks use it)
-            delta = delta - dlse
-        lse = _finite(lse)
+        lse = tiles.finite(lse)
+        delta = None
+        if opt.kernel == "torch" or sinks is not None:
+            delta = (do.to(opt.acc) * out.to(opt.acc)).sum(-1)
         dq = torch.zeros(q.shape, dtype=opt.acc, device=q.device)
         kv = torch.cat([k, v], dim=-1)
         if cp.algorithm == "allgather":
-            dkv = _backward_allgather(cp, plan, opt, q, kv, do, lse, delta, dq)
+            dkv = _backward_allgather(cp, plan, opt, q, kv, out, do, lse, delta, dq)
         else:
-            dkv = _backward_ring(cp, plan, opt, q, kv, do, lse, delta, dq)
+            dkv = _backward_ring(cp, plan, opt, q, kv, out, do, lse, delta, dq)
+        dsinks = None
+        if sinks is not None:  # the sink's share of each softmax is exp(sink - lse)
+            assert delta is not None
+            share = torch.exp(sinks.to(opt.acc)[None, :, None] - lse)
+            dsinks = -(share * delta).sum((0, 2)).to(sinks.dtype)
         E = k.shape[-1]
-        return dq.to(q.dtype), dkv[..., :E].to(k.dtype), dkv[..., E:].to(v.dtype), None, None, None
+        return (
+            dq.to(q.dtype),
+            dkv[..., :E].to(k.dtype),
+            dkv[..., E:].to(v.dtype),
+            dsinks,
+            None,
+            None,
+            None,
+        )
 
 
-def _backward_ring(cp, plan, opt, q, kv, do, lse, delta, dq) -> torch.Tensor:
+def _backward_ring(cp, plan, opt, q, kv, out, do, lse, delta, dq) -> torch.Tensor:
     """Blocks go round again; each block's gradient travels with it, gathering every rank's
     share, and reaches its owner one shift after the last step."""
     comm, size = cp.comm, cp.size
@@ -401,8 +398,8 @@ def _backward_ring(cp, plan, opt, q, kv, do, lse, delta, dq) -> torch.Tensor:
     for s in range(size):
         handle = comm.ring_shift(kv) if s < size - 1 else None
         dkv = torch.zeros(kv.shape, dtype=opt.acc, device=kv.device)
-        for item in plan[s]:
-            _tile_backward(q, kv, item, opt, do, lse, delta, dq, dkv)
+        for tile in plan[s]:
+            _tile_backward(q, kv, tile, opt, out, do, lse, delta, dq, dkv)
         if pending is not None:
             dkv += pending.wait()  # the shares of the ranks before this one
         if size == 1:
@@ -414,12 +411,13 @@ def _backward_ring(cp, plan, opt, q, kv, do, lse, delta, dq) -> torch.Tensor:
     return pending.wait()
 
 
-def _backward_allgather(cp, plan, opt, q, kv, do, lse, delta, dq) -> torch.Tensor:
+def _backward_allgather(cp, plan, opt, q, kv, out, do, lse, delta, dq) -> torch.Tensor:
     """Gradients of every rank's block, summed on their owners by one reduce-scatter."""
     dkv = torch.zeros((cp.size, *kv.shape), dtype=opt.acc, device=kv.device)
     for s, block in _blocks(cp, kv):
-        for item in plan[s]:
-            _tile_backward(q, block, item, opt, do, lse, delta, dq, dkv[(cp.rank - s) % cp.size])
+        for tile in plan[s]:
+            owner = dkv[(cp.rank - s) % cp.size]
+            _tile_backward(q, block, tile, opt, out, do, lse, delta, dq, owner)
     return cp.comm.reduce_scatter(dkv).wait() if cp.size > 1 else dkv[0]
 
 
@@ -451,38 +449,45 @@ def forward(
             "attention backend 'context_parallel' runs on a context-parallel shard: set the "
             "model's context_parallel (a titan_models.ContextParallel) and feed it its shard"
         )
-    B, S, H, E = q_BSHE.shape
-    K, V = k_BSKE.shape[2], v_BSKV.shape[-1]
+    B, S, H, _ = q_BSHE.shape
+    K = k_BSKE.shape[2]
     if k_BSKE.shape[1] != S:
         raise ValueError(
             f"attention backend 'context_parallel' attends a shard to the whole sequence: got "
             f"{S} queries and {k_BSKE.shape[1]} keys per row"
         )
-    G = H // K
     cp = shard.cp
-    tile = max(1, min(S // 2, math.isqrt(cp.tile_scores // (B * H))))  # square tiles
+    kernel = tiles.resolve_kernel(cp.tile_kernel, q_BSHE.device.type, softcap)
+    tile = cp.tile_size or tiles.tile_size(kernel, S, B, H, window, cp.tile_scores)
     documents = shard.starts is not None
     plan = meta.prepared(
         ("context_parallel-plan", window, tile),
         lambda: _plan(cp.rank, cp.size, S, window, documents, tile),
     )
-    opt = _Options(
-        groups=G,
-        key_dim=E,
+    cp.stats.record(sum(len(step) for step in plan))
+    block_masks = None
+    if kernel == "flex":
+        block_masks = meta.prepared(
+            ("context_parallel-flex", window, tile),
+            lambda: tiles.flex_block_masks(plan, window, shard.starts, q_BSHE.device),
+        )
+    opt = tiles.TileOptions(
+        kernel=kernel,
+        groups=H // K,
         scale=scale,
         softcap=softcap,
         window=window,
         starts=shard.starts,
         acc=torch.promote_types(q_BSHE.dtype, torch.float32),
+        block_masks=block_masks,
     )
-    q_BKME = q_BSHE.view(B, S, K, G, E).permute(0, 2, 1, 3, 4).reshape(B, K, S * G, E)
-    k_BKSE = k_BSKE.transpose(1, 2).contiguous()
-    v_BKSV = v_BSKV.transpose(1, 2).contiguous()
-    o_BKMV, lse_BKM = _Attention.apply(q_BKME, k_BKSE, v_BKSV, shard, plan, opt)
-    o_BSHV = o_BKMV.view(B, K, S, G, V).permute(0, 2, 1, 3, 4).reshape(B, S, H, V)
-    if sinks is None:
-        return o_BSHV
-    # A sink adds exp(sink) to the softmax denominator: rescale by sigmoid(lse - sink).
-    lse_BSH = lse_BKM.view(B, K, S, G).permute(0, 2, 1, 3).reshape(B, S, H)
-    keep_BSH = torch.sigmoid(lse_BSH - sinks.to(lse_BSH.dtype)[None, None, :])
-    return o_BSHV * keep_BSH[..., None].to(o_BSHV.dtype)
+    o_BHSV = _Attention.apply(
+        q_BSHE.transpose(1, 2),
+        k_BSKE.transpose(1, 2),
+        v_BSKV.transpose(1, 2),
+        sinks,
+        shard,
+        plan,
+        opt,
+    )
+    return o_BHSV.transpose(1, 2)

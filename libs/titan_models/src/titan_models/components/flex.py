@@ -31,7 +31,18 @@ _EAGER_FLEX = False
 """Run ``flex_attention`` un-compiled (tests on CPU: same semantics, scores materialised;
 compiling it there takes minutes and supports inference only)."""
 
-_compiled: dict[str, Callable[..., Any]] = {}
+_compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def flex_compile(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    """``fn`` under ``torch.compile(fn, **options)``, compiled once per process; ``fn`` itself
+    when ``_EAGER_FLEX``. FlexAttention's functions go through here (this backend's and the
+    context-parallel tiles')."""
+    if _EAGER_FLEX:
+        return fn
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, **options)
+    return _compiled[fn]
 
 
 def _flex_functions() -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -39,12 +50,7 @@ def _flex_functions() -> tuple[Callable[..., Any], Callable[..., Any]]:
     ``_EAGER_FLEX``."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    if _EAGER_FLEX:
-        return flex_attention, create_block_mask
-    if not _compiled:
-        _compiled["flex"] = torch.compile(flex_attention, dynamic=False)
-        _compiled["mask"] = torch.compile(create_block_mask)
-    return _compiled["flex"], _compiled["mask"]
+    return flex_compile(flex_attention, dynamic=False), flex_compile(create_block_mask)
 
 
 def prepare(meta: AttentionMetadata, window: int | None) -> Any:
