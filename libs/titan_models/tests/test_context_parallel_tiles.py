@@ -11,6 +11,8 @@ heads) the fused kernels run 17 tiles per layer per rank, the ``torch`` kernel 8
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -157,3 +159,64 @@ def test_kernel_resolution_and_bad_input():
         titan_models.ContextParallel(tile_kernel="cudnn")  # pyrefly: ignore[bad-argument-type]
     with pytest.raises(ValueError, match=r"tile_size=-1 must be an int >= 0"):
         titan_models.ContextParallel(tile_size=-1)
+
+
+# --- one tile, kernel against kernel (CPU here; CUDA through tools/gpu_check.sh) ----------------
+
+_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _one_tile(kernel: str, device: str, dtype: torch.dtype, tile, window: int | None):
+    """Forward and backward of one tile with ``kernel``: (out, lse, dq, dk, dv) in fp32."""
+    from titan_models.components import context_parallel_tiles as cpt
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    gen = torch.Generator().manual_seed(0)
+    B, H, K, E, Tq, L = 1, 4, 2, 32, tile.q1 - tile.q0, tile.k1 - tile.k0
+    q = torch.randn(B, H, Tq, E, generator=gen).to(device, dtype)
+    k = torch.randn(B, K, L, E, generator=gen).to(device, dtype)
+    v = torch.randn(B, K, L, E, generator=gen).to(device, dtype)
+    do = torch.randn(B, H, Tq, E, generator=gen).to(device, dtype)
+    opt = cpt.TileOptions(
+        kernel=kernel, groups=H // K, scale=E**-0.5, softcap=None, window=window, starts=None,
+        acc=torch.float32,
+    )  # fmt: skip
+    if kernel == "flex":
+        masks = cpt.flex_block_masks([[tile]], window, None, device)
+        opt = dataclasses.replace(opt, block_masks=masks)
+    out, lse = cpt.forward(q, k, v, tile, opt)
+    out = out.to(dtype)
+    delta = (do.float() * out.float()).sum(-1) if kernel == "torch" else None
+    dq, dk, dv = cpt.backward(q, k, v, out, lse.float(), do, delta, tile, opt)
+    return [t.float() for t in (out, lse, dq, dk, dv)]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("shape", "window"),
+    [("off_diagonal", None), ("causal_diagonal", None), ("window", 12)],
+)
+def test_one_tile_fused_kernels_equal_the_torch_ops(device, dtype, shape, window, monkeypatch):
+    from titan_models.components.context_parallel_tiles import Tile
+
+    if device == "cpu":  # compiled FlexAttention on the CPU is forward-only
+        monkeypatch.setattr(flex, "_EAGER_FLEX", True)
+
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("bf16 on this CPU: ~150x slower matmuls; the CPU checks run fp32")
+    tiles = {
+        "off_diagonal": Tile(0, 16, 32, 0, 24, 0, masked=False, causal=False),
+        "causal_diagonal": Tile(0, 16, 16, 0, 16, 16, masked=True, causal=True),
+        "window": Tile(0, 16, 16, 0, 16, 8, masked=True, causal=False),  # every row sees a key
+    }
+    tile = tiles[shape]
+    want = _one_tile("torch", device, dtype, tile, window)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    kernels = ["sdpa", "flex"]  # flex: eager on the CPU, compiled on CUDA
+    for kernel in kernels:
+        got = _one_tile(kernel, device, dtype, tile, window)
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
+            rows = torch.isfinite(b) if name == "lse" else slice(None)
+            torch.testing.assert_close(a[rows], b[rows], rtol=tol, atol=tol, msg=f"{kernel} {name}")
