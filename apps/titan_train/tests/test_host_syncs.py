@@ -197,7 +197,7 @@ ONE_PROCESS = {
 }  # fmt: skip
 
 
-# The other debug recipes, in the slow step: their paths are the ones above, composed.
+# The other debug recipes (``-m extended``): their paths are the ones above, composed.
 SLOW_ONE_PROCESS = {
     "gpt_oss": ("gpt_oss_debug",),
     "deepseek_v3": ("deepseek_v3_debug",),
@@ -208,7 +208,10 @@ SLOW_ONE_PROCESS = {
 }
 CASES = [
     *sorted(ONE_PROCESS),
-    *(pytest.param(name, marks=pytest.mark.slow) for name in sorted(SLOW_ONE_PROCESS)),
+    *(
+        pytest.param(name, marks=[pytest.mark.slow, pytest.mark.extended])
+        for name in sorted(SLOW_ONE_PROCESS)
+    ),
 ]
 
 

@@ -106,6 +106,7 @@ def _train_layouts(out: str) -> dict[str, list[float]]:
 
 
 @pytest.mark.slow  # ~2 minutes on the shared 2-core machine
+@pytest.mark.extended  # the app's generic CP / TP paths, on Muse Glimmer
 def test_context_and_tensor_parallel_train_like_one_process(tmp_path):
     """CP 2 (zig-zag shards through the sliding and NoPE layers) and TP 2 (heads, gate and
     MLP split; the soft-capped head column-wise) follow one process step for step on text;

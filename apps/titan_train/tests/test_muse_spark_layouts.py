@@ -36,6 +36,7 @@ def _two_ranks(out: str) -> dict[str, list[float]]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the app's generic TP / CP / EP paths, on Muse Spark
 def test_tp2_cp2_ep2_and_the_chunked_loss_train_like_one_process(tmp_path):
     single = _losses(str(tmp_path), "single", "--parallel.dp-shard", "1")
     chunked = _losses(

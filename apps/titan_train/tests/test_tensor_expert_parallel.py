@@ -168,6 +168,7 @@ def test_tp2_x_ep2_on_the_same_two_ranks_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow  # two more families: ~70 s on the shared 2-core machine
+@pytest.mark.extended  # the TP x EP path of the fast test, over two more families
 def test_tp2_x_ep2_of_gpt_oss_and_kimi_k25_equals_one_process(tmp_path):
     pytest.importorskip("transformers")  # Kimi K2.5's image processor
     _check(run_distributed(_layouts, 2, str(tmp_path), WORLD2_MORE, timeout=600), WORLD2_MORE)
