@@ -109,7 +109,8 @@ def forward(
         )
     if _flash_varlen_runs(q_BSHE, sinks, softcap):
         return _flash_varlen(q_BSHE, k_BSKE, v_BSKV, meta, window=window, scale=scale)
-    if flex.has_backward(q_BSHE.device):  # an accelerator: no host plan, no host read
+    on_accelerator = q_BSHE.device.type != "meta" and flex.has_backward(q_BSHE.device)
+    if on_accelerator:  # no host plan, no host read (meta tensors: the plan's shapes only)
         block_mask = meta.prepared(("flex", window), lambda: flex.prepare(meta, window))
         options = dict(window=window, sinks=sinks, scale=scale, softcap=softcap)
         return flex.forward(q_BSHE, k_BSKE, v_BSKV, meta, block_mask, **options)
