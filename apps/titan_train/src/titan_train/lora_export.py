@@ -86,6 +86,7 @@ def whole_adapters(
 
 def _collective_device(device: torch.device) -> torch.device:
     """``device`` when the default process group has a backend for its type (e.g.
-    ``"cpu:gloo,cuda:nccl"``), else the CPU."""
-    types = {entry.split(":")[0] for entry in str(dist.get_backend_config()).split(",")}
-    return device if device.type in types else torch.device("cpu")
+    ``"cpu:gloo,cuda:nccl"``), else the first device type the group does have a backend for
+    (a gloo-only group: its CPU)."""
+    types = [entry.split(":")[0] for entry in str(dist.get_backend_config()).split(",")]
+    return device if device.type in types else torch.device(types[0])
