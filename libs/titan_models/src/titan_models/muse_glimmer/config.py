@@ -185,24 +185,26 @@ class MuseGlimmerConfig(TransformerConfig):
 
     def vision_flops(self, grids) -> int:
         """Forward + backward FLOPs of the tower and adapter on images of patch grids
-        ``grids``: ``6·N`` per patch and merged token (``N`` its matmul weights) plus the
-        bidirectional attention (global blocks over a frame, the others over a window)."""
-        v = self.vision
-        per_patch = v.patch_dim * v.dim + v.num_layers * (
-            4 * v.dim**2 + 2 * v.dim * v.ffn_hidden_dim
-        )
-        block = v.dim * v.spatial_merge_size**2
-        p = self.projector_hidden_dim
-        per_merged = block * p + p * p + p * self.dim
-        patches = sum(int(t) * int(h) * int(w) for t, h, w in grids)
-        window = v.pos_emb_size**2
-        full = sum(int(t) * (int(h) * int(w)) ** 2 for t, h, w in grids)
-        local = sum(int(t) * int(h) * int(w) * min(window, int(h) * int(w)) for t, h, w in grids)
-        glob = len(v.global_layers)
-        attention = 12 * v.dim * (glob * full + (v.num_layers - glob) * local)
-        return (
-            6 * (per_patch * patches + per_merged * patches // v.spatial_merge_size**2) + attention
-        )
+        ``grids`` (``tower_flops``)."""
+        return tower_flops(self.vision, self.projector_hidden_dim, self.dim, grids)
+
+
+def tower_flops(v: MuseGlimmerVisionConfig, projector_dim: int, out_dim: int, grids) -> int:
+    """Forward + backward FLOPs of a Muse Glimmer tower and its adapter (to ``out_dim``) on
+    images of patch grids ``grids``: ``6·N`` per patch and merged token (``N`` its matmul
+    weights) plus the bidirectional attention (global blocks over a frame, the others over
+    a window)."""
+    per_patch = v.patch_dim * v.dim + v.num_layers * (4 * v.dim**2 + 2 * v.dim * v.ffn_hidden_dim)
+    block = v.dim * v.spatial_merge_size**2
+    p = projector_dim
+    per_merged = block * p + p * p + p * out_dim
+    patches = sum(int(t) * int(h) * int(w) for t, h, w in grids)
+    window = v.pos_emb_size**2
+    full = sum(int(t) * (int(h) * int(w)) ** 2 for t, h, w in grids)
+    local = sum(int(t) * int(h) * int(w) * min(window, int(h) * int(w)) for t, h, w in grids)
+    glob = len(v.global_layers)
+    attention = 12 * v.dim * (glob * full + (v.num_layers - glob) * local)
+    return 6 * (per_patch * patches + per_merged * patches // v.spatial_merge_size**2) + attention
 
 
 DEBUG_VISION = MuseGlimmerVisionConfig(

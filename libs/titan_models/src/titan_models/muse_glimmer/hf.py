@@ -145,9 +145,12 @@ def _text_layers(text: Mapping[str, Any], theta: float) -> dict[str, Any]:
     return fields
 
 
-def vision_config_from_hf(vision: Mapping[str, Any]) -> MuseGlimmerVisionConfig:
-    """Our tower config of an HF ``vision_config``."""
-    _check(vision, "vision_config.", {"model_type": ("muse_glimmer_vision",)})
+def vision_config_from_hf(
+    vision: Mapping[str, Any], model_type: str = "muse_glimmer_vision"
+) -> MuseGlimmerVisionConfig:
+    """Our tower config of an HF ``vision_config`` (``model_type``: the one it must name;
+    Muse Spark's tower is the same architecture under ``muse_spark_vision``)."""
+    _check(vision, "vision_config.", {"model_type": (model_type,)})
     height, width = vision.get("pos_emb_height", 32), vision.get("pos_emb_width", 32)
     if height != width:
         raise _refuse(
@@ -189,10 +192,12 @@ def vision_config_from_hf(vision: Mapping[str, Any]) -> MuseGlimmerVisionConfig:
     )
 
 
-def vision_config_to_hf(v: MuseGlimmerVisionConfig) -> dict[str, Any]:
+def vision_config_to_hf(
+    v: MuseGlimmerVisionConfig, model_type: str = "muse_glimmer_vision"
+) -> dict[str, Any]:
     """The HF ``vision_config`` of our tower config."""
     return {
-        "model_type": "muse_glimmer_vision",
+        "model_type": model_type,
         "hidden_size": v.dim,
         "num_hidden_layers": v.num_layers,
         "num_attention_heads": v.num_heads,

@@ -15,19 +15,29 @@
   feed_forward.expert_norm``, and the experts fused as transformers holds them:
   ``mlp.experts.gate_up_proj`` (E, 2I, P: each expert's gate rows then its up rows),
   ``mlp.experts.down_proj`` (E, P, I) ↔ our ``w_gate``/``w_up``/``w_down``.
-- Config: ``text_config`` (``vision_config`` / ``audio_config`` describe towers this
-  text-only family does not build: their tensors are skipped on load, and ``to_hf`` writes
-  the public towers' configs with no tower weights).
+- Vision tower, adapter and projection as Muse Glimmer's (``muse_glimmer.hf.VISION_KEY_MAP``:
+  ``model.vision_tower.*``, ``model.vision_adapter.fc{1,2}``, ``model.vision_projection``).
+- Audio tower ``model.audio_tower.``: ``layers.<i>.patch_embedder.{proj, norm}`` ↔
+  ``audio.stages.<i>.patch_embed.{proj, norm}``; ``layers.<i>.conv_blocks.<j>.{conv, norm,
+  mlp.fc1, mlp.fc2}`` ↔ ``audio.stages.<i>.blocks.<j>.{conv, norm, feed_forward.w1,
+  feed_forward.w2}``; ``norm``, ``proj``, ``post_proj_norm`` ↔ ``audio.{norm, projection,
+  out_norm}``. Nothing is permuted.
+- Config: ``text_config``, ``vision_config`` (``model_type: muse_spark_vision``),
+  ``audio_config``, ``out_hidden_size`` (the tower width × merge²), ``projector_hidden_size``,
+  the media token ids. A config of ours without a tower (``vision`` / ``audio`` ``None``)
+  skips that tower's tensors on load, and ``to_hf`` writes the public tower's config with
+  no weights for it.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from ..components import RopeConfig
+from ..components import RopeConfig, TransformerConfig
 from ..hf_adapter import (
     FUSED_EXPERTS,
     HFAdapter,
@@ -37,11 +47,14 @@ from ..hf_adapter import (
     rope_from_hf,
     rope_to_hf,
 )
-from .config import MLP_LAYER_TYPES, MuseSparkConfig
+from ..muse_glimmer.hf import VISION_KEY_MAP, vision_config_from_hf, vision_config_to_hf
+from .config import MLP_LAYER_TYPES, MuseSparkAudioConfig, MuseSparkConfig
 
 TEXT = "model.language_model."
 _L = TEXT + "layers.{}."
-_TOWERS = r"model\.(vision_tower|audio_tower|vision_adapter|vision_projection)\..*"
+_VISION_KEYS = r"model\.(vision_tower|vision_adapter|vision_projection)\..*"
+_AUDIO_KEYS = r"model\.audio_tower\..*"
+_A = "model.audio_tower."
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 KEY_MAP: tuple[tuple[str, str], ...] = (
@@ -79,10 +92,37 @@ KEY_MAP: tuple[tuple[str, str], ...] = (
 )
 """Our names ↔ ``MuseSparkForConditionalGeneration``'s text names."""
 
-# The released towers (transformers' defaults), written beside a text checkpoint so that
-# transformers can build its model from our config.json.
-_PUBLIC_VISION = {"model_type": "muse_spark_vision"}
-_PUBLIC_AUDIO = {"model_type": "muse_spark_audio"}
+AUDIO_KEY_MAP: tuple[tuple[str, str], ...] = (
+    *(
+        (f"audio.stages.{{}}.patch_embed.{p}", f"{_A}layers.{{}}.patch_embedder.{p}")
+        for p in ("proj.weight", "proj.bias", "norm.weight")
+    ),
+    *(
+        (f"audio.stages.{{}}.blocks.{{}}.{ours}", f"{_A}layers.{{}}.conv_blocks.{{}}.{hf}")
+        for ours, hf in (
+            ("conv.weight", "conv.weight"),
+            ("conv.bias", "conv.bias"),
+            ("norm.weight", "norm.weight"),
+            ("feed_forward.w1.weight", "mlp.fc1.weight"),
+            ("feed_forward.w1.bias", "mlp.fc1.bias"),
+            ("feed_forward.w2.weight", "mlp.fc2.weight"),
+            ("feed_forward.w2.bias", "mlp.fc2.bias"),
+        )
+    ),
+    ("audio.norm.weight", _A + "norm.weight"),
+    ("audio.projection.weight", _A + "proj.weight"),
+    ("audio.projection.bias", _A + "proj.bias"),
+    ("audio.out_norm.weight", _A + "post_proj_norm.weight"),
+)
+"""The audio tower ↔ ``model.audio_tower``."""
+
+_TOKEN_FIELDS = ("image_token_id", "video_token_id", "audio_token_id")
+_TOKENIZER_FIELDS = ("vision_start_token_id", "vision_end_token_id")
+"""Ids of the tokenizer, not of transformers' config: written as extra fields, read if there."""
+
+
+def _refuse(field: str, got: Any, expected: str) -> ValueError:
+    return ValueError(f"HF config field {field}={got!r} is not supported (expected {expected})")
 
 
 class MuseSparkHFAdapter(HFAdapter[MuseSparkConfig]):
@@ -90,8 +130,16 @@ class MuseSparkHFAdapter(HFAdapter[MuseSparkConfig]):
 
     model_types = ("muse_spark",)
     architecture = "MuseSparkForConditionalGeneration"
-    key_map = KEY_MAP
-    ignored_hf_keys = (*HFAdapter.ignored_hf_keys, _TOWERS)
+    key_map = KEY_MAP + VISION_KEY_MAP + AUDIO_KEY_MAP
+
+    def is_ignored(self, key: str, config: TransformerConfig) -> bool:
+        """``HFAdapter``'s, plus the tensors of a tower our config does not build."""
+        c = cast(MuseSparkConfig, config)
+        if c.vision is None and re.fullmatch(_VISION_KEYS, key):
+            return True
+        if c.audio is None and re.fullmatch(_AUDIO_KEYS, key):
+            return True
+        return super().is_ignored(key, config)
 
     def config_from_hf(self, hf: Mapping[str, Any]) -> MuseSparkConfig:
         """Our config of an HF ``config.json`` (its ``text_config``); ``ValueError`` naming
@@ -141,6 +189,7 @@ class MuseSparkHFAdapter(HFAdapter[MuseSparkConfig]):
             moe_dim=required(text, "moe_hidden_size"),
             moe_hidden_dim=required(text, "moe_intermediate_size"),
             route_scale=float(text.get("routed_scaling_factor", 1.0)),
+            **_towers_from_hf(hf, hidden),
         )
 
     def config_to_hf(self, config: MuseSparkConfig) -> dict[str, Any]:
@@ -200,8 +249,7 @@ class MuseSparkHFAdapter(HFAdapter[MuseSparkConfig]):
             "architectures": [self.architecture],
             "model_type": self.model_types[0],
             "text_config": text,
-            "vision_config": dict(_PUBLIC_VISION),
-            "audio_config": {**_PUBLIC_AUDIO, "out_hidden_size": c.dim},
+            **_towers_to_hf(c),
         }
 
     def hf_tensors(
@@ -211,6 +259,85 @@ class MuseSparkHFAdapter(HFAdapter[MuseSparkConfig]):
         if ".experts.w_" in fqn:
             return super().hf_tensors(fqn, param, {**hf_config, FUSED_EXPERTS: True})
         return super().hf_tensors(fqn, param, hf_config)
+
+
+def _towers_from_hf(hf: Mapping[str, Any], text_width: int) -> dict[str, Any]:
+    """Our tower fields of the top level of an HF ``config.json``."""
+    if hf.get("projector_hidden_act", "gelu") != "gelu":
+        raise _refuse("projector_hidden_act", hf["projector_hidden_act"], "'gelu'")
+    vision = vision_config_from_hf(required(hf, "vision_config"), "muse_spark_vision")
+    merged = vision.dim * vision.spatial_merge_size**2
+    if hf.get("out_hidden_size", 6144) != merged:
+        raise _refuse(
+            "out_hidden_size",
+            hf.get("out_hidden_size", 6144),
+            f"vision_config.hidden_size x merge_size² = {merged}",
+        )
+    fields = {name: hf[name] for name in _TOKEN_FIELDS if name in hf}
+    fields |= {name: hf[name] for name in _TOKENIZER_FIELDS if hf.get(name) is not None}
+    return fields | {
+        "vision": vision,
+        "projector_hidden_dim": hf.get("projector_hidden_size", 4096),
+        "audio": _audio_from_hf(required(hf, "audio_config"), text_width),
+    }
+
+
+def _audio_from_hf(audio: Mapping[str, Any], text_width: int) -> MuseSparkAudioConfig:
+    where = "audio_config."
+    if audio.get("model_type", "muse_spark_audio") != "muse_spark_audio":
+        raise _refuse(where + "model_type", audio["model_type"], "'muse_spark_audio'")
+    if audio.get("out_hidden_size", 8192) != text_width:
+        raise _refuse(
+            where + "out_hidden_size",
+            audio.get("out_hidden_size", 8192),
+            f"text_config.hidden_size={text_width}",
+        )
+    defaults = MuseSparkAudioConfig()
+    sizes = {
+        name: tuple(audio.get(name, getattr(defaults, name)))
+        for name in ("patch_sizes", "hidden_sizes", "depths")
+    }
+    stages = audio.get("num_hidden_layers", 4)
+    for name, values in sizes.items():
+        if len(values) != stages:
+            raise _refuse(where + name, list(values), f"num_hidden_layers={stages} entries")
+    return MuseSparkAudioConfig(
+        **sizes,
+        mlp_ratio=float(audio.get("mlp_ratio", 4.0)),
+        conv_kernel_size=audio.get("conv_kernel_size", 7),
+        activation=audio.get("hidden_act", "gelu"),
+        norm_eps=float(audio.get("rms_norm_eps", 1e-6)),
+    )
+
+
+def _towers_to_hf(c: MuseSparkConfig) -> dict[str, Any]:
+    """The top-level tower fields of our config; a tower we do not build is written as the
+    public one (transformers' defaults), so transformers can build its model."""
+    vision = {"model_type": "muse_spark_vision"}
+    out: dict[str, Any] = {"projector_hidden_size": c.projector_hidden_dim}
+    if c.vision is not None:
+        vision = vision_config_to_hf(c.vision, "muse_spark_vision")
+        out["out_hidden_size"] = c.vision.dim * c.vision.spatial_merge_size**2
+    audio: dict[str, Any] = {"model_type": "muse_spark_audio", "out_hidden_size": c.dim}
+    if c.audio is not None:
+        a = c.audio
+        audio |= {
+            "patch_sizes": list(a.patch_sizes),
+            "hidden_sizes": list(a.hidden_sizes),
+            "depths": list(a.depths),
+            "num_hidden_layers": len(a.depths),
+            "mlp_ratio": a.mlp_ratio,
+            "conv_kernel_size": a.conv_kernel_size,
+            "hidden_act": a.activation,
+            "rms_norm_eps": a.norm_eps,
+        }
+    tokens = {name: getattr(c, name) for name in (*_TOKEN_FIELDS, *_TOKENIZER_FIELDS)}
+    return out | {
+        "vision_config": vision,
+        "audio_config": audio,
+        "projector_hidden_act": "gelu",
+        **tokens,
+    }
 
 
 def _layer_rope_theta(text: Mapping[str, Any], layers: int, rope: RopeConfig) -> tuple[float, ...]:
@@ -277,4 +404,4 @@ def _mlp_layer_types(text: Mapping[str, Any], layers: int) -> tuple[str, ...]:
     return () if all(k == "sparse" for k in kinds) else tuple(kinds)
 
 
-__all__ = ["KEY_MAP", "MuseSparkHFAdapter"]
+__all__ = ["AUDIO_KEY_MAP", "KEY_MAP", "MuseSparkHFAdapter"]

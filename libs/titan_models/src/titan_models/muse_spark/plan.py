@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from ..plan import ModelPlan, decoder_plan
+import dataclasses
+
+import torch
+
+from ..muse_glimmer.vision import MuseGlimmerVisionTower
+from ..plan import ModelPlan, PipelineUnit, decoder_plan
+from .audio import MuseSparkAudioTower
 from .config import MuseSparkConfig
 from .model import MuseSpark
 
@@ -13,11 +19,13 @@ def plan(config: MuseSparkConfig) -> ModelPlan:
     blocks' SwiGLU as Llama; every pooled MoE (router, pooling projections and norms, experts)
     expert-parallel and unsharded over TP; the residual gates and post-norms act on the
     replicated stream. Every axis is supported: FSDP, TP, PP (one unit per block), EP and CP
-    (sliding windows and NoPE layers through the context-parallel backend)."""
+    (sliding windows and NoPE layers through the context-parallel backend). The towers are
+    replicated over TP and go with the embedding into the first pipeline unit (the first
+    stage makes the media tokens); every vision block is a remat unit."""
     c = config
     dense = any(c.is_dense(i) for i in range(c.num_layers))
     attention = tuple(f"layers.*.attention.{n}" for n in ("wq", "wk", "wv", "w_gate"))
-    return decoder_plan(
+    base = decoder_plan(
         MuseSpark,
         config,
         colwise=(
@@ -28,4 +36,32 @@ def plan(config: MuseSparkConfig) -> ModelPlan:
         replicated=(),
         sequence_parallel=("layers.*.post_ffn_norm",),
         experts=tuple(f"layers.{i}.feed_forward" for i in range(c.num_layers) if not c.is_dense(i)),
+    )
+    return _with_towers(base, config)
+
+
+def _with_towers(base: ModelPlan, config: MuseSparkConfig) -> ModelPlan:
+    towers: dict[str, torch.nn.Module] = {}
+    with torch.device("meta"):
+        if config.vision is not None:
+            towers["visual"] = MuseGlimmerVisionTower(
+                config.vision,
+                out_dim=config.dim,
+                projector_dim=config.projector_hidden_dim,
+                norm_eps=config.norm_eps,
+            )
+        if config.audio is not None:
+            towers["audio"] = MuseSparkAudioTower(config.audio, out_dim=config.dim)
+    if not towers:
+        return base
+    embed = base.pipeline_units[0]
+    params = sum(p.numel() for tower in towers.values() for p in tower.parameters())
+    first = PipelineUnit(
+        name=embed.name, modules=(*embed.modules, *towers), num_params=embed.num_params + params
+    )
+    remat = ("visual.blocks.*",) if "visual" in towers else ()
+    return dataclasses.replace(
+        base,
+        pipeline_units=(first, *base.pipeline_units[1:]),
+        remat_units=(*base.remat_units, *remat),
     )
