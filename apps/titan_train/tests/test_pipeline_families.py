@@ -25,7 +25,7 @@ FAMILIES = (
     "gpt_oss", "deepseek_v4", "qwen3_5_moe", "kimi_linear", "kimi_k25", "muse_glimmer", "muse_spark",
 )  # fmt: skip
 TEXT = ["--data.source", "arithmetic"]  # the app's PP takes text batches only
-EXTRA = {"kimi_k25": TEXT, "muse_glimmer": TEXT}
+EXTRA = {"kimi_k25": TEXT, "muse_glimmer": TEXT, "muse_spark": TEXT}
 TOLERANCE = 1e-5  # fp32; measured 0.0 (the same ops on the same microbatches)
 PP2 = [
     "--parallel.pp", "2", "--parallel.dp-shard", "1", "--parallel.pp-microbatches", "2",
@@ -88,10 +88,11 @@ def test_pp2_equals_one_process_for_gpt_oss_deepseek_v4_and_the_hybrids(tmp_path
         for r in (first, last):
             assert abs(r["loss"] - r["ref_loss"]) <= TOLERANCE, (family, r["loss"], r["ref_loss"])
             assert r["grads"] <= TOLERANCE, (family, r["grads"])
-            # Only DeepSeek-V4's lightning indexers (no indexer loss) and the unused vision
-            # tower of a text batch get no gradient.
+            # Only DeepSeek-V4's lightning indexers (no indexer loss) and the unused media
+            # towers of a text batch get no gradient.
             assert all(
-                ".attention.indexer." in n or n.startswith("visual.") for n in r["no_grad"]
+                ".attention.indexer." in n or n.startswith(("visual.", "audio."))
+                for n in r["no_grad"]
             ), r["no_grad"]
         # The two stages split the model: every parameter on exactly one of them.
         assert sorted(first["held"] + last["held"]) == first["all"], family

@@ -357,10 +357,15 @@ def kimi_linear_48b_a3b() -> JobConfig:
 @recipe
 def muse_spark_debug() -> JobConfig:
     """Tiny Muse Spark Open (gated attention, NoPE / sliding layers, residual gates, pooled MoE
-    with a dense block among sparse ones, soft-capped head) on arithmetic."""
-    cfg = llama3_debug()
+    with a dense block among sparse ones, soft-capped head; a 2-block vision tower) on the
+    built-in shapes corpus, images through the image-text path (patches row by row, each
+    frame-major, as Muse Glimmer's); 60 steps."""
+    cfg = qwen3_vl_debug()
     cfg.name = "muse_spark_debug"
     cfg.model = ModelConfig(family="muse_spark", flavor="debug")
+    cfg.training.steps = 60
+    cfg.lr_schedule.warmup_steps = 10
+    cfg.metrics.validate_every = 20
     return cfg
 
 
