@@ -1,8 +1,9 @@
-"""Muse Spark Open (text): gated GQA with per-layer RoPE / NoPE and sliding windows, residual
-gates, a pooled MoE, a soft-capped head."""
+"""Muse Spark Open: gated GQA with per-layer RoPE / NoPE and sliding windows, residual gates,
+a pooled MoE, a soft-capped head; Muse Glimmer's vision tower and an audio tower."""
 
 from ..family import ModelFamily
-from .config import MUSE_SPARK_FLAVORS, MuseSparkConfig
+from .audio import MuseSparkAudioTower
+from .config import MUSE_SPARK_FLAVORS, MuseSparkAudioConfig, MuseSparkConfig
 from .hf import MuseSparkHFAdapter
 from .model import MuseSpark, MuseSparkBlock, router_config
 from .plan import plan
@@ -20,6 +21,8 @@ __all__ = [
     "FAMILY",
     "MUSE_SPARK_FLAVORS",
     "MuseSpark",
+    "MuseSparkAudioConfig",
+    "MuseSparkAudioTower",
     "MuseSparkBlock",
     "MuseSparkConfig",
     "MuseSparkHFAdapter",
