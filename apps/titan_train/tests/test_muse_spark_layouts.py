@@ -1,8 +1,9 @@
 """Muse Spark through the app: the debug recipe trains on images; on gloo, TP 2, CP 2, EP 2
 and the chunked soft-capped loss train ``muse_spark_debug`` on text like one process (or,
-for EP 2, like the DP 2 run that reads the same data). Measured: chunked and EP 2 bitwise
-equal, TP 2 and CP 2 equal at step 1 and within 1e-4 after Adam's amplification of last-bit
-differences."""
+for EP 2, like the DP 2 run that reads the same data). Measured: chunked bitwise equal; EP 2
+equal to DP 2 at step 1 and within 1e-6 after (the owner's expert GEMM sums both ranks'
+tokens in one call, DP 2 sums per rank then all-reduces: last-bit differences, 5e-7 at step
+3); TP 2 and CP 2 equal at step 1 and within 1e-4 after Adam's amplification."""
 
 from __future__ import annotations
 
@@ -68,5 +69,6 @@ def test_tp2_cp2_ep2_and_the_chunked_loss_train_like_one_process(tmp_path):
     for layout in ("tp2", "cp2"):
         assert abs(runs[layout][0] - single[0]) <= 1e-5, layout
         torch.testing.assert_close(runs[layout], single, rtol=0, atol=1e-3)
-    assert runs["ep2"] == runs["dp2"]
+    assert runs["ep2"][0] == runs["dp2"][0]
+    torch.testing.assert_close(runs["ep2"], runs["dp2"], rtol=0, atol=1e-5)
     assert single[-1] < single[0] - 0.5
