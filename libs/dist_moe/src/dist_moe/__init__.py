@@ -1,8 +1,20 @@
 """MoE routing, grouped experts, expert-parallel dispatch (local, all-to-all, symmetric memory), Triton kernels."""
 
-from dist_moe.cute_gemm import cute_available, cute_codegen, cute_grouped_mm
+from dist_moe.cute_gemm import (
+    cute_available,
+    cute_codegen,
+    cute_grouped_mm,
+    cute_swiglu_experts,
+)
 from dist_moe.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher
-from dist_moe.experts import GroupedExperts, SharedExperts, SwiGLU, grouped_mm_available
+from dist_moe.experts import (
+    ExpertRun,
+    GroupedExperts,
+    GroupedGemm,
+    SharedExperts,
+    SwiGLU,
+    grouped_mm_available,
+)
 from dist_moe.hf_interop import HFSparseMoeBlock, moe_from_hf_block, swap_hf_moe_blocks
 from dist_moe.kernels import combine_rows, expert_histogram, permute_rows
 from dist_moe.moe import MoE, MoEConfig, expert_parallel
@@ -35,7 +47,9 @@ __all__ = [
     "Dispatcher",
     "ExpertLoad",
     "ExpertPlacement",
+    "ExpertRun",
     "GroupedExperts",
+    "GroupedGemm",
     "HFSparseMoeBlock",
     "LocalDispatcher",
     "MoE",
@@ -54,6 +68,7 @@ __all__ = [
     "cute_available",
     "cute_codegen",
     "cute_grouped_mm",
+    "cute_swiglu_experts",
     "expert_histogram",
     "expert_load",
     "expert_parallel",
