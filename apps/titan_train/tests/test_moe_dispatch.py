@@ -4,6 +4,10 @@
 between gloo ranks on CPU) trains Qwen3-MoE at EP 2 bitwise like ``all_to_all``: the owner
 regroups the received blocks into all-to-all's expert layout, so every expert GEMM reduces
 over the same rows in the same order. One spawn of two ranks trains both for 5 steps.
+
+``--moe.grouped-gemm {torch,triton,cute}`` reaches ``GroupedExperts.gemm``: the flag parses,
+``torch`` is today's path, and what cannot run (triton: no kernel in dist_moe yet; cute: no
+SM90 / SM100 GPU, not bf16, or the app's dropless layers) is one clear error before any work.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import pytest
 import torch
 
 from titan_testing import run_distributed
+from titan_train.build import resolve
 from titan_train.cli import parse_config
 from titan_train.trainer import train
 
@@ -47,3 +52,40 @@ def test_symm_mem_dispatch_trains_bitwise_like_all_to_all(tmp_path):
         assert any(".experts." in n for n in a2a_params) and a2a_params.keys() == symm_params.keys()
         for name, value in a2a_params.items():  # every weight this rank holds, after 5 steps
             assert torch.equal(symm_params[name], value), f"rank {rank}: {name}"
+
+
+def _resolve(*argv: str):
+    return resolve(parse_config(["--model.family", "qwen3_moe", *argv]))
+
+
+def test_grouped_gemm_flag_parses_and_torch_is_todays_path():
+    from titan_train.build import build_model
+
+    assert parse_config([]).moe.grouped_gemm == "torch"
+    job = _resolve("--moe.grouped-gemm", "torch")
+    model = build_model(job, torch.device("cpu"))
+    experts = [m.experts for m in model.modules() if hasattr(m, "dispatcher")]
+    assert experts and all(e.gemm == "torch" for e in experts)
+
+
+def test_grouped_gemm_refuses_what_cannot_run_with_one_clear_error(capsys, monkeypatch):
+    with pytest.raises(SystemExit):  # the CLI names the field, the value and the choices
+        parse_config(["--moe.grouped-gemm", "cublas"])
+    err = capsys.readouterr().err
+    assert "cublas" in err and "torch" in err and "cute" in err
+    cfg = parse_config(["--model.family", "qwen3_moe"])
+    cfg.moe.grouped_gemm = "cublas"  # pyrefly: ignore[bad-assignment]  # a typed config bypassed
+    with pytest.raises(ValueError, match=r"moe.grouped_gemm='cublas' must be 'torch', 'triton'"):
+        resolve(cfg)
+    with pytest.raises(ValueError, match="no Triton grouped GEMM"):
+        _resolve("--moe.grouped-gemm", "triton")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"SM90 \(Hopper\) or SM100 \(Blackwell\).*no CUDA"):
+        _resolve("--moe.grouped-gemm", "cute")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    with pytest.raises(ValueError, match="this one is sm_80"):
+        _resolve("--moe.grouped-gemm", "cute")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    with pytest.raises(ValueError, match="dropless"):
+        _resolve("--moe.grouped-gemm", "cute", "--training.mixed-precision", "bf16")

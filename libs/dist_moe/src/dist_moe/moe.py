@@ -160,6 +160,11 @@ class MoE(nn.Module):
         """(B, S, D) or (T, D) → the same shape. ``token_ids`` ((B, S) or (T,)): the tokens'
         ids, needed by hash routing (``RouterConfig.hash_vocab_size``), ignored otherwise."""
         self._check_input(x)
+        if self.experts.gemm == "cute" and self.config.permute.capacity_factor is None:
+            raise ValueError(
+                "MoE: grouped_gemm='cute' runs equal per-expert groups, a capacity layout: set "
+                "PermuteConfig.capacity_factor (this layer is dropless)"
+            )
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         ids_T = token_ids.reshape(-1) if token_ids is not None else None
