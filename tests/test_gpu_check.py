@@ -105,6 +105,14 @@ def test_steps_are_planned_with_reasons_and_stop_at_the_budget(gpu_check, tmp_pa
         "skipped",
         "needs 2 GPUs, 1 here",
     )
+    for name in (
+        "CP 2 on NCCL: llama3_debug, 20 steps",
+        "symm_mem dispatch from the app: qwen3_moe_debug at EP 2, 20 steps",
+    ):
+        assert statuses[name] == ("skipped", "needs 2 GPUs, 1 here")
+    assert statuses["CUDA-graph pipeline stage = eager (outputs, gradients)"][0] == "passed"
+    cute = "grouped GEMM cute: GroupedExperts(gemm='cute') = torch, forward and backward"
+    assert statuses[cute][0] == "passed"  # sm90 here
     assert statuses["NVFP4 scaled_mm vs the emulation (sm100)"][0] == "skipped"
     limits = {s.name: s.limit_s for s in gpu_check.STEPS}
     assert all(limit <= limits[name] for name, limit in ran)
