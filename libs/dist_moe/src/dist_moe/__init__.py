@@ -39,6 +39,7 @@ from dist_moe.router import (
 )
 from dist_moe.symm_mem import SymmMemDispatcher
 from dist_moe.token_split import TokenSplitDispatcher
+from dist_moe.triton_gemm import triton_grouped_mm
 
 __version__ = "0.1.0"
 
@@ -80,6 +81,7 @@ __all__ = [
     "plan_permutation",
     "sequence_parallel_balance",
     "swap_hf_moe_blocks",
+    "triton_grouped_mm",
     "unpermute",
     "unpermute_and_combine",
     "update_expert_biases",

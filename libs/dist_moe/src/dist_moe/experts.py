@@ -27,6 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dist_moe.kernels import resolve_backend
+from dist_moe.triton_gemm import triton_grouped_mm
+
 __all__ = [
     "ExpertRun",
     "GroupedExperts",
@@ -37,9 +40,10 @@ __all__ = [
 ]
 
 ExpertsImpl = Literal["auto", "grouped_mm", "loop"]
-GroupedGemm = Literal["torch", "cute"]
-"""Kernel of the grouped GEMMs: ``torch._grouped_mm`` or the CuTe DSL kernel (``cute_gemm``)."""
-GROUPED_GEMMS: tuple[str, ...] = ("torch", "cute")
+GroupedGemm = Literal["torch", "triton", "cute"]
+"""Kernel of the grouped GEMMs: ``torch._grouped_mm``, the Triton kernel (``triton_gemm``) or
+the CuTe DSL kernel (``cute_gemm``)."""
+GROUPED_GEMMS: tuple[str, ...] = ("torch", "triton", "cute")
 ExpertWeights = tuple[torch.Tensor, ...]
 """(w_gate, w_up, w_down) or, with biases, (w_gate, w_up, w_down, b_gate, b_up, b_down)."""
 
@@ -151,8 +155,9 @@ class GroupedExperts(nn.Module):
     ):
         """``activation``: the gated activation (``SwiGLU()`` by default); ``bias``: a bias
         per expert on every projection; ``gemm``: the grouped GEMM kernel, ``"torch"``
-        (``torch._grouped_mm``, any device) or ``"cute"`` (the CuTe DSL kernel: SM90 / SM100,
-        bf16, experts in equal static groups, see ``forward``)."""
+        (``torch._grouped_mm``, any device), ``"triton"`` (``triton_grouped_mm``: CUDA, any
+        float dtype, ragged groups; ``impl="loop"`` still runs the loop) or ``"cute"`` (the
+        CuTe DSL kernel: SM90 / SM100, bf16, experts in equal static groups, see ``forward``)."""
         super().__init__()
         check_grouped_gemm(gemm, "GroupedExperts: gemm")
         for name, v in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)):
@@ -236,17 +241,23 @@ class GroupedExperts(nn.Module):
             from dist_moe.cute_gemm import cute_swiglu_experts
 
             return cute_swiglu_experts(x_RD, w, self.activation, w_gate.shape[0])
-        if self.uses_grouped_mm(x_RD):
-            offs = group_ends.to(torch.int32)
-            gate = _grouped_mm(x_RD, w_gate.transpose(-2, -1), offs)
-            up = _grouped_mm(x_RD, w_up.transpose(-2, -1), offs)
-            if len(w) == 3:
-                return _grouped_mm(self.activation(gate, up), w_down.transpose(-2, -1), offs)
-            b_gate, b_up, b_down = (_with_zero_row(b) for b in w[3:])
-            expert_R = _row_experts(group_ends, x_RD.shape[0])
-            hidden = self.activation(gate + b_gate[expert_R], up + b_up[expert_R])
-            return _grouped_mm(hidden, w_down.transpose(-2, -1), offs) + b_down[expert_R]
-        return self.forward_loop(x_RD, group_ends, weights)
+        if self.gemm == "triton" and self.impl != "loop":
+            if x_RD.device.type != "meta":  # meta: shapes only
+                resolve_backend("triton", x_RD.device, what="GroupedExperts: gemm")
+            mm = triton_grouped_mm
+        elif self.uses_grouped_mm(x_RD):
+            mm = _grouped_mm
+        else:
+            return self.forward_loop(x_RD, group_ends, weights)
+        offs = group_ends.to(torch.int32)
+        gate = mm(x_RD, w_gate.transpose(-2, -1), offs)
+        up = mm(x_RD, w_up.transpose(-2, -1), offs)
+        if len(w) == 3:
+            return mm(self.activation(gate, up), w_down.transpose(-2, -1), offs)
+        b_gate, b_up, b_down = (_with_zero_row(b) for b in w[3:])
+        expert_R = _row_experts(group_ends, x_RD.shape[0])
+        hidden = self.activation(gate + b_gate[expert_R], up + b_up[expert_R])
+        return mm(hidden, w_down.transpose(-2, -1), offs) + b_down[expert_R]
 
     def _weights(self) -> ExpertWeights:
         b_gate, b_up, b_down = self.b_gate, self.b_up, self.b_down

@@ -64,8 +64,9 @@ class MoEConfig:
     expert_bias: bool = False
     """Per-expert biases on the routed experts' projections (gpt-oss)."""
     grouped_gemm: GroupedGemm = "torch"
-    """Kernel of the routed experts' grouped GEMMs: "torch" (``torch._grouped_mm``) or "cute"
-    (the CuTe DSL kernel: SM90 / SM100, bf16, a capacity layout; see ``GroupedExperts``)."""
+    """Kernel of the routed experts' grouped GEMMs: "torch" (``torch._grouped_mm``), "triton"
+    (``triton_grouped_mm``: CUDA, ragged groups) or "cute" (the CuTe DSL kernel: SM90 / SM100,
+    bf16, a capacity layout); see ``GroupedExperts``."""
 
     def __post_init__(self) -> None:
         for name in ("dim", "hidden_dim"):
