@@ -138,6 +138,8 @@ def _check_supported(cfg: JobConfig, dims: ParallelDims) -> None:
             "yet: pipeline stages and sequence shards take token ids only, not the images "
             "(use parallel.pp=1, parallel.cp=1)"
         )
+    if cfg.moe.grouped_gemm == "triton":
+        check_triton_gemm(cfg)
     if cfg.moe.grouped_gemm == "cute":
         check_cute_gemm(cfg)
     if cfg.moe.dispatch == "symm_mem" and dims.ep == 1:
@@ -150,6 +152,23 @@ def _check_supported(cfg: JobConfig, dims: ParallelDims) -> None:
             "comm.fake_world_size runs one process standing for a whole job: do not combine it "
             "with --nproc or torchrun"
         )
+
+
+def check_triton_gemm(cfg: JobConfig) -> None:
+    """``moe.grouped_gemm='triton'`` before any work: dist_moe's Triton grouped GEMM runs on
+    CUDA devices (CPU tensors only under Triton's interpreter, ``TRITON_INTERPRET=1``)."""
+    from dist_moe.kernels import resolve_backend
+
+    if cfg.comm.fake_world_size:
+        return  # fake mode: shapes only, on meta
+    device = resolve_device(cfg.training.device)
+    try:
+        resolve_backend("triton", device, what="moe.grouped_gemm")
+    except RuntimeError as e:
+        raise ValueError(
+            f"moe.grouped_gemm='triton' needs a CUDA device; training.device="
+            f"{cfg.training.device!r} is {device.type} here (use moe.grouped_gemm='torch'): {e}"
+        ) from None
 
 
 def check_cute_gemm(cfg: JobConfig) -> None:
@@ -178,8 +197,8 @@ def grouped_gemm(model: nn.Module, gemm: str) -> None:
     """The grouped GEMM kernel of every MoE layer's routed experts (``moe.grouped_gemm``)."""
     import dist_moe
 
-    if gemm not in ("torch", "cute"):  # validate() and check_cute_gemm() refused the rest
-        raise ValueError(f"moe.grouped_gemm={gemm!r}: the MoE layers take 'torch' or 'cute'")
+    if gemm not in ("torch", "triton", "cute"):  # validate() refused the rest
+        raise ValueError(f"moe.grouped_gemm={gemm!r}: the MoE layers take torch, triton or cute")
     for m in model.modules():
         if isinstance(m, dist_moe.MoE):
             m.config = dataclasses.replace(m.config, grouped_gemm=gemm)

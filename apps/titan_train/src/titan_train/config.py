@@ -399,12 +399,6 @@ def validate(cfg: JobConfig) -> None:
         raise ValueError(
             f"moe.grouped_gemm={cfg.moe.grouped_gemm!r} must be 'torch', 'triton' or 'cute'"
         )
-    if cfg.moe.grouped_gemm == "triton":
-        raise ValueError(
-            "moe.grouped_gemm='triton': dist_moe has no Triton grouped GEMM yet (its Triton "
-            "kernels move rows: permute, combine, puts); use 'torch' (any device) or 'cute' "
-            "(SM90 / SM100 GPUs)"
-        )
     if cfg.moe.symm_mem_max_tokens < 0:
         raise ValueError(f"moe.symm_mem_max_tokens={cfg.moe.symm_mem_max_tokens} must be >= 0")
     s = cfg.lr_schedule

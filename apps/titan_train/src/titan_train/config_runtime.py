@@ -22,9 +22,9 @@ class MoEConfig:
     static buffers (0: the call's own count, the same on every rank in training)."""
     grouped_gemm: Literal["torch", "triton", "cute"] = "torch"
     """Kernel of the routed experts' grouped GEMMs (dist_moe ``GroupedExperts(gemm=...)``):
-    torch (``torch._grouped_mm``, any device); cute (dist_moe's CuTe DSL kernel: an SM90 /
-    SM100 GPU, bf16, MoE layers in a capacity layout); triton is refused: dist_moe has no
-    Triton grouped GEMM yet (its Triton kernels move rows, they do not multiply)."""
+    torch (``torch._grouped_mm``, any device); triton (dist_moe's Triton kernel: a CUDA
+    device, fp32 or bf16, ragged groups, no host sync); cute (dist_moe's CuTe DSL kernel: an
+    SM90 / SM100 GPU, bf16, MoE layers in a capacity layout)."""
     static_shapes: bool = True
     """Dropless MoE buffers sized from shapes alone (dist_moe ``static_shapes``): no host
     sync, bitwise the same numerics; under all_to_all EP each rank sends every rank a block
