@@ -10,6 +10,8 @@ must be bitwise those of the static shapes.
 
 Two detectors: a dispatch mode for the ops that read or size by device data, and a function
 mode for ``Tensor.tolist`` / ``numpy`` / ``cpu``, which a CPU tensor serves without an op.
+On CUDA (``-m gpu``, a gpu_check step) a third counts what CUDA reports in its sync debug
+mode, over llama3_debug and qwen3_moe_debug (torch and Triton grouped GEMMs), in bf16.
 
 Named exceptions, each a read of a *host* tensor that an accelerator never makes:
 
