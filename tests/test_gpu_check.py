@@ -30,6 +30,19 @@ def test_the_core_steps_fit_the_default_budget(gpu_check):
     assert len({s.name for s in gpu_check.STEPS}) == len(gpu_check.STEPS)
 
 
+def test_pytest_steps_name_tests_that_exist(gpu_check):
+    """Every path (and ``path::test``) a step passes to pytest, deselected ones included, is
+    a file of the repository with that test in it: a renamed test fails here, not on a GPU."""
+    for step in gpu_check.STEPS:
+        for arg in step.argv:
+            path, _, test = arg.partition("::")
+            if not path.endswith(".py") or "{" in path or not path.startswith(("libs/", "apps/")):
+                continue
+            assert (ROOT / path).is_file(), (step.name, path)
+            if test:
+                assert f"def {test.split('[')[0]}(" in (ROOT / path).read_text(), (step.name, arg)
+
+
 @pytest.mark.parametrize(
     ("driver", "index"),
     [("13.2", "cu132"), ("13.0", "cu132"), ("12.4", "cu129"), ("12.9", "cu129"),
@@ -105,6 +118,21 @@ def test_steps_are_planned_with_reasons_and_stop_at_the_budget(gpu_check, tmp_pa
         "skipped",
         "needs 2 GPUs, 1 here",
     )
+    for name in (
+        "CP 2 on NCCL: llama3_debug, 20 steps",
+        "symm_mem dispatch from the app: qwen3_moe_debug at EP 2, 20 steps",
+    ):
+        assert statuses[name] == ("skipped", "needs 2 GPUs, 1 here")
+    assert statuses["CUDA-graph pipeline stage = eager (outputs, gradients)"][0] == "passed"
+    cute = "grouped GEMM cute: GroupedExperts(gemm='cute') = torch, forward and backward"
+    assert statuses[cute][0] == "passed"  # sm90 here
+    for name in (
+        "grouped GEMM triton: triton_grouped_mm and GroupedExperts(gemm='triton') = torch, "
+        "fp32 and bf16, forward and backward",
+        "host syncs on CUDA: none outside log steps (llama3_debug, qwen3_moe_debug with the "
+        "torch and the triton grouped GEMM; sync debug mode)",
+    ):
+        assert statuses[name][0] == "passed"
     assert statuses["NVFP4 scaled_mm vs the emulation (sm100)"][0] == "skipped"
     limits = {s.name: s.limit_s for s in gpu_check.STEPS}
     assert all(limit <= limits[name] for name, limit in ran)

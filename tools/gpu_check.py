@@ -71,11 +71,14 @@ _1B = (
     "--training.batch-size", "8", "--lr-schedule.warmup-steps", "10",
 )  # fmt: skip
 
+_HOST_SYNCS = "apps/titan_train/tests/test_host_syncs.py"
+
 STEPS: tuple[Step, ...] = (
     # --- core: fits 8 minutes on one GPU ------------------------------------------------------
     Step(
         "pytest -m gpu (NCCL flexshard, CUDA remat, Triton / symmetric memory / CUDA graphs / "
-        "CuTe, checkpoint GPU, FlexAttention and varlen, delta-rule Triton, FP8 GEMMs)",
+        "CuTe experts, Triton grouped GEMM, CUDA-graph pipeline stage, checkpoint GPU, "
+        "FlexAttention and varlen, delta-rule Triton, FP8 GEMMs)",
         200,
         _uv(
             "pytest",
@@ -89,6 +92,8 @@ STEPS: tuple[Step, ...] = (
             "libs/titan_models/tests/test_nvfp4.py::test_device_gemms_match_the_emulation",
             "--deselect",
             "libs/titan_rl/tests/test_actors.py::test_distributed_grpo_on_cuda",
+            "--deselect",  # its own (extended) step: three short training runs
+            f"{_HOST_SYNCS}::test_no_cuda_sync_outside_log_steps",
         ),
     ),
     Step(
@@ -148,6 +153,116 @@ STEPS: tuple[Step, ...] = (
         ),
         min_gpus=2,
         extended=True,
+    ),
+    Step(
+        "CP 2 on NCCL: llama3_debug, 20 steps",
+        90,
+        _uv(
+            "titan-train",
+            "--nproc",
+            "2",
+            "--recipe",
+            "llama3_debug",
+            "--name",
+            "cp2",
+            "--parallel.cp",
+            "2",
+            "--parallel.dp-shard",
+            "1",
+            "--training.steps",
+            "20",
+            *_TRAIN,
+        ),
+        min_gpus=2,
+        extended=True,
+    ),
+    Step(
+        "symm_mem dispatch from the app: qwen3_moe_debug at EP 2, 20 steps",
+        120,
+        _uv(
+            "titan-train",
+            "--nproc",
+            "2",
+            "--recipe",
+            "qwen3_moe_debug",
+            "--name",
+            "ep2_symm",
+            "--parallel.ep",
+            "2",
+            "--parallel.dp-shard",
+            "2",
+            "--moe.dispatch",
+            "symm_mem",
+            "--training.steps",
+            "20",
+            *_TRAIN,
+        ),
+        min_gpus=2,
+        extended=True,
+    ),
+    Step(
+        "CUDA-graph pipeline stage = eager (outputs, gradients)",
+        60,
+        _uv(
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "gpu",
+            "libs/pipeline/tests/test_cuda_graph.py",
+        ),
+        extended=True,
+    ),
+    Step(
+        "grouped GEMM cute: GroupedExperts(gemm='cute') = torch, forward and backward",
+        90,
+        _uv(
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "gpu",
+            "libs/dist_moe/tests/test_cute_gemm.py",
+        ),
+        min_capability=90,
+        max_capability=109,
+        extended=True,
+    ),
+    Step(
+        "grouped GEMM triton: triton_grouped_mm and GroupedExperts(gemm='triton') = torch, "
+        "fp32 and bf16, forward and backward",
+        90,
+        _uv(
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "gpu",
+            "libs/dist_moe/tests/test_triton_gemm.py",
+        ),
+        extended=True,
+    ),
+    Step(
+        "host syncs on CUDA: none outside log steps (llama3_debug, qwen3_moe_debug with the "
+        "torch and the triton grouped GEMM; sync debug mode)",
+        150,
+        _uv(
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "gpu",
+            f"{_HOST_SYNCS}::test_no_cuda_sync_outside_log_steps",
+        ),
+        extended=True,  # the core steps' limits already take 440 s of 450
     ),
     Step(
         "checkpoint benchmark, 1 GiB of state on the GPU",

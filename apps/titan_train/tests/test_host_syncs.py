@@ -10,6 +10,8 @@ must be bitwise those of the static shapes.
 
 Two detectors: a dispatch mode for the ops that read or size by device data, and a function
 mode for ``Tensor.tolist`` / ``numpy`` / ``cpu``, which a CPU tensor serves without an op.
+On CUDA (``-m gpu``, a gpu_check step) a third counts what CUDA reports in its sync debug
+mode, over llama3_debug and qwen3_moe_debug (torch and Triton grouped GEMMs), in bf16.
 
 Named exceptions, each a read of a *host* tensor that an accelerator never makes:
 
@@ -32,6 +34,7 @@ the backend.
 from __future__ import annotations
 
 import traceback
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -40,7 +43,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from titan_testing import run_distributed
+from titan_testing import requires_gpus, run_distributed
 
 # Ops that read device data on the host, or whose output shape depends on device data.
 _SYNCING = {
@@ -74,15 +77,35 @@ _REPO = str(Path(__file__).resolve().parents[3])
 _NOT_OURS = ("/tests/", "/.venv/")
 
 
-class _SyncCounter(TorchDispatchMode):
-    """Counts syncing ops by step (``step`` is set from outside) and remembers where in the
-    repository the first of each was called from."""
+class _ByStep:
+    """Counts by step (``step`` is set from outside) and remembers where in the repository
+    the first of each kind was called from in a steady step."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    step = 0
+
+    def _start(self) -> None:
         self.step = 0
         self.seen: Counter[tuple[int, str]] = Counter()
         self.where: dict[str, str] = {}
+
+    def count(self, name: str) -> None:
+        self.seen[(self.step, name)] += 1
+        if self.step in STEADY:
+            self.where.setdefault(name, _caller())
+
+    def by_step(self) -> dict[int, dict[str, int]]:
+        out: dict[int, dict[str, int]] = {}
+        for (step, name), n in self.seen.items():
+            out.setdefault(step, {})[name] = n
+        return out
+
+
+class _SyncCounter(TorchDispatchMode, _ByStep):
+    """Syncing ops (or those that would sync on an accelerator), by step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._start()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
@@ -99,16 +122,36 @@ class _SyncCounter(TorchDispatchMode):
         super().__exit__(*exc)
         self._copies.__exit__(*exc)
 
-    def count(self, name: str) -> None:
-        self.seen[(self.step, name)] += 1
-        if self.step in STEADY:
-            self.where.setdefault(name, _caller())
 
-    def by_step(self) -> dict[int, dict[str, int]]:
-        out: dict[int, dict[str, int]] = {}
-        for (step, name), n in self.seen.items():
-            out.setdefault(step, {})[name] = n
-        return out
+class _CudaSyncs(_ByStep):
+    """The syncs CUDA itself reports, by step: ``torch.cuda.set_sync_debug_mode("warn")``
+    makes every synchronizing CUDA call (a read, a blocking copy, a stream sync) warn; each
+    warning is counted here instead of printed (a process-wide setting: a test's only)."""
+
+    MESSAGE = "called a synchronizing CUDA operation"
+
+    def __init__(self) -> None:
+        self._start()
+
+    def __enter__(self):
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.filterwarnings("always", message=f".*{self.MESSAGE}")  # every one, not once
+        self._show = warnings.showwarning
+        warnings.showwarning = self._on_warning
+        self._mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode(self._mode)
+        self._warnings.__exit__(*exc)
+
+    def _on_warning(self, message, category, filename, lineno, file=None, line=None):
+        if self.MESSAGE in str(message):
+            self.count("cuda sync")
+        else:
+            self._show(message, category, filename, lineno, file, line)
 
 
 class _HostCopies(TorchFunctionMode):
@@ -157,13 +200,16 @@ _COMMON = [
 ]  # fmt: skip
 
 
-def _count_syncs(out_dir: str, recipe: str, *argv: str) -> tuple[dict, dict[str, str], list]:
-    """Syncing ops by the step whose loop iteration ran them (train step + the loop body),
-    where each op first ran in a steady step, and the logged losses."""
+def _count_syncs(
+    out_dir: str, recipe: str, *argv: str, counter: _ByStep | None = None
+) -> tuple[dict, dict[str, str], list]:
+    """Syncing ops (``counter``: the dispatch-mode detector by default) by the step whose loop
+    iteration ran them (train step + the loop body), where each first ran in a steady step,
+    and the logged losses."""
     import titan_train.trainer as trainer
     from titan_train.cli import parse_config
 
-    counter = _SyncCounter()
+    counter = counter if counter is not None else _SyncCounter()
     step_fn = trainer.train_step
 
     def counted(*args, **kwargs):
@@ -173,7 +219,7 @@ def _count_syncs(out_dir: str, recipe: str, *argv: str) -> tuple[dict, dict[str,
     trainer.train_step = counted
     cfg = parse_config(["--output-dir", out_dir, "--name", "syncs", *_COMMON, *argv], recipe)
     try:
-        with counter:
+        with counter:  # pyrefly: ignore[bad-context-manager]  # both counters are ones
             losses = trainer.train(cfg)["losses"]
     finally:
         trainer.train_step = step_fn
@@ -221,6 +267,40 @@ def test_no_host_sync_outside_log_steps_on_one_process(tmp_path, case):
     syncs, where, _ = _count_syncs(str(tmp_path), *argv)
     assert _steady(syncs) == {}, (syncs, where)
     assert syncs.get(LOG_EVERY), "the log steps do read values (the detector sees them)"
+
+
+ON_CUDA = {
+    "llama3": ("llama3_debug",),
+    "qwen3_moe": ("qwen3_moe_debug",),
+    "qwen3_moe_triton_gemm": ("qwen3_moe_debug", "--moe.grouped-gemm", "triton"),
+}
+_CUDA = ["--training.device", "cuda", "--training.mixed-precision", "bf16"]
+
+
+@pytest.mark.gpu
+@requires_gpus(1)
+@pytest.mark.parametrize("case", sorted(ON_CUDA))
+def test_no_cuda_sync_outside_log_steps(tmp_path, case):
+    """What CUDA reports (not what the op-level detectors infer): no synchronizing CUDA call
+    in a steady step; the log steps' reads are seen (the detector works)."""
+    syncs, where, _ = _count_syncs(str(tmp_path), *ON_CUDA[case], *_CUDA, counter=_CudaSyncs())
+    assert _steady(syncs) == {}, (syncs, where)
+    assert syncs.get(LOG_EVERY), "the log steps do read values (the detector sees them)"
+
+
+def test_cuda_sync_warnings_are_counted_by_step_and_others_shown(monkeypatch):
+    """The counting of ``_CudaSyncs`` without a GPU (the debug mode itself needs CUDA)."""
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    counter = _CudaSyncs()
+    with warnings.catch_warnings(record=True) as shown, counter:
+        for step in (1, STEADY[0], STEADY[0]):
+            counter.step = step
+            warnings.warn(f"{_CudaSyncs.MESSAGE} (from the test)", UserWarning, stacklevel=1)
+        warnings.warn("another warning", UserWarning, stacklevel=1)
+    assert counter.by_step() == {1: {"cuda sync": 1}, STEADY[0]: {"cuda sync": 2}}
+    assert "cuda sync" in counter.where
+    assert [str(w.message) for w in shown] == ["another warning"]
 
 
 TWO_RANKS = {

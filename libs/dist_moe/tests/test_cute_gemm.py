@@ -117,3 +117,44 @@ def test_cute_grouped_mm_matches_torch_grouped_mm_in_bf16():
         err = (out[e, :live].float() - ref[e, :live].float()).norm() / ref[e, :live].float().norm()
         assert live == 0 or err <= 1e-2, (e, err.item())
         assert (out[e, live:] == 7.0).all(), f"expert {e}: a skipped tile was written"
+
+
+def test_grouped_experts_choose_the_grouped_gemm_and_cute_refuses_the_cpu_clearly():
+    from dist_moe import GroupedExperts, MoEConfig, RouterConfig
+
+    experts = GroupedExperts(128, 128, 2)
+    assert experts.gemm == "torch"  # the default: torch._grouped_mm, today's path
+    with pytest.raises(ValueError, match=r"gemm must be one of \('torch', 'cute'\), got 'triton'"):
+        GroupedExperts(128, 128, 2, gemm="triton")  # pyrefly: ignore[bad-argument-type]
+    with pytest.raises(ValueError, match=r"MoEConfig.grouped_gemm must be one of"):
+        MoEConfig(
+            dim=8, hidden_dim=8, router=RouterConfig(num_experts=2, top_k=1), grouped_gemm="x"
+        )  # pyrefly: ignore[bad-argument-type]
+    cute = GroupedExperts(128, 128, 2, gemm="cute")
+    ends = torch.tensor([128, 256], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"SM90 \(Hopper\) or SM100 \(Blackwell\).*got a cpu"):
+        cute(torch.randn(256, 128), ends)
+
+
+@pytest.mark.gpu
+@requires_gpus(1)
+@pytest.mark.skipif(not cute_available(), reason="nvidia-cutlass-dsl (the cutlass extra) absent")
+def test_cute_experts_forward_and_backward_match_torch_grouped_mm_in_bf16():
+    from dist_moe import GroupedExperts
+
+    if torch.cuda.get_device_capability()[0] not in (9, 10):
+        pytest.skip("the CuTe kernel targets SM90 / SM100")
+    torch.manual_seed(0)
+    ref = GroupedExperts(256, 128, 4).cuda().to(torch.bfloat16)
+    cute = GroupedExperts(256, 128, 4, gemm="cute").cuda().to(torch.bfloat16)
+    cute.load_state_dict(ref.state_dict())
+    x = torch.randn(4 * 128, 256, device="cuda", dtype=torch.bfloat16)
+    ends = torch.arange(1, 5, device="cuda", dtype=torch.int32) * 128  # a capacity layout
+    outs = []
+    for m in (ref, cute):
+        xi = x.clone().requires_grad_()
+        y = m(xi, ends)
+        y.float().square().sum().backward()
+        outs.append([y, xi.grad, m.w_gate.grad, m.w_up.grad, m.w_down.grad])
+    for a, b in zip(*outs, strict=True):  # bf16 GEMMs in other tile orders: relative 1e-2
+        assert ((a.float() - b.float()).norm() / a.float().norm()).item() <= 1e-2

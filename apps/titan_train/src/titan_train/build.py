@@ -138,6 +138,10 @@ def _check_supported(cfg: JobConfig, dims: ParallelDims) -> None:
             "yet: pipeline stages and sequence shards take token ids only, not the images "
             "(use parallel.pp=1, parallel.cp=1)"
         )
+    if cfg.moe.grouped_gemm == "triton":
+        check_triton_gemm(cfg)
+    if cfg.moe.grouped_gemm == "cute":
+        check_cute_gemm(cfg)
     if cfg.moe.dispatch == "symm_mem" and dims.ep == 1:
         raise ValueError(
             "moe.dispatch='symm_mem' exchanges tokens between expert-parallel ranks: it needs "
@@ -148,6 +152,57 @@ def _check_supported(cfg: JobConfig, dims: ParallelDims) -> None:
             "comm.fake_world_size runs one process standing for a whole job: do not combine it "
             "with --nproc or torchrun"
         )
+
+
+def check_triton_gemm(cfg: JobConfig) -> None:
+    """``moe.grouped_gemm='triton'`` before any work: dist_moe's Triton grouped GEMM runs on
+    CUDA devices (CPU tensors only under Triton's interpreter, ``TRITON_INTERPRET=1``)."""
+    from dist_moe.kernels import resolve_backend
+
+    if cfg.comm.fake_world_size:
+        return  # fake mode: shapes only, on meta
+    device = resolve_device(cfg.training.device)
+    try:
+        resolve_backend("triton", device, what="moe.grouped_gemm")
+    except RuntimeError as e:
+        raise ValueError(
+            f"moe.grouped_gemm='triton' needs a CUDA device; training.device="
+            f"{cfg.training.device!r} is {device.type} here (use moe.grouped_gemm='torch'): {e}"
+        ) from None
+
+
+def check_cute_gemm(cfg: JobConfig) -> None:
+    """``moe.grouped_gemm='cute'`` before any work: dist_moe's CuTe kernel runs on SM90 / SM100
+    GPUs in bf16, over equal per-expert groups (a capacity layout)."""
+    need = "moe.grouped_gemm='cute' needs an SM90 (Hopper) or SM100 (Blackwell) CUDA GPU"
+    if cfg.comm.fake_world_size:
+        return  # fake mode: nothing runs a kernel
+    if not torch.cuda.is_available():
+        raise ValueError(f"{need}; this machine has no CUDA device (use moe.grouped_gemm='torch')")
+    major, minor = torch.cuda.get_device_capability()
+    if major not in (9, 10):
+        raise ValueError(f"{need}; this one is sm_{major}{minor} (use moe.grouped_gemm='torch')")
+    if cfg.training.mixed_precision != "bf16":
+        raise ValueError(
+            f"{need} and bf16 weights: set training.mixed_precision='bf16' (got "
+            f"{cfg.training.mixed_precision!r})"
+        )
+    raise ValueError(
+        "moe.grouped_gemm='cute' runs equal per-expert groups (dist_moe's capacity layout); "
+        "the app's MoE layers are dropless, which the CuTe path does not take yet: use 'torch'"
+    )
+
+
+def grouped_gemm(model: nn.Module, gemm: str) -> None:
+    """The grouped GEMM kernel of every MoE layer's routed experts (``moe.grouped_gemm``)."""
+    import dist_moe
+
+    if gemm not in ("torch", "triton", "cute"):  # validate() refused the rest
+        raise ValueError(f"moe.grouped_gemm={gemm!r}: the MoE layers take torch, triton or cute")
+    for m in model.modules():
+        if isinstance(m, dist_moe.MoE):
+            m.config = dataclasses.replace(m.config, grouped_gemm=gemm)
+            m.experts.gemm = gemm
 
 
 def build_model(job: Job, device: torch.device) -> nn.Module:
@@ -168,6 +223,7 @@ def build_model(job: Job, device: torch.device) -> nn.Module:
     apply_overrides(model, cfg.model.overrides)
     if cfg.moe.static_shapes:
         static_moe_shapes(model)
+    grouped_gemm(model, cfg.moe.grouped_gemm)
     apply_quantize(model, cfg)
     apply_lora_config(model, cfg)  # adapters start from training.seed, the base is frozen
     return model
@@ -186,6 +242,7 @@ def build_parallel(
     apply_overrides(model, job.cfg.model.overrides)
     if job.cfg.moe.static_shapes:
         static_moe_shapes(model)
+    grouped_gemm(model, job.cfg.moe.grouped_gemm)
     if edit is not None:
         edit(model)
     try:

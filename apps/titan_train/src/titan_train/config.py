@@ -395,6 +395,10 @@ def validate(cfg: JobConfig) -> None:
         )
     if cfg.moe.dispatch not in ("all_to_all", "symm_mem"):
         raise ValueError(f"moe.dispatch={cfg.moe.dispatch!r} must be 'all_to_all' or 'symm_mem'")
+    if cfg.moe.grouped_gemm not in ("torch", "triton", "cute"):
+        raise ValueError(
+            f"moe.grouped_gemm={cfg.moe.grouped_gemm!r} must be 'torch', 'triton' or 'cute'"
+        )
     if cfg.moe.symm_mem_max_tokens < 0:
         raise ValueError(f"moe.symm_mem_max_tokens={cfg.moe.symm_mem_max_tokens} must be >= 0")
     s = cfg.lr_schedule

@@ -20,6 +20,11 @@ class MoEConfig:
     symm_mem_max_tokens: int = 0
     """symm_mem: most tokens one rank passes to a MoE layer in one call, which sizes the
     static buffers (0: the call's own count, the same on every rank in training)."""
+    grouped_gemm: Literal["torch", "triton", "cute"] = "torch"
+    """Kernel of the routed experts' grouped GEMMs (dist_moe ``GroupedExperts(gemm=...)``):
+    torch (``torch._grouped_mm``, any device); triton (dist_moe's Triton kernel: a CUDA
+    device, fp32 or bf16, ragged groups, no host sync); cute (dist_moe's CuTe DSL kernel: an
+    SM90 / SM100 GPU, bf16, MoE layers in a capacity layout)."""
     static_shapes: bool = True
     """Dropless MoE buffers sized from shapes alone (dist_moe ``static_shapes``): no host
     sync, bitwise the same numerics; under all_to_all EP each rank sends every rank a block

@@ -7,6 +7,10 @@ The kernel (``_cute_grouped_gemm.py``) is compiled once per architecture with
 ``cute.compile`` and cached. It needs ``pip install 'titan-dist-moe[cutlass]'`` and an SM90
 (Hopper) or SM100 (Blackwell) GPU; code generation alone works without a GPU
 (``cute_codegen``), which is what the CPU tests check.
+
+``cute_swiglu_experts`` is ``GroupedExperts(gemm="cute")``'s forward: the three projections
+of the SwiGLU experts as CuTe grouped GEMMs over equal static groups, differentiable (the
+backward is two more CuTe grouped GEMMs per projection, on transposed copies).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["cute_available", "cute_codegen", "cute_grouped_mm"]
+__all__ = ["cute_available", "cute_codegen", "cute_grouped_mm", "cute_swiglu_experts"]
 
 _ARCH_OF_MAJOR = {9: "sm_90a", 10: "sm_100a"}
 
@@ -140,3 +144,68 @@ def _cute_tensor(t: torch.Tensor, divisibility: tuple[int, ...]):
     for mode, div in enumerate(divisibility):
         c = c.mark_compact_shape_dynamic(mode=mode, stride_order=t.dim_order(), divisibility=div)
     return c
+
+
+class _CuteGroupedLinear(torch.autograd.Function):
+    """``y[g] = x[g] @ w[g].T`` on (G, M, K) x (G, N, K); backward ``dx[g] = dy[g] @ w[g]``
+    and ``dw[g] = dy[g].T @ x[g]``, each a CuTe grouped GEMM on transposed copies."""
+
+    @staticmethod
+    def forward(ctx, x_GMK: torch.Tensor, w_GNK: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_GMK, w_GNK)
+        return cute_grouped_mm(x_GMK.contiguous(), w_GNK.contiguous())
+
+    @staticmethod
+    def backward(ctx, grad_GMN):  # pyrefly: ignore[bad-override]  # torch: one arg per output
+        x_GMK, w_GNK = ctx.saved_tensors
+        g = grad_GMN.contiguous()
+        grad_x = cute_grouped_mm(g, w_GNK.transpose(1, 2).contiguous())
+        grad_w = cute_grouped_mm(g.transpose(1, 2).contiguous(), x_GMK.transpose(1, 2).contiguous())
+        return grad_x, grad_w
+
+
+def check_cute_experts(x_RD: torch.Tensor, weights: tuple[torch.Tensor, ...], groups: int) -> int:
+    """Rows per group of ``GroupedExperts(gemm="cute")``'s input, or a ``ValueError`` naming
+    what the CuTe path needs (checked before any kernel runs)."""
+    need = (
+        "GroupedExperts(gemm='cute') needs a CUDA GPU of compute capability SM90 (Hopper) or "
+        "SM100 (Blackwell), bfloat16 inputs and weights, and nvidia-cutlass-dsl "
+        "(pip install 'titan-dist-moe[cutlass]')"
+    )
+    if x_RD.device.type != "cuda":
+        raise ValueError(f"{need}; got a {x_RD.device.type} tensor (use gemm='torch' there)")
+    if x_RD.dtype != torch.bfloat16 or any(w.dtype != torch.bfloat16 for w in weights):
+        raise ValueError(f"{need}; got {x_RD.dtype} inputs, {weights[0].dtype} weights")
+    if len(weights) != 3:
+        raise ValueError("GroupedExperts(gemm='cute') does not support per-expert biases")
+    if not cute_available():
+        raise ValueError(f"{need}; nvidia-cutlass-dsl is not installed")
+    _arch_of(x_RD.device)
+    rows, dim = x_RD.shape
+    hidden = weights[0].shape[1]
+    if groups < 1 or rows % groups:
+        raise ValueError(
+            f"GroupedExperts(gemm='cute') takes equal static groups (a capacity layout: "
+            f"PermuteConfig.capacity_factor); {rows} rows do not split into {groups} experts"
+        )
+    per_group = rows // groups
+    if per_group % 128 or dim % 128 or hidden % 128:
+        raise ValueError(
+            "GroupedExperts(gemm='cute'): rows per expert, dim and hidden_dim must be "
+            f"multiples of 128, got {per_group}, {dim}, {hidden}"
+        )
+    return per_group
+
+
+def cute_swiglu_experts(
+    x_RD: torch.Tensor, weights: tuple[torch.Tensor, ...], activation: Any, groups: int
+) -> torch.Tensor:
+    """SwiGLU experts on (R, D) rows in ``groups`` equal groups, all three projections CuTe
+    grouped GEMMs (forward and backward); ``weights`` = (w_gate, w_up, w_down)."""
+    m = check_cute_experts(x_RD, weights, groups)
+    w_gate, w_up, w_down = weights
+    x_GMD = x_RD.reshape(groups, m, x_RD.shape[1])
+    gate = _CuteGroupedLinear.apply(x_GMD, w_gate)
+    up = _CuteGroupedLinear.apply(x_GMD, w_up)
+    out = _CuteGroupedLinear.apply(activation(gate, up), w_down)
+    return out.reshape(x_RD.shape)

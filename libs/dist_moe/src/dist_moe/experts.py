@@ -20,18 +20,60 @@ used; its backward fails on a stride-0 gradient, hence the ``contiguous`` hook.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GroupedExperts", "SharedExperts", "SwiGLU", "grouped_mm_available"]
+from dist_moe.kernels import resolve_backend
+from dist_moe.triton_gemm import triton_grouped_mm
+
+__all__ = [
+    "ExpertRun",
+    "GroupedExperts",
+    "GroupedGemm",
+    "SharedExperts",
+    "SwiGLU",
+    "grouped_mm_available",
+]
 
 ExpertsImpl = Literal["auto", "grouped_mm", "loop"]
+GroupedGemm = Literal["torch", "triton", "cute"]
+"""Kernel of the grouped GEMMs: ``torch._grouped_mm``, the Triton kernel (``triton_gemm``) or
+the CuTe DSL kernel (``cute_gemm``)."""
+GROUPED_GEMMS: tuple[str, ...] = ("torch", "triton", "cute")
 ExpertWeights = tuple[torch.Tensor, ...]
 """(w_gate, w_up, w_down) or, with biases, (w_gate, w_up, w_down, b_gate, b_up, b_down)."""
+
+
+@dataclass(eq=False, slots=True)
+class _Runs:
+    """The split of one set of weights into runs of ``sizes`` experts, made once."""
+
+    sizes: tuple[int, ...]
+    source: ExpertWeights | None = None
+    runs: list[ExpertWeights] = field(default_factory=list)
+
+    def get(self, index: int, weights: ExpertWeights) -> ExpertWeights:
+        fresh = self.source is None or any(
+            a is not b for a, b in zip(self.source, weights, strict=True)
+        )
+        if fresh:  # one split per weight: its backward concatenates once
+            parts = [w.split(list(self.sizes)) for w in weights]
+            self.source, self.runs = weights, list(zip(*parts, strict=True))
+        return self.runs[index]
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertRun:
+    """Run ``index`` of consecutive runs of experts (from ``GroupedExperts.split_weights``):
+    resolved inside the experts' forward, where a sharding wrapper (flexshard) has put the
+    full weights in place, and split once for all the runs of one forward."""
+
+    runs: _Runs
+    index: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,10 +151,15 @@ class GroupedExperts(nn.Module):
         *,
         activation: SwiGLU | None = None,
         bias: bool = False,
+        gemm: GroupedGemm = "torch",
     ):
         """``activation``: the gated activation (``SwiGLU()`` by default); ``bias``: a bias
-        per expert on every projection."""
+        per expert on every projection; ``gemm``: the grouped GEMM kernel, ``"torch"``
+        (``torch._grouped_mm``, any device), ``"triton"`` (``triton_grouped_mm``: CUDA, any
+        float dtype, ragged groups; ``impl="loop"`` still runs the loop) or ``"cute"`` (the
+        CuTe DSL kernel: SM90 / SM100, bf16, experts in equal static groups, see ``forward``)."""
         super().__init__()
+        check_grouped_gemm(gemm, "GroupedExperts: gemm")
         for name, v in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"GroupedExperts: {name} must be an int >= 1, got {v!r}")
@@ -123,6 +170,7 @@ class GroupedExperts(nn.Module):
         if activation is not None and not isinstance(activation, SwiGLU):
             raise ValueError(f"GroupedExperts: activation must be a SwiGLU, got {activation!r}")
         self.dim, self.hidden_dim, self.num_experts, self.impl = dim, hidden_dim, num_experts, impl
+        self.gemm: GroupedGemm = gemm
         self.activation = activation if activation is not None else SwiGLU()
         self.w_gate = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w_up = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
@@ -156,39 +204,60 @@ class GroupedExperts(nn.Module):
             )
         return ok
 
-    def split_weights(self, sizes: list[int]) -> list[ExpertWeights]:
-        """(w_gate, w_up, w_down) of consecutive runs of ``sizes`` experts, for ``forward``.
+    def split_weights(self, sizes: list[int]) -> list[ExpertRun]:
+        """Consecutive runs of ``sizes`` experts, each passed to ``forward`` as ``weights``.
 
-        One ``split`` per weight: its backward concatenates once, where slicing each run
-        would materialise a full-size zero gradient per run.
+        The runs resolve inside ``forward`` (a sharding wrapper's full weights exist only
+        there) to one ``split`` per weight shared by all the runs: its backward concatenates
+        once, where slicing each run would materialise a full-size zero gradient per run.
         """
-        parts = [w.split(sizes) for w in self._weights()]
-        return list(zip(*parts, strict=True))
+        runs = _Runs(tuple(sizes))
+        return [ExpertRun(runs, i) for i in range(len(sizes))]
+
+    def resolve_weights(self, weights: ExpertWeights | ExpertRun | None) -> ExpertWeights:
+        """The weight tensors a forward uses: all experts' (None), a run's, or as given."""
+        if weights is None:
+            return self._weights()
+        if isinstance(weights, ExpertRun):
+            return weights.runs.get(weights.index, self._weights())
+        return weights
 
     def forward(
         self,
         x_RD: torch.Tensor,
         group_ends: torch.Tensor,
-        weights: ExpertWeights | None = None,
+        weights: ExpertWeights | ExpertRun | None = None,
     ) -> torch.Tensor:
         """(R, D) rows grouped by expert (``group_ends`` (E,) int) → (R, D).
 
         ``weights`` (from ``split_weights``) runs a subset of the experts: ``group_ends``
-        then has one entry per expert of the subset.
+        then has one entry per expert of the subset. With ``gemm="cute"`` the groups must
+        be equal and static, ``R / E`` rows each (a capacity layout), and R, D, hidden_dim
+        multiples of 128.
         """
-        w = weights if weights is not None else self._weights()
+        w = self.resolve_weights(weights)
         w_gate, w_up, w_down = w[:3]
-        if self.uses_grouped_mm(x_RD):
-            offs = group_ends.to(torch.int32)
-            gate = _grouped_mm(x_RD, w_gate.transpose(-2, -1), offs)
-            up = _grouped_mm(x_RD, w_up.transpose(-2, -1), offs)
-            if len(w) == 3:
-                return _grouped_mm(self.activation(gate, up), w_down.transpose(-2, -1), offs)
-            b_gate, b_up, b_down = (_with_zero_row(b) for b in w[3:])
-            expert_R = _row_experts(group_ends, x_RD.shape[0])
-            hidden = self.activation(gate + b_gate[expert_R], up + b_up[expert_R])
-            return _grouped_mm(hidden, w_down.transpose(-2, -1), offs) + b_down[expert_R]
-        return self.forward_loop(x_RD, group_ends, weights)
+        if self.gemm == "cute":
+            from dist_moe.cute_gemm import cute_swiglu_experts
+
+            return cute_swiglu_experts(x_RD, w, self.activation, w_gate.shape[0])
+        if self.gemm == "triton" and self.impl != "loop":
+            if x_RD.device.type != "meta":  # meta: shapes only
+                resolve_backend("triton", x_RD.device, what="GroupedExperts: gemm")
+            mm = triton_grouped_mm
+        elif self.uses_grouped_mm(x_RD):
+            mm = _grouped_mm
+        else:
+            return self.forward_loop(x_RD, group_ends, weights)
+        offs = group_ends.to(torch.int32)
+        gate = mm(x_RD, w_gate.transpose(-2, -1), offs)
+        up = mm(x_RD, w_up.transpose(-2, -1), offs)
+        if len(w) == 3:
+            return mm(self.activation(gate, up), w_down.transpose(-2, -1), offs)
+        b_gate, b_up, b_down = (_with_zero_row(b) for b in w[3:])
+        expert_R = _row_experts(group_ends, x_RD.shape[0])
+        hidden = self.activation(gate + b_gate[expert_R], up + b_up[expert_R])
+        return mm(hidden, w_down.transpose(-2, -1), offs) + b_down[expert_R]
 
     def _weights(self) -> ExpertWeights:
         b_gate, b_up, b_down = self.b_gate, self.b_up, self.b_down
@@ -200,10 +269,10 @@ class GroupedExperts(nn.Module):
         self,
         x_RD: torch.Tensor,
         group_ends: torch.Tensor,
-        weights: ExpertWeights | None = None,
+        weights: ExpertWeights | ExpertRun | None = None,
     ) -> torch.Tensor:
         """Reference: one dense SwiGLU per expert on its rows (reads group_ends to the host)."""
-        w = weights if weights is not None else self._weights()
+        w = self.resolve_weights(weights)
         ends = group_ends.tolist()
         sizes = [end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)]
         # split/unbind rather than slicing/indexing: their backward concatenates/stacks once
@@ -219,6 +288,11 @@ class GroupedExperts(nn.Module):
         ]
         outs.append(x_RD.new_zeros(xs[-1].shape[0], self.dim))  # slack rows: zeros
         return torch.cat(outs)
+
+
+def check_grouped_gemm(gemm: str, what: str) -> None:
+    if gemm not in GROUPED_GEMMS:
+        raise ValueError(f"{what} must be one of {GROUPED_GEMMS}, got {gemm!r}")
 
 
 def _row_experts(group_ends: torch.Tensor, rows: int) -> torch.Tensor:

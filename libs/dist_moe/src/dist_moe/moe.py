@@ -23,7 +23,14 @@ import torch.distributed as dist
 from torch import nn
 
 from dist_moe.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher
-from dist_moe.experts import ExpertsImpl, GroupedExperts, SharedExperts, SwiGLU
+from dist_moe.experts import (
+    ExpertsImpl,
+    GroupedExperts,
+    GroupedGemm,
+    SharedExperts,
+    SwiGLU,
+    check_grouped_gemm,
+)
 from dist_moe.permute import PermuteConfig
 from dist_moe.placement import ExpertPlacement
 from dist_moe.router import ExpertLoad, RouterConfig, TopKRouter
@@ -56,6 +63,10 @@ class MoEConfig:
     """Gated activation of the routed and the shared experts (clamps, gain, up offset)."""
     expert_bias: bool = False
     """Per-expert biases on the routed experts' projections (gpt-oss)."""
+    grouped_gemm: GroupedGemm = "torch"
+    """Kernel of the routed experts' grouped GEMMs: "torch" (``torch._grouped_mm``), "triton"
+    (``triton_grouped_mm``: CUDA, ragged groups) or "cute" (the CuTe DSL kernel: SM90 / SM100,
+    bf16, a capacity layout); see ``GroupedExperts``."""
 
     def __post_init__(self) -> None:
         for name in ("dim", "hidden_dim"):
@@ -71,6 +82,7 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.shared_hidden_dim must be an int >= 0, got {v!r}")
         if not isinstance(self.activation, SwiGLU):
             raise ValueError(f"MoEConfig.activation must be a SwiGLU, got {self.activation!r}")
+        check_grouped_gemm(self.grouped_gemm, "MoEConfig.grouped_gemm")
         if self.experts_impl not in ("auto", "grouped_mm", "loop"):
             raise ValueError(
                 "MoEConfig.experts_impl must be 'auto', 'grouped_mm' or 'loop', "
@@ -104,6 +116,7 @@ class MoE(nn.Module):
             impl=config.experts_impl,
             activation=config.activation,
             bias=config.expert_bias,
+            gemm=config.grouped_gemm,
         )
         self.shared_experts = (
             SharedExperts(
@@ -148,6 +161,11 @@ class MoE(nn.Module):
         """(B, S, D) or (T, D) → the same shape. ``token_ids`` ((B, S) or (T,)): the tokens'
         ids, needed by hash routing (``RouterConfig.hash_vocab_size``), ignored otherwise."""
         self._check_input(x)
+        if self.experts.gemm == "cute" and self.config.permute.capacity_factor is None:
+            raise ValueError(
+                "MoE: grouped_gemm='cute' runs equal per-expert groups, a capacity layout: set "
+                "PermuteConfig.capacity_factor (this layer is dropless)"
+            )
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         ids_T = token_ids.reshape(-1) if token_ids is not None else None

@@ -3,7 +3,8 @@
 Shapes: ``ep`` ranks, ``E`` experts, ``L = E / ep`` local experts, ``C`` rows per (expert,
 source rank) block, ``D`` model dim, ``T`` tokens on this rank.
 
-Layout. Every rank owns one symmetric buffer of ``2 * E * C * D`` elements in two regions:
+Layout. Every rank owns one symmetric buffer of ``2 * E * C * D`` elements (and the counts) in
+three regions:
 
 * ``to_owner`` (L, ep, C, D): block ``[j, p]`` holds the tokens source rank ``p`` routed to
   my local expert ``j`` (in token order, then zero rows). Expert ``j``'s rows are contiguous
@@ -12,12 +13,25 @@ Layout. Every rank owns one symmetric buffer of ``2 * E * C * D`` elements in tw
   ``q`` computed for my tokens routed to its expert ``j``: exactly the capacity-mode layout of
   ``permute.py`` over all ``E`` experts, so ``unpermute_and_combine`` finishes the layer.
 
+* ``counts`` (ep, L) int32 (after both, 8-byte aligned): row ``p`` holds how many rows
+  source ``p`` put into each block ``[j, p]`` (device values, written before the first flag).
+
 ``C`` is static: ``max_tokens`` (default: this call's ``T``, equal on every rank) rounded up to
 the alignment when dropless, since a source sends a given expert at most ``T`` tokens; or
 ``PermuteConfig.capacity`` with a ``capacity_factor``, where assignments past ``C`` are dropped
 in token order (``overflow="drop"``) or refused up front (``overflow="error"``, when ``C`` is
 below the worst case ``T``). Nothing reads a count back to the host and every shape follows
 from ``C``, so the layer captures in a CUDA graph.
+
+Dropless, the owner regroups each chunk's received rows into the all-to-all dispatcher's
+layout before its grouped GEMMs (``_Compaction``, from the received ``counts``): expert ``j``'s
+rows are source 0's, then source 1's, ... (token order within each), then zero rows up to a
+multiple of the alignment, and nothing else; the outputs are regrouped back into blocks.
+Every GEMM then reduces over exactly the rows, in the order and the group lengths, that
+``AllToAllDispatcher`` gives it, so expert-weight gradients are bitwise the all-to-all ones
+(capacity-padded blocks would add zero rows between the sources and change the reduction's
+length and blocking), and the GEMMs skip the blocks' padding. Capacity mode keeps the block
+layout, which already is all-to-all's capacity layout.
 
 Protocol of one forward (local experts cut into ``chunks`` contiguous runs; one signal
 channel per chunk and direction):
@@ -26,9 +40,10 @@ channel per chunk and direction):
    blocks of that chunk into ``q``'s ``to_owner[j0:j1, me]``, then signal ``q`` (with Triton,
    one kernel per chunk gathers the tokens and stores them into every peer: no staging);
 2. per chunk, as owner: wait for the chunk's signal from every source, copy the chunk's rows
-   out of the buffer, run its experts (grouped GEMM), write each source's output blocks into
-   its ``to_source[me, j0:j1]`` and signal it. Chunk ``c``'s GEMMs run while the peers are
-   still writing chunks ``c+1...``: the flags are per-chunk readiness flags;
+   out of the buffer (dropless: regrouped, see above), run its experts (grouped GEMM), write
+   each source's output blocks into its ``to_source[me, j0:j1]`` and signal it. Chunk
+   ``c``'s GEMMs run while the peers are still writing chunks ``c+1...``: the flags are
+   per-chunk readiness flags;
 3. combine: wait for every owner's signals, copy ``to_source`` out, weight and sum each
    token's ``K`` rows in ``k`` order (bitwise what one process computes from the same rows).
 
@@ -132,6 +147,18 @@ class _Exchange:
         buf = self.heap.peer_buffer(rank)[n : 2 * n]
         return buf.view(self.ep, self.local, self.capacity, self.dim)
 
+    def counts(self, rank: int) -> torch.Tensor:
+        """(ep, L) int32: rows each source put into each of ``rank``'s ``to_owner`` blocks."""
+        buf = self.heap.peer_buffer(rank)
+        start = _counts_offset(self.local * self.ep * self.capacity * self.dim, buf.dtype)
+        elem = buf.element_size()
+        n = -(-self.ep * self.local * 4 // elem)
+        return (
+            buf[start : start + n]
+            .view(torch.int32)[: self.ep * self.local]
+            .view(self.ep, self.local)
+        )
+
     def owner_channel(self, c: int) -> int:
         return c
 
@@ -141,6 +168,19 @@ class _Exchange:
     def peers(self) -> list[int]:
         me = self.heap.rank
         return [(me + i) % self.ep for i in range(self.ep)]  # spread: not everyone to rank 0
+
+
+def _counts_offset(region_numel: int, dtype: torch.dtype) -> int:
+    """Element offset of the counts, after both row regions, on an 8-byte boundary."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return -(-2 * region_numel * elem // 8) * 8 // elem
+
+
+def _heap_numel(num_experts: int, ep: int, capacity: int, dim: int, dtype: torch.dtype) -> int:
+    """Elements of one rank's buffer: ``to_owner``, ``to_source`` and the int32 counts."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    local = num_experts // ep
+    return _counts_offset(local * ep * capacity * dim, dtype) + -(-num_experts * 4 // elem)
 
 
 # ---------------------------------------------------------------------------------------
@@ -208,6 +248,11 @@ class _PutToOwners(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD: torch.Tensor, st: _Exchange, plan: PermutePlan) -> torch.Tensor:
         ctx.st, ctx.plan = st, plan
+        me = st.heap.rank
+        # rows in each of my blocks, before the first flag (the owners regroup by them)
+        sent = plan.counts.clamp(max=st.capacity).to(torch.int32).reshape(st.ep, st.local)
+        for q in st.peers():
+            st.counts(q)[me].copy_(sent[q])
         ra, k = plan.row_assignment, plan.top_k
         if st.kernels == "triton":
             _put_to_owners(st, x_TD, torch.where(ra >= 0, ra // k, -1))
@@ -265,10 +310,66 @@ class _TakeAtSource(torch.autograd.Function):
 
 
 @dataclass(slots=True)
+class _Compaction:
+    """Dropless: received blocks (J, ep, C) <-> all-to-all's expert layout of the same rows."""
+
+    compact_of_block: torch.Tensor
+    """(J * ep * C,) int64: regrouped row of each block row, -1 for the blocks' padding."""
+    block_of_compact: torch.Tensor
+    """(J * ep * C,) int64: block row of each regrouped row, -1 for alignment and slack."""
+    group_ends: torch.Tensor
+    """(J,) int32: end of each expert's group in the regrouped rows."""
+
+
+def _compaction(counts_JP: torch.Tensor, capacity: int, alignment: int) -> _Compaction:
+    """The regrouping of J experts' blocks from ``counts_JP`` (J, ep), on the device: expert
+    ``j``'s rows from source 0, 1, ... back to back, then zeros to a multiple of
+    ``alignment``; the same rows, order and group lengths as ``AllToAllDispatcher``."""
+    counts = counts_JP.to(torch.int64)
+    j, p = counts.shape
+    padded = (counts.sum(1) + (alignment - 1)) // alignment * alignment
+    ends = torch.cumsum(padded, 0)
+    before = torch.cumsum(counts, 1) - counts  # rows of the earlier sources, per expert
+    s = torch.arange(capacity, device=counts.device)
+    valid = s < counts[:, :, None]
+    dest = (ends - padded)[:, None, None] + before[:, :, None] + s
+    n = j * p * capacity
+    compact_of_block = torch.where(valid, dest, -1).reshape(-1)
+    block_of_compact = torch.full((n + 1,), -1, dtype=torch.int64, device=counts.device)
+    index = torch.where(valid, dest, n).reshape(-1)  # padding lands in a discarded extra row
+    block_of_compact.scatter_(0, index, torch.arange(n, device=counts.device))
+    return _Compaction(compact_of_block, block_of_compact[:n], ends.to(torch.int32))
+
+
+class _Regroup(torch.autograd.Function):
+    """``out[r] = x[index[r]]`` (0 for -1) where ``index`` is one-to-one on its valid rows
+    and ``inverse`` its inverse: the backward is the same gather through ``inverse``."""
+
+    @staticmethod
+    def forward(ctx, x_RD, index, inverse, kernels):
+        ctx.inverse, ctx.kernels = inverse, kernels
+        return permute_rows(x_RD, index, 1, backend=kernels)
+
+    @staticmethod
+    def backward(ctx, grad_RD):  # pyrefly: ignore[bad-override]  # torch: one arg per output
+        return permute_rows(grad_RD, ctx.inverse, 1, backend=ctx.kernels), None, None, None
+
+
+def _to_experts(rows_RD: torch.Tensor, comp: _Compaction, st: _Exchange) -> torch.Tensor:
+    return _Regroup.apply(rows_RD, comp.block_of_compact, comp.compact_of_block, st.kernels)
+
+
+def _to_blocks(y_RD: torch.Tensor, comp: _Compaction, st: _Exchange) -> torch.Tensor:
+    return _Regroup.apply(y_RD, comp.compact_of_block, comp.block_of_compact, st.kernels)
+
+
+@dataclass(slots=True)
 class _SymmContext:
     plan: PermutePlan
     exchange: _Exchange
     token: torch.Tensor
+    compaction: _Compaction | None = None
+    """``dispatch`` (dropless): the regrouping of all local experts' rows."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -388,7 +489,7 @@ class SymmMemDispatcher(ExpertParallelDispatcher):
         if key not in self._exchanges:
             group = self.group if self.group is not None else dist.group.WORLD
             assert group is not None  # the default group exists once dist is initialized
-            numel = 2 * self.num_experts * capacity * d
+            numel = _heap_numel(self.num_experts, self.placement.ep_size, capacity, d, x_TD.dtype)
             channels = 2 * len(self.chunks)
             if self.emulate:
                 if x_TD.device.type != "cpu":
@@ -438,15 +539,26 @@ class SymmMemDispatcher(ExpertParallelDispatcher):
         y_buf = _TakeAtSource.apply(ctx.exchange, *tokens)
         return _unpermute_and_combine(y_buf, ctx.plan, weights_TK)
 
+    def _compaction(self, st: _Exchange, j0: int, j1: int) -> _Compaction | None:
+        """Dropless: the regrouping of local experts ``j0:j1`` (their rows have arrived)."""
+        if self.config.capacity_factor is not None:
+            return None
+        counts_JP = st.counts(st.heap.rank)[:, j0:j1].t()
+        return _compaction(counts_JP, st.capacity, self.config.alignment)
+
     def forward_experts(self, experts, x_TD, indices_TK, weights_TK, counts=None):
         ctx = self._send(x_TD, indices_TK, counts)
         st = ctx.exchange
-        sizes = [j1 - j0 for j0, j1 in st.chunks]
-        chunk_weights = experts.split_weights(sizes)
+        chunk_weights = experts.split_weights([j1 - j0 for j0, j1 in st.chunks])
         tokens = []
-        for c, n in enumerate(sizes):
+        for c, (j0, j1) in enumerate(st.chunks):
             rows = _TakeChunk.apply(ctx.token, st, c)
-            y = experts(rows, self._group_ends(n, st, x_TD.device), chunk_weights[c])
+            comp = self._compaction(st, j0, j1)
+            if comp is None:
+                y = experts(rows, self._group_ends(j1 - j0, st, x_TD.device), chunk_weights[c])
+            else:
+                y = experts(_to_experts(rows, comp, st), comp.group_ends, chunk_weights[c])
+                y = _to_blocks(y, comp, st)
             tokens.append(_PutChunkToSources.apply(y, st, c))
         return self._finish(ctx, tokens, weights_TK)
 
@@ -454,10 +566,15 @@ class SymmMemDispatcher(ExpertParallelDispatcher):
         ctx = self._send(x_TD, indices_TK, counts)
         st = ctx.exchange
         rows = torch.cat([_TakeChunk.apply(ctx.token, st, c) for c in range(len(st.chunks))])
-        return rows, self._group_ends(st.local, st, x_TD.device), ctx
+        ctx.compaction = self._compaction(st, 0, st.local)
+        if ctx.compaction is None:
+            return rows, self._group_ends(st.local, st, x_TD.device), ctx
+        return _to_experts(rows, ctx.compaction, st), ctx.compaction.group_ends, ctx
 
     def combine(self, y_RD, weights_TK, ctx: _SymmContext):
         st = ctx.exchange
+        if ctx.compaction is not None:
+            y_RD = _to_blocks(y_RD, ctx.compaction, st)
         block = st.ep * st.capacity
         pieces = y_RD.split([(j1 - j0) * block for j0, j1 in st.chunks])
         tokens = [_PutChunkToSources.apply(y, st, c) for c, y in enumerate(pieces)]

@@ -10,12 +10,20 @@ prehooks, keeps the gradients arriving at the autograd nodes where the weight-on
 leave the input path; W then starts autograd from those nodes (``GradientEdge``) to reach the
 parameters without redoing the input path. A stage whose input needs no gradient (the first
 stage) does all its work in W.
+
+CUDA-graph mode (``cuda_graph=True``): the stage's forward and backward are captured once for
+the first microbatch's (shape, dtype) with ``torch.cuda.make_graphed_callables`` and replayed
+for every later microbatch (launch overhead gone; inputs copied into the static buffers).
+Fixed shape, one tensor in and no keyword inputs, B only (not the zero-bubble I/W split),
+no hooks on the module when it is captured; the capture's warm-up runs the module three
+times on the first microbatch (``.grad`` untouched). CUDA only: refused on other devices.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,10 +62,12 @@ class PipelineStage:
         *,
         output_spec: Callable[[tuple[int, ...], torch.dtype], tuple[tuple[int, ...], torch.dtype]]
         | None = None,
+        cuda_graph: bool = False,
     ) -> None:
         """``output_spec(input_shape, input_dtype) -> (output_shape, output_dtype)`` replaces
         the meta-device trial forward for modules that cannot run on meta tensors (sharded
-        parameters gathered by hooks, DTensors)."""
+        parameters gathered by hooks, DTensors). ``cuda_graph``: replay CUDA graphs of the
+        forward and backward (see the module docstring)."""
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if not isinstance(num_stages, int) or num_stages < 1:
@@ -75,6 +85,14 @@ class PipelineStage:
         self.group = group
         """The pipeline's process group (None: the default group)."""
         self.output_spec = output_spec
+        if not isinstance(cuda_graph, bool):
+            raise ValueError(f"cuda_graph must be a bool, got {cuda_graph!r}")
+        if cuda_graph:
+            _check_cuda_module(module)
+        self.cuda_graph = cuda_graph
+        """Forward and backward replayed from CUDA graphs captured on the first microbatch."""
+        self._graphed: Callable[..., Any] | None = None
+        self._graphed_key: tuple[tuple[int, ...], torch.dtype, bool] | None = None
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._inputs: dict[int, torch.Tensor] = {}
         self._outputs: dict[int, torch.Tensor] = {}
@@ -106,10 +124,35 @@ class PipelineStage:
     def _forward(self, mb: int, x: torch.Tensor, kwargs: dict[str, object]) -> torch.Tensor:
         if not self.is_first and x.is_floating_point():
             x = x.detach().requires_grad_(True)
-        y = self.module(x, **kwargs)
+        y = self._graph(x, kwargs)(x) if self.cuda_graph else self.module(x, **kwargs)
         self._inputs[mb] = x
         self._outputs[mb] = y
         return y.detach()
+
+    def _graph(self, x: torch.Tensor, kwargs: dict[str, object]) -> Callable[..., Any]:
+        """The graphed module, captured on the first microbatch; later ones must match it."""
+        if kwargs:
+            raise ValueError(
+                f"PipelineStage(cuda_graph=True) takes one tensor input, got keyword inputs "
+                f"{sorted(kwargs)} (stage {self.stage_index})"
+            )
+        if x.device.type != "cuda":
+            raise ValueError(
+                f"PipelineStage(cuda_graph=True) needs CUDA tensors, got an input on {x.device}"
+            )
+        key = (tuple(x.shape), x.dtype, x.requires_grad)
+        graphed = self._graphed
+        if graphed is None:
+            sample = torch.empty_like(x).copy_(x).requires_grad_(x.requires_grad)
+            graphed = torch.cuda.make_graphed_callables(self.module, (sample,))
+            self._graphed, self._graphed_key = graphed, key
+        elif key != self._graphed_key:
+            raise ValueError(
+                f"PipelineStage(cuda_graph=True) replays graphs captured for microbatches of "
+                f"(shape, dtype, requires_grad) {self._graphed_key}, got {key} (stage "
+                f"{self.stage_index}): keep the microbatch shape fixed"
+            )
+        return graphed
 
     def _set_loss(self, mb: int, scaled_loss: torch.Tensor) -> None:
         self._outputs[mb] = scaled_loss
@@ -125,6 +168,11 @@ class PipelineStage:
         if not split:
             torch.autograd.backward(y, gy)
             return x.grad if x_grad else None
+        if self.cuda_graph:
+            raise ValueError(
+                "PipelineStage(cuda_graph=True) replays one captured backward: use a schedule "
+                "without the zero-bubble I/W split (GPipe, 1F1B, Interleaved 1F1B)"
+            )
         work = _SplitBackward(y, gy, [])
         self._split[mb] = work
         if not x_grad:
@@ -166,6 +214,16 @@ def device_of(stages: Iterable[PipelineStage]) -> torch.device:
         for p in st.module.parameters():
             return p.device
     return torch.device("cpu")
+
+
+def _check_cuda_module(module: nn.Module) -> None:
+    devices = {t.device.type for t in [*module.parameters(), *module.buffers()]}
+    if not torch.cuda.is_available() or devices - {"cuda"}:
+        raise ValueError(
+            "PipelineStage(cuda_graph=True) captures CUDA graphs: it needs a CUDA device and "
+            f"the module on it (CUDA available: {torch.cuda.is_available()}, module on "
+            f"{sorted(devices) or ['no tensors']}); leave cuda_graph=False elsewhere"
+        )
 
 
 def _catch(work: _SplitBackward, node: Node) -> Callable[..., None]:

@@ -101,7 +101,7 @@ class LoRAGroupedExperts(GroupedExperts):
         nn.Module.__init__(self)
         self.dim, self.hidden_dim = experts.dim, experts.hidden_dim
         self.num_experts, self.impl = experts.num_experts, experts.impl
-        self.activation = experts.activation
+        self.gemm, self.activation = experts.gemm, experts.activation
         self.w_gate, self.w_up, self.w_down = experts.w_gate, experts.w_up, experts.w_down
         self.b_gate, self.b_up, self.b_down = experts.b_gate, experts.b_up, experts.b_down
         self.rank, self.alpha, self.seed = rank, alpha, seed
@@ -267,7 +267,7 @@ def merge_lora(model: nn.Module) -> list[str]:
         else:
             plain = GroupedExperts.__new__(GroupedExperts)
             nn.Module.__init__(plain)
-            for attr in ("dim", "hidden_dim", "num_experts", "impl", "activation"):
+            for attr in ("dim", "hidden_dim", "num_experts", "impl", "gemm", "activation"):
                 setattr(plain, attr, getattr(m, attr))
             for attr in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down"):
                 setattr(plain, attr, getattr(m, attr))

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from dist_moe import GroupedExperts, LocalDispatcher, MoE, SharedExperts, TopKRouter
+from dist_moe import ExpertRun, GroupedExperts, LocalDispatcher, MoE, SharedExperts, TopKRouter
 
 from .float8 import MX_BLOCK
 from .scaled_mm import Float8Recipe, scaled_grouped_linear, scaled_linear
@@ -81,7 +81,7 @@ class Float8GroupedExperts(GroupedExperts):
         nn.Module.__init__(self)
         self.dim, self.hidden_dim = experts.dim, experts.hidden_dim
         self.num_experts, self.impl = experts.num_experts, experts.impl
-        self.activation = experts.activation
+        self.gemm, self.activation = "torch", experts.activation  # the scaled GEMMs replace it
         self.w_gate, self.w_up, self.w_down = experts.w_gate, experts.w_up, experts.w_down
         self.b_gate: nn.Parameter | None = None
         self.b_up: nn.Parameter | None = None
@@ -92,11 +92,9 @@ class Float8GroupedExperts(GroupedExperts):
         self,
         x_RD: torch.Tensor,
         group_ends: torch.Tensor,
-        weights: tuple[torch.Tensor, ...] | None = None,  # (gate, up, down): no biases
+        weights: tuple[torch.Tensor, ...] | ExpertRun | None = None,  # no biases
     ) -> torch.Tensor:
-        x_RD, w_gate, w_up, w_down = _compute_inputs(
-            x_RD, *(weights if weights is not None else self._weights())
-        )
+        x_RD, w_gate, w_up, w_down = _compute_inputs(x_RD, *self.resolve_weights(weights))
         r = self.recipe
         with _no_autocast(x_RD):
             gate = scaled_grouped_linear(x_RD, w_gate, group_ends, r)
