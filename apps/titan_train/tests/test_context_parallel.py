@@ -148,6 +148,7 @@ def test_context_parallel_layouts_train_like_one_process(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CP with EP: test_tensor_expert_parallel.py's 8 ranks run in CI
 def test_context_parallel_composes_with_pipeline_and_expert_parallelism(composed):
     runs = composed
     # CP 2 x PP 2: each stage runs on the local half of every sequence (both microbatches);

@@ -60,7 +60,11 @@ def test_a_cpu_tensor_reaching_the_step_raises(monkeypatch):
 # DeepSeek-V4's stages send hc_mult streams and the token ids (its hash-routed layers);
 # 67 s on 2 shared cores (its gloo equality test, test_pipeline_families.py, is fast).
 @pytest.mark.parametrize(
-    "recipe", ["qwen3_moe_debug", pytest.param("deepseek_v4_debug", marks=pytest.mark.slow)]
+    "recipe",
+    [
+        "qwen3_moe_debug",
+        pytest.param("deepseek_v4_debug", marks=[pytest.mark.slow, pytest.mark.extended]),
+    ],
 )
 def test_pipeline_stages_each_get_a_row_and_the_shards_add_up_to_the_model(tmp_path, recipe):
     report = _fake(
@@ -79,6 +83,7 @@ def test_pipeline_stages_each_get_a_row_and_the_shards_add_up_to_the_model(tmp_p
 
 
 @pytest.mark.slow  # ~50 s on 2 shared cores (two fake ranks, each in its own process)
+@pytest.mark.extended  # CP 8 at 128K and PP in the fast suite run in CI
 def test_context_parallel_composes_with_pipeline_experts_and_fsdp_at_16_ranks(tmp_path):
     # PP 2 x DP-shard 2 x CP 4, EP 4 carved out of dp_shard x cp: every stage runs its step on
     # a quarter of each sequence, and the pieces of all ranks still add up to the model.
@@ -121,6 +126,8 @@ def test_tensor_and_expert_parallel_share_ranks_with_context_parallel_at_8_ranks
     assert rank0["activations_peak_bytes"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.extended  # 256 fake ranks of a 70B; test_cli.py's dry run is in the fast suite
 def test_dry_run_is_the_fake_backend_with_no_step(tmp_path, capsys):
     argv = ["--dry-run", "--recipe", "llama3_70b", "--output-dir", str(tmp_path)]
     assert main(argv) == 0
@@ -183,7 +190,13 @@ FULL_SIZE = {  # recipe: (arguments, how far the shards may add up past the mode
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", sorted(FULL_SIZE))
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        pytest.param(r, marks=pytest.mark.extended) if r != "deepseek_v3_671b" else r
+        for r in sorted(FULL_SIZE)
+    ],
+)  # CI runs the largest (DeepSeek-V3 671B at TP 4 x EP 64); `-m extended` the others
 def test_full_size_recipe_runs_two_fake_steps_in_little_memory(tmp_path, recipe):
     extra, rel = FULL_SIZE[recipe]
     argv = [

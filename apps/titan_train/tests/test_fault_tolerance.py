@@ -194,6 +194,7 @@ def _hf(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow  # 2 replica groups, then 2 torchrun ranks: ~2 min on 2 shared cores
+@pytest.mark.extended  # CI runs the kill-and-heal test of 2 groups
 @pytest.mark.timeout(1800)
 def test_without_a_failure_two_replica_groups_equal_hsdp_bitwise(tmp_path):
     argv = [*ARGS, "--training.steps", "4", "--output-dir", str(tmp_path), "--checkpoint.export-hf"]
@@ -287,12 +288,14 @@ def test_kill_one_of_two_replica_groups_it_heals_from_the_live_one(tmp_path):
 
 
 @pytest.mark.slow  # 2 replica groups x 2 torchrun ranks (FSDP inside each) and a restart
+@pytest.mark.extended  # the 1-rank groups' kill runs in CI
 @pytest.mark.timeout(3000)
 def test_kill_one_of_two_sharded_replica_groups(tmp_path):
     _kill_replica_1_at_step_10(tmp_path, ["--nproc", "2", "--parallel.dp-shard", "2"], ranks=2)
 
 
 @pytest.mark.slow  # 2 replica groups: ~2 min on 2 shared cores
+@pytest.mark.extended  # DiLoCo's resume between syncs runs in CI
 @pytest.mark.timeout(1800)
 def test_diloco_syncs_once_every_h_steps(tmp_path):
     argv = [*ARGS, "--training.steps", "10", "--output-dir", str(tmp_path),

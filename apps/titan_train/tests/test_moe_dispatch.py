@@ -46,6 +46,7 @@ def _train_both_dispatchers(out: str) -> dict[str, tuple[list[float], dict[str, 
 
 
 @pytest.mark.slow  # two 5-step runs in one spawn: ~45 s on the shared 2-core machine
+@pytest.mark.extended  # test_parallel.py (fast suite) checks the losses bitwise over 10 steps
 def test_symm_mem_dispatch_trains_bitwise_like_all_to_all(tmp_path):
     for rank, got in enumerate(run_distributed(_train_both_dispatchers, 2, str(tmp_path))):
         (a2a_losses, a2a_params), (symm_losses, symm_params) = got["all_to_all"], got["symm_mem"]

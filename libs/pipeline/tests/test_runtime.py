@@ -219,6 +219,7 @@ def test_every_schedule_matches_single_process_training_on_2_ranks():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the 2-rank run of every schedule is in the fast suite
 def test_every_schedule_matches_single_process_training_on_4_ranks():
     results = run_distributed(_all_schedules_on_ranks, 4, 8, timeout=400)
     _check(4, 8, results)

@@ -157,6 +157,7 @@ def test_cp2_forward_and_gradients_equal_one_process():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CP 2 runs in CI's slow step
 def test_cp4_forward_and_gradients_equal_one_process():
     _assert_all_close(run_distributed(_cp_checks, 4, timeout=600))
 

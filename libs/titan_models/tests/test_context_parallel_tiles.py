@@ -125,6 +125,7 @@ def test_cp2_sdpa_tiles_equal_torch_tiles_and_one_process():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the sdpa tiles (the default) run in the fast suite
 def test_cp2_flex_tiles_equal_torch_tiles_and_one_process():
     """FlexAttention un-compiled on CPU (its compile there has no backward): ~40 s."""
     _assert_all_close(run_distributed(_kernel_checks, 2, ("flex",), timeout=600), ("flex",))

@@ -159,6 +159,7 @@ def test_cp2_linear_attention_equals_one_process():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CP 2 runs in CI's slow step
 def test_cp4_linear_attention_equals_one_process():
     _assert_all_close(run_distributed(_cp_checks, 4, timeout=600))
 

@@ -88,6 +88,7 @@ def test_triton_kernels_equal_the_torch_chunked_form_under_the_interpreter():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the fast suite runs a subset of the variants
 def test_triton_kernels_equal_the_torch_chunked_form_for_every_variant_under_the_interpreter():
     cases = [(pc, docs, 45, 16) for pc in (False, True) for docs in (False, True)]
     _assert_close(_interpret([*cases, (True, True, 70, 32)]), 5)

@@ -360,6 +360,7 @@ def _ep_check() -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # EP 2 of the MoE families: test_expert_parallel.py
 def test_ep2_matches_one_process():
     for out in run_distributed(_ep_check, 2, timeout=240):
         assert out["placed"] == [f"layers.{i}.feed_forward" for i in (0, 2, 3)]

@@ -68,6 +68,7 @@ def test_trainer_killed_after_step_5_resumes_bitwise_like_an_uninterrupted_run(t
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the one-process kill and resume runs in CI
 def test_ddp_ranks_save_their_own_state_and_resume_bitwise(tmp_path):
     # Two gloo ranks under torchrun: each saves its own RNG (NEFTune noise differs per rank)
     # and its share of the replicated weights; a run stopped after step 3 and resumed logs
