@@ -76,6 +76,7 @@ def test_ctrl_c_on_one_process_saves_says_where_to_resume_and_the_rerun_resumes(
 
 
 @pytest.mark.slow  # two torchrun ranks, ~60 s on 2 shared cores
+@pytest.mark.extended  # the one-process Ctrl-C (fast suite) and chaos's kill / stop of a rank run in CI
 def test_ctrl_c_under_nproc_names_the_last_checkpoint_and_exits_130(tmp_path):
     argv = ["--output-dir", str(tmp_path), *ARGS, "--nproc", "2", "--parallel.dp-shard", "2"]
     rc, _, err = _interrupt_after(argv, "step     4/10")
