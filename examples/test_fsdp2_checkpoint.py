@@ -9,7 +9,6 @@ from titan_testing import run_distributed
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # tests/test_packages.py runs this example (its own checks) in CI
 def test_fsdp2_state_saved_on_2_ranks_loads_bitwise_on_3_ranks_and_1_process(example, tmp_path):
     fsdp2 = example("fsdp2_checkpoint")
     root = str(tmp_path / "checkpoints")

@@ -10,7 +10,6 @@ from titan_testing import run_distributed
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # tests/test_packages.py runs this example (its own checks) in CI
 def test_sharded_hf_llama_resumed_from_its_checkpoint_equals_one_process(example, tmp_path):
     llama = example("hf_llama_flexshard")
     root = str(tmp_path / "ckpt")
