@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ..components import RopeConfig, TransformerConfig
 from ..components.moe import check_moe_fields
 from ..components.vision.encoder import vision_activation
+from ..muse_glimmer.config import DEBUG_VISION as GLIMMER_DEBUG_VISION
 from ..muse_glimmer.config import MuseGlimmerVisionConfig, tower_flops, vision_global_layers
 
 MLP_LAYER_TYPES = ("dense", "sparse")
@@ -252,17 +253,6 @@ class MuseSparkConfig(TransformerConfig):
         return tower_flops(self.vision, self.projector_hidden_dim, self.dim, grids)
 
 
-DEBUG_VISION = MuseGlimmerVisionConfig(
-    dim=64,
-    num_layers=2,
-    num_heads=4,
-    ffn_hidden_dim=128,
-    global_layers=(1,),
-    patch_size=8,
-    pos_emb_size=4,
-)
-"""Tiny tower of the debug flavour: 8-pixel patches, a 4 × 4 table and 4 × 4 windows."""
-
 DEBUG_AUDIO = MuseSparkAudioConfig(
     patch_sizes=(4, 2), hidden_sizes=(16, 32), depths=(1, 1), conv_kernel_size=3
 )
@@ -298,7 +288,7 @@ MUSE_SPARK_FLAVORS: dict[str, MuseSparkConfig] = {
         moe_dim=64,
         moe_hidden_dim=128,
         output_multiplier=2**0.5,  # 1/sqrt(dim / 256), as the released config
-        vision=DEBUG_VISION,
+        vision=GLIMMER_DEBUG_VISION,  # the same tower architecture, the same tiny shape
         projector_hidden_dim=96,
         audio=DEBUG_AUDIO,
         # the app's byte tokenizer has 264 ids: placeholders and image start / end above 258

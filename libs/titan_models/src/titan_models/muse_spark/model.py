@@ -137,21 +137,28 @@ class MuseSparkBlock(nn.Module):
         return inits
 
 
+def media_towers(config: MuseSparkConfig) -> dict[str, nn.Module]:
+    """The towers ``config`` has, by attribute name: ``visual`` (vision tower and adapter)
+    and ``audio``, built on the current default device."""
+    towers: dict[str, nn.Module] = {}
+    if config.vision is not None:
+        towers["visual"] = MuseGlimmerVisionTower(
+            config.vision,
+            out_dim=config.dim,
+            projector_dim=config.projector_hidden_dim,
+            norm_eps=config.norm_eps,
+        )
+    if config.audio is not None:
+        towers["audio"] = MuseSparkAudioTower(config.audio, out_dim=config.dim)
+    return towers
+
+
 class MuseSpark(Transformer):
     """Muse Spark Open: the causal LM, plus ``visual`` (the vision tower and adapter) and
     ``audio`` (the audio tower) when the config has them."""
 
     def __init__(self, config: MuseSparkConfig) -> None:
-        towers: dict[str, nn.Module | None] = {}
-        if config.vision is not None:
-            towers["visual"] = MuseGlimmerVisionTower(
-                config.vision,
-                out_dim=config.dim,
-                projector_dim=config.projector_hidden_dim,
-                norm_eps=config.norm_eps,
-            )
-        if config.audio is not None:
-            towers["audio"] = MuseSparkAudioTower(config.audio, out_dim=config.dim)
+        towers: dict[str, nn.Module | None] = dict(media_towers(config))
         self.visual: MuseGlimmerVisionTower | None
         self.audio: MuseSparkAudioTower | None
         blocks = [MuseSparkBlock(config, i) for i in range(config.num_layers)]

@@ -6,11 +6,9 @@ import dataclasses
 
 import torch
 
-from ..muse_glimmer.vision import MuseGlimmerVisionTower
 from ..plan import ModelPlan, PipelineUnit, decoder_plan
-from .audio import MuseSparkAudioTower
 from .config import MuseSparkConfig
-from .model import MuseSpark
+from .model import MuseSpark, media_towers
 
 
 def plan(config: MuseSparkConfig) -> ModelPlan:
@@ -41,17 +39,8 @@ def plan(config: MuseSparkConfig) -> ModelPlan:
 
 
 def _with_towers(base: ModelPlan, config: MuseSparkConfig) -> ModelPlan:
-    towers: dict[str, torch.nn.Module] = {}
     with torch.device("meta"):
-        if config.vision is not None:
-            towers["visual"] = MuseGlimmerVisionTower(
-                config.vision,
-                out_dim=config.dim,
-                projector_dim=config.projector_hidden_dim,
-                norm_eps=config.norm_eps,
-            )
-        if config.audio is not None:
-            towers["audio"] = MuseSparkAudioTower(config.audio, out_dim=config.dim)
+        towers = media_towers(config)
     if not towers:
         return base
     embed = base.pipeline_units[0]
