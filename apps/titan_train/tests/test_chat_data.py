@@ -226,3 +226,14 @@ def test_facts_corpus_answers_come_from_its_tables():
                 want = str(int(a) + int(b))
             assert reply.content == want
     assert convos[0] == cc.builtin_conversations("facts", 0)(0)
+    # Every fact equally often (a table's share follows its size): the 100 sums are not
+    # seen a quarter as often as the 30 capitals, which left them unlearned.
+    asked = [
+        m.content.removeprefix("Please tell me: ")
+        for i in range(3000)
+        for m in cc.builtin_conversations("facts", 1)(i)
+        if m.role == "user"
+    ]
+    assert len(set(asked)) == len(cc._FACTS) == 157
+    sums = sum(q.startswith("What is ") and "+" in q for q in asked) / len(asked)
+    assert abs(sums - 100 / 157) < 0.03, sums

@@ -5,10 +5,10 @@ deterministic, generated offline, with answers a small model can learn exactly.
   ``first: ...`` or ``last: ...`` — and the assistant's exact answer (``7 1 9 4``). The
   answer is a function of the question alone, so a held-out conversation (another index) has
   one right reply and greedy exact match measures what SFT learned (``llama3_debug_sft``).
-- ``facts``: one to three questions from fixed tables (capitals, opposites, the next
-  weekday, sums of two digits), in two wordings: held-out conversations are new
-  combinations of known facts, so exact match measures that SFT learned the answers and
-  the turn structure (``llama3_debug_sft``).
+- ``facts``: one to three questions drawn uniformly from the 157 facts of fixed tables
+  (capitals, opposites, the next weekday, sums of two digits), in two wordings: held-out
+  conversations are new combinations of known facts, so exact match measures that SFT
+  learned the answers and the turn structure (``llama3_debug_sft``).
 - every multi-turn RL environment of ``titan_train.environments`` (``sorting``,
   ``tool_calc``, ``search``, ``code``): its scripted solver's transcripts, the starting run
   of its RL recipe.
@@ -70,29 +70,32 @@ _OPPOSITES = dict(
 _DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
 
 
+def _facts() -> list[tuple[str, str]]:
+    """Every (question, answer) of the ``facts`` tables: 30 capitals, 20 opposites, 7
+    weekdays and the 100 sums of two digits."""
+    return [
+        *((f"What is the capital of {k}?", v) for k, v in sorted(_CAPITALS.items())),
+        *((f"What is the opposite of {k}?", v) for k, v in sorted(_OPPOSITES.items())),
+        *((f"Which day comes after {d}?", _DAYS[(i + 1) % 7]) for i, d in enumerate(_DAYS)),
+        *((f"What is {a} + {b}?", str(a + b)) for a in range(10) for b in range(10)),
+    ]
+
+
+_FACTS = _facts()
+
+
 def facts_conversation(problem: int) -> list[Any]:
-    """Conversation ``problem`` of the ``facts`` corpus: one to three questions drawn from
-    fixed tables (capitals, opposites, the next weekday, sums of two digits), each asked in
-    one of two wordings."""
+    """Conversation ``problem`` of the ``facts`` corpus: one to three questions, each drawn
+    uniformly from the 157 facts of fixed tables (capitals, opposites, the next weekday, sums
+    of two digits: every fact equally often, so no table is learned later for being larger)
+    and asked in one of two wordings."""
     from titan_rl import Message
 
     rng = random.Random(problem)
     messages = []
     for _ in range(rng.randint(1, 3)):
-        kind, polite = rng.randrange(4), rng.random() < 0.5
-        if kind == 0:
-            key = rng.choice(sorted(_CAPITALS))
-            question, answer = f"What is the capital of {key}?", _CAPITALS[key]
-        elif kind == 1:
-            key = rng.choice(sorted(_OPPOSITES))
-            question, answer = f"What is the opposite of {key}?", _OPPOSITES[key]
-        elif kind == 2:
-            i = rng.randrange(7)
-            question, answer = f"Which day comes after {_DAYS[i]}?", _DAYS[(i + 1) % 7]
-        else:
-            a, b = rng.randrange(10), rng.randrange(10)
-            question, answer = f"What is {a} + {b}?", str(a + b)
-        if polite:
+        question, answer = rng.choice(_FACTS)
+        if rng.random() < 0.5:
             question = "Please tell me: " + question
         messages += [Message("user", question), Message("assistant", answer)]
     return messages
