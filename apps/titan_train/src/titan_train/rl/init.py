@@ -43,6 +43,7 @@ _ANNOUNCED = (
     ("data", "chat_train_on"),
     ("data", "arithmetic_slip_rate"),
     ("data", "arithmetic_reverse_answer"),
+    ("optimizer", "lr"),
 )
 
 
