@@ -99,7 +99,7 @@ def _environment_job(name: str, task: str, *, max_new_tokens: int, max_turns: in
 def tool_grpo() -> RLJob:
     """Multi-turn tool use: word problems with a sandboxed calculator, from a 3500-step chat
     SFT on demonstrations that use the tool 30% of the time; RL learns to use it once the
-    starting model copies numbers (starting run ~25 min, then at most 18 min of RL)."""
+    starting model copies numbers (starting run ~30 min, then at most 18 min of RL)."""
     return _environment_job("tool_grpo", "tool_calc", max_new_tokens=24, max_turns=3)
 
 
