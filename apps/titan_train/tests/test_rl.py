@@ -15,7 +15,7 @@ import titan_rl
 from titan_train.data.arithmetic import arithmetic_problem as app_problem
 from titan_train.data.tokenizers import ByteTokenizer
 from titan_train.rl import RLJob, get_rl_recipe, main, validate_rl
-from titan_train.rl.init import starting_job
+from titan_train.rl.init import check_reused, starting_job
 from titan_train.rl.run import run_rl
 from titan_train.rl.tasks import _CLEAN, _SLIP
 
@@ -84,6 +84,31 @@ def test_starting_run_is_named_for_its_corpus():
     tool = starting_job(get_rl_recipe("tool_grpo"))
     assert tool.data.source == "chat" and tool.data.chat_environment == "tool_calc"
     assert tool.name == "llama3_debug_tool_calc_3500"
+
+
+def test_a_starting_run_made_with_other_settings_is_refused_not_reused(tmp_path):
+    import dataclasses
+    import json
+
+    from titan_train.rl.init import starting_model
+
+    job = get_rl_recipe("tool_grpo")
+    job.output_dir = str(tmp_path)
+    run = starting_job(job)
+    folder = tmp_path / run.name
+    (folder / "hf").mkdir(parents=True)
+    (folder / "hf" / "config.json").write_text("{}")  # an export is there: no training
+    recorded = dataclasses.asdict(run)
+    recorded["optimizer"]["lr"] = 3e-3  # made before the task's rate changed
+    (folder / "config.json").write_text(json.dumps(recorded))
+    with pytest.raises(ValueError, match=r"optimizer\.lr=0\.003 \(this task: 0\.001\)"):
+        starting_model(job, announce=pytest.fail)
+    assert (folder / "hf" / "config.json").read_text() == "{}"  # nothing deleted or rewritten
+    (folder / "config.json").write_text(json.dumps(dataclasses.asdict(run)))
+    check_reused(run, folder)  # the same settings: reused
+    (folder / "config.json").write_text("{trunc")
+    with pytest.raises(ValueError, match="cannot be read"):
+        check_reused(run, folder)
 
 
 def test_shapes_prompts_carry_their_images_laid_out_as_the_training_samples():

@@ -5,6 +5,7 @@ own ``train`` — announced with the equivalent ``titan-train`` command, since i
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -17,8 +18,8 @@ from titan_train.rl.config import RLJob
 def starting_job(job: RLJob) -> JobConfig:
     """The training run whose HF export starts ``job``: ``init.recipe`` on the task's corpus.
 
-    Its name carries the corpus and the steps, so a run made for other options is never
-    reused."""
+    Its name carries the corpus and the steps; a run found under that name is reused only if
+    its ``config.json`` also agrees on the other fields the task sets (``check_reused``)."""
     from titan_train.recipes import get_recipe
     from titan_train.rl.tasks import TASKS
 
@@ -67,11 +68,42 @@ def starting_command(run: JobConfig, recipe: str) -> str:
     return " ".join([*parts, "--checkpoint.export-hf"])
 
 
+def check_reused(run: JobConfig, folder: Path) -> None:
+    """Refuse to reuse ``folder`` (a finished starting run) unless its recorded ``config.json``
+    has the model and every field the task sets (``_ANNOUNCED``) as ``run`` has them: a run
+    made before the task changed one of them (the learning rate, say) is not what the task
+    starts from. Nothing is deleted; the error says how to get the right run."""
+    path = folder / "config.json"
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"the starting run {folder} has an HF export but its {path.name} cannot be read "
+            f"({e}), so it cannot be checked against this task; pass another --output-dir, or "
+            "move that folder aside to train the starting run again"
+        ) from None
+    differ = []
+    for section, name in (("model", "family"), ("model", "flavor"), *_ANNOUNCED):
+        want = getattr(getattr(run, section), name)
+        have = recorded.get(section, {}).get(name) if isinstance(recorded, dict) else None
+        if have != want:
+            differ.append(f"{section}.{name}={have!r} (this task: {want!r})")
+    if differ:
+        raise ValueError(
+            f"the starting run {folder} was made with {', '.join(differ)}; it is kept as it "
+            "is: pass another --output-dir, or move that folder aside, to train the task's own "
+            "starting run"
+        )
+
+
 def starting_model(job: RLJob, *, announce=print) -> tuple[torch.nn.Module, Path]:
-    """The starting model and its HF folder (trained and exported first when missing)."""
+    """The starting model and its HF folder (trained and exported first when missing; a run
+    found on disk is checked first, ``check_reused``)."""
     run = starting_job(job)
     hf_dir = Path(run.output_dir) / run.name / "hf"
-    if not (hf_dir / "config.json").is_file():
+    if (hf_dir / "config.json").is_file():
+        check_reused(run, hf_dir.parent)
+    else:
         announce(
             f"titan-train rl: the starting run {hf_dir.parent} has no HF export yet; training "
             f"it first ({run.training.steps} steps of {run.model.family} {run.model.flavor} on "
