@@ -106,9 +106,10 @@ def test_a_starting_run_made_with_other_settings_is_refused_not_reused(tmp_path)
     assert (folder / "hf" / "config.json").read_text() == "{}"  # nothing deleted or rewritten
     (folder / "config.json").write_text(json.dumps(dataclasses.asdict(run)))
     check_reused(run, folder)  # the same settings: reused
-    (folder / "config.json").write_text("{trunc")
-    with pytest.raises(ValueError, match="cannot be read"):
-        check_reused(run, folder)
+    for damaged in ("{trunc", "[]"):
+        (folder / "config.json").write_text(damaged)
+        with pytest.raises(ValueError, match="cannot be read"):
+            check_reused(run, folder)
 
 
 def test_shapes_prompts_carry_their_images_laid_out_as_the_training_samples():

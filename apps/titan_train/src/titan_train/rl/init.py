@@ -5,6 +5,7 @@ own ``train`` — announced with the equivalent ``titan-train`` command, since i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -73,21 +74,22 @@ def check_reused(run: JobConfig, folder: Path) -> None:
     has the model and every field the task sets (``_ANNOUNCED``) as ``run`` has them: a run
     made before the task changed one of them (the learning rate, say) is not what the task
     starts from. Nothing is deleted; the error says how to get the right run."""
+    from titan_train.run_folder import config_changes
+
     path = folder / "config.json"
     try:
         recorded = json.loads(path.read_text())
+        if not isinstance(recorded, dict):
+            raise ValueError(f"a JSON {type(recorded).__name__}, not an object")
     except (OSError, ValueError) as e:
         raise ValueError(
             f"the starting run {folder} has an HF export but its {path.name} cannot be read "
             f"({e}), so it cannot be checked against this task; pass another --output-dir, or "
             "move that folder aside to train the starting run again"
         ) from None
-    differ = []
-    for section, name in (("model", "family"), ("model", "flavor"), *_ANNOUNCED):
-        want = getattr(getattr(run, section), name)
-        have = recorded.get(section, {}).get(name) if isinstance(recorded, dict) else None
-        if have != want:
-            differ.append(f"{section}.{name}={have!r} (this task: {want!r})")
+    checked = {"model.family", "model.flavor", *(f"{s}.{n}" for s, n in _ANNOUNCED)}
+    changes = config_changes(recorded, dataclasses.asdict(run))
+    differ = [f"{k}={a!r} (this task: {b!r})" for k, (a, b) in changes.items() if k in checked]
     if differ:
         raise ValueError(
             f"the starting run {folder} was made with {', '.join(differ)}; it is kept as it "
