@@ -16,11 +16,12 @@ exp_avg_sq in equal thirds, plus the step counters). Per repetition, interleaved
 * raw floors, the best any library could do with the same bytes on the same machine: a
   ``copy_`` of every local tensor into a reused buffer (staging), one sequential write + fsync
   of those bytes per rank (write) and one sequential cold read of them back (load), all ranks
-  at once. ``floor / DCP`` is the smallest ratio reachable here.
+  at once; for the resharding loads, the cold read of the bytes each rank needs, laid out as
+  the source ranks wrote them. ``floor / DCP`` is the smallest ratio reachable here.
 
-Cold loads alternate which library goes first (a load right after the saves can share the
-disk with their write-back): odd repetitions ours first, even ones DCP first; the resharding
-loads alternate the same way.
+Cold reads take turns going first (a read right after the saves can share the disk with
+their write-back): ours, DCP's and the raw floor rotate by one place each repetition, the
+resharding loads the same way.
 
 A first untimed round warms both up (our metadata exchange + staging buffers + writer
 process; DCP's planner caches and executor). Times are the max over ranks of each
@@ -154,15 +155,28 @@ def local_tensors(state: dict) -> list[torch.Tensor]:
 
 
 class RawFloor:
-    """Staging copy, write + fsync and cold read of a rank's bytes with no library around them."""
+    """Staging copy, write + fsync and cold read of a rank's bytes with no library around them.
 
-    def __init__(self, tensors: list[torch.Tensor], folder: str, rank: int) -> None:
+    ``segments``: where the bytes live, ``(path, file offset, first byte, end byte)`` of this
+    rank's bytes; by default one file of its own. The resharding floors use several (N -> 1:
+    one process reads the N ranks' files) or one shared file (1 -> N: each rank reads its
+    part of the single rank's file)."""
+
+    def __init__(
+        self,
+        tensors: list[torch.Tensor],
+        folder: str,
+        rank: int,
+        segments: list[tuple[str, int, int, int]] | None = None,
+    ) -> None:
         self.tensors = [t.reshape(-1).view(torch.uint8) for t in tensors]
         self.nbytes = sum(t.numel() for t in self.tensors)
         self.cuda = any(t.is_cuda for t in self.tensors)
         self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.cuda)
         self.buffer.fill_(0)  # fault the pages in once, as a reused staging buffer is
         self.path = os.path.join(folder, f"raw_floor_{rank}.bin")
+        self.segments = segments or [(self.path, 0, 0, self.nbytes)]
+        self.paths = sorted({seg[0] for seg in self.segments})
 
     def stage(self) -> None:
         pos = 0
@@ -174,22 +188,29 @@ class RawFloor:
 
     def write(self) -> None:
         mv = memoryview(self.buffer.numpy())
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            for a in range(0, self.nbytes, _RAW_IO):
-                os.write(fd, mv[a : a + _RAW_IO])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        for path, off, lo, hi in self.segments:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)  # a shared file: no O_TRUNC
+            try:
+                for a in range(lo, hi, _RAW_IO):
+                    os.pwrite(fd, mv[a : min(hi, a + _RAW_IO)], off + a - lo)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def read(self) -> None:
         mv = memoryview(self.buffer.numpy())
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            for a in range(0, self.nbytes, _RAW_IO):
-                os.preadv(fd, [mv[a : a + _RAW_IO]], a)
-        finally:
-            os.close(fd)
+        for path, off, lo, hi in self.segments:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                for a in range(lo, hi, _RAW_IO):
+                    os.preadv(fd, [mv[a : min(hi, a + _RAW_IO)]], off + a - lo)
+            finally:
+                os.close(fd)
+
+    def remove(self) -> None:
+        for path in self.paths:
+            if os.path.exists(path):
+                os.remove(path)
 
 
 _RAW_IO = 16 << 20
@@ -251,6 +272,20 @@ def _timed(res: dict, name: str, fn, stats=None) -> None:
             res.setdefault(f"{name}.{k}", []).append(_max(float(getattr(stats, k))))
 
 
+def _timed_max(fn) -> float:
+    """``fn`` on every rank at once; its time, max over ranks."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    return _max(time.perf_counter() - t0)
+
+
+def _rotated(items: tuple, rep: int) -> tuple:
+    """``items`` rotated by ``rep``: over ``len(items)`` reps each goes first, second, ..."""
+    k = rep % len(items)
+    return items[k:] + items[:k]
+
+
 def _rmtree(path: str) -> None:
     dist.barrier()
     if dist.get_rank() == 0:
@@ -287,12 +322,6 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_q) ->
         "dcp_save", "dcp_load", "ours_first_block", "dcp_first_async_block", "ours_load_warm",
         "dcp_load_warm", "raw_stage", "raw_write", "raw_read")}  # fmt: skip
     raw = RawFloor(local_tensors(state), base, rank)
-
-    def timed(fn) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        return _max(time.perf_counter() - t0)
 
     def ours_save(step: int) -> tuple[float, float]:
         dist.barrier()
@@ -331,34 +360,36 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_q) ->
         t0 = time.perf_counter()
         dcp.save(state, checkpoint_id=path)
         res["dcp_save"].append(_max(time.perf_counter() - t0))
-        _evict(ours_root)
-        _evict(path)
+        res["raw_stage"].append(_timed_max(raw.stage))
+        res["raw_write"].append(_timed_max(raw.write))
+        for p in (ours_root, path, raw.path):
+            _evict(p)
 
         def ours_loads() -> None:
             stats = LoadStats()
             _timed(res, "ours_load", lambda s=stats: mgr.load(state, stats=s), stats)
-            res["ours_load_warm"].append(timed(lambda: mgr.load(state)))
+            res["ours_load_warm"].append(_timed_max(lambda: mgr.load(state)))
 
         def dcp_loads(p: str = path) -> None:
             _timed(res, "dcp_load", lambda: dcp.load(state, checkpoint_id=p))
-            res["dcp_load_warm"].append(timed(lambda: dcp.load(state, checkpoint_id=p)))
+            res["dcp_load_warm"].append(_timed_max(lambda: dcp.load(state, checkpoint_id=p)))
 
-        # The cold load right after the saves may share the disk with their write-back (the
-        # host's, which no fsync here waits for): each library goes first in every other rep.
-        for loads in (ours_loads, dcp_loads) if rep % 2 else (dcp_loads, ours_loads):
-            loads()
+        def raw_read() -> None:
+            res["raw_read"].append(_timed_max(raw.read))
+
+        # A cold read right after the writes may share the disk with their write-back (the
+        # host's, which no fsync here waits for): the three take turns going first.
+        for cold in _rotated((ours_loads, dcp_loads, raw_read), rep):
+            cold()
         _evict(ours_root)
-        res["ours_load_noverify"].append(timed(lambda: mgr.load(state, verify=False)))
+        res["ours_load_noverify"].append(_timed_max(lambda: mgr.load(state, verify=False)))
         if rep == args.reps:  # kept for the resharding loads
             dist.barrier()
             if rank == 0:
                 os.replace(path, os.path.join(base, "dcp_keep"))
         _rmtree(path)
-        res["raw_stage"].append(timed(raw.stage))
-        res["raw_write"].append(timed(raw.write))
-        _evict(raw.path)
-        res["raw_read"].append(timed(raw.read))
-        os.remove(raw.path)
+        dist.barrier()
+        raw.remove()
     mgr.close()
     largest = max(t.numel() * t.element_size() for t in local_tensors(state))
     if rank == 0:
@@ -384,16 +415,34 @@ def reshard_worker(rank: int, world: int, port: int, args: argparse.Namespace, o
     res: dict[str, list[float]] = {}
     extra = {} if args.io_threads is None else {"io_threads": args.io_threads}
     mgr = CheckpointManager(ours_root, read_only=True, **extra)
+    # Its floor: the same bytes read with no library, laid out as the source ranks wrote them
+    # (N -> 1: the N files in turn; 1 -> N: each rank its part of one file).
+    tensors = local_tensors(state)
+    nb = sum(t.numel() * t.element_size() for t in tensors)
+    if world == 1:
+        cuts = [i * nb // args.ranks for i in range(args.ranks + 1)]
+        segs = [(os.path.join(args.dir, f"rs_raw_{i}.bin"), 0, cuts[i], cuts[i + 1])
+                for i in range(args.ranks)]  # fmt: skip
+    else:
+        segs = [(os.path.join(args.dir, "rs_raw_shared.bin"), rank * nb, 0, nb)]
+    raw = RawFloor(tensors, args.dir, rank, segs)
+    raw.stage()
+    raw.write()
     for rep in range(args.reps):
-        _evict(ours_root)
-        _evict(dcp_path)
+        dist.barrier()
+        for p in (ours_root, dcp_path, *raw.paths):
+            _evict(p)
         stats = LoadStats()
-        runs = [
+        runs = (
             lambda s=stats: _timed(res, f"{tag}_ours", lambda: mgr.load(state, stats=s), s),
             lambda: _timed(res, f"{tag}_dcp", lambda: dcp.load(state, checkpoint_id=dcp_path)),
-        ]
-        for run in runs if rep % 2 == 0 else runs[::-1]:  # each goes first every other rep
+            lambda: res.setdefault(f"{tag}_raw", []).append(_timed_max(raw.read)),
+        )
+        for run in _rotated(runs, rep):  # each goes first once every three reps
             run()
+    dist.barrier()
+    if rank == 0:
+        raw.remove()
     mgr.close()
     if world == 1:
         with CheckpointManager(ours_root + "_1", async_mode="off") as m1:
@@ -493,7 +542,7 @@ def main() -> None:
     for tag, what in ((f"rs_{n}to1", f"{n} -> 1 ranks"), (f"rs_1to{n}", f"1 -> {n} ranks")):
         if f"{tag}_ours" in res:
             rows.append((f"load resharding {what} (cold)", f"{tag}_ours", "dcp.load",
-                         f"{tag}_dcp", 0.8, None))  # fmt: skip
+                         f"{tag}_dcp", 0.8, f"{tag}_raw"))  # fmt: skip
     print(
         "| metric | torch_checkpointing | DCP | DCP call | ratio | goal | raw floor | floor / DCP |"
     )
