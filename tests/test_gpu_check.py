@@ -3,9 +3,13 @@ outcomes (the GPU steps themselves run where a GPU is lent)."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import importlib.util
+import io
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +45,61 @@ def test_pytest_steps_name_tests_that_exist(gpu_check):
             assert (ROOT / path).is_file(), (step.name, path)
             if test:
                 assert f"def {test.split('[')[0]}(" in (ROOT / path).read_text(), (step.name, arg)
+
+
+class _Parsed(Exception):
+    """Raised in place of running a script once its arguments have parsed."""
+
+
+def _commands(gpu_check, program: str):
+    """(step, arguments) of each step running ``program`` (after ``uv run``), placeholders
+    filled as on a one-GPU machine."""
+    fill = {"gpus": "1", "report": "/tmp/r", "run": "/tmp/run", "TITAN_RL_VLLM_GPU_PYTHON": ""}
+    for step in gpu_check.STEPS:
+        argv = [a.format(**fill) for a in step.argv]
+        argv = argv[2:] if argv[:2] == ["uv", "run"] else argv
+        if argv[:1] == [program]:
+            yield step, argv[1:]
+
+
+def test_titan_train_steps_pass_the_cli_checks(gpu_check):
+    """Every ``titan-train`` step's flags resolve to a valid config here (``--print-config``):
+    a renamed or removed field fails in CI, not on a lent GPU."""
+    from titan_train.cli import main
+
+    steps = list(_commands(gpu_check, "titan-train"))
+    assert len(steps) >= 4
+    for step, args in steps:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([*args, "--print-config"])
+            except SystemExit as e:  # tyro's answer to an unknown flag
+                code = e.code
+        assert code == 0, f"{step.name}: titan-train {' '.join(args)}: {err.getvalue()[-3000:]}"
+
+
+def test_script_steps_parse_their_arguments(gpu_check, monkeypatch):
+    """Every ``python script.py ...`` step's arguments pass that script's argument parser
+    (types and ranges included); the script stops there instead of running."""
+    real = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise _Parsed(real(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    steps = list(_commands(gpu_check, "python"))
+    assert len(steps) >= 6
+    for step, (script, *args) in steps:
+        monkeypatch.setattr(sys, "argv", [script, *args])
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(_Parsed):
+            try:
+                runpy.run_path(str(ROOT / script), run_name="__main__")
+            except SystemExit as e:
+                pytest.fail(
+                    f"{step.name}: {script} {' '.join(args)}: exit {e.code}: {err.getvalue()}"
+                )
 
 
 @pytest.mark.parametrize(

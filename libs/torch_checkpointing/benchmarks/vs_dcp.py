@@ -115,26 +115,6 @@ def build_state(
     return {"model": model, "optim": optim}
 
 
-def local_bytes(state: dict) -> int:
-    from torch.distributed.tensor import DTensor
-
-    total = 0
-
-    def walk(x):
-        nonlocal total
-        if isinstance(x, DTensor):
-            t = x.to_local()
-            total += t.numel() * t.element_size()
-        elif isinstance(x, torch.Tensor):
-            total += x.numel() * x.element_size()
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-
-    walk(state)
-    return total
-
-
 def local_tensors(state: dict) -> list[torch.Tensor]:
     """Every tensor a rank holds (the local shard of each DTensor)."""
     from torch.distributed.tensor import DTensor
@@ -152,6 +132,10 @@ def local_tensors(state: dict) -> list[torch.Tensor]:
 
     walk(state)
     return out
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class RawFloor:
@@ -312,7 +296,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_q) ->
     from torch_checkpointing import CheckpointManager, LoadStats
 
     state = build_state(args.gib, mesh, args.layout, args.shard_numel)
-    nbytes = local_bytes(state)
+    nbytes = _nbytes(local_tensors(state))
     base = args.dir
     ours_root = os.path.join(base, "ours")
     extra = {} if args.io_threads is None else {"io_threads": args.io_threads}
@@ -418,7 +402,7 @@ def reshard_worker(rank: int, world: int, port: int, args: argparse.Namespace, o
     # Its floor: the same bytes read with no library, laid out as the source ranks wrote them
     # (N -> 1: the N files in turn; 1 -> N: each rank its part of one file).
     tensors = local_tensors(state)
-    nb = sum(t.numel() * t.element_size() for t in tensors)
+    nb = _nbytes(tensors)
     if world == 1:
         cuts = [i * nb // args.ranks for i in range(args.ranks + 1)]
         segs = [(os.path.join(args.dir, f"rs_raw_{i}.bin"), 0, cuts[i], cuts[i + 1])
@@ -472,11 +456,23 @@ def _mib(x: float) -> str:
     return "n/a" if x < 0 else f"{x / 2**20:.1f} MiB"
 
 
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
+        return value
+
+    return parse
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--gib", type=float, default=1.0, help="model+optimizer GiB per rank")
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--gib", type=_positive(float), default=1.0, help="state GiB per rank")
+    ap.add_argument("--ranks", type=_positive(int), default=2)
+    ap.add_argument(
+        "--reps", type=_positive(int), default=3, help="3 or more for medians; 1: a smoke run"
+    )
     ap.add_argument("--mode", default="process", choices=["process", "thread"])
     ap.add_argument("--dir", default=None, help="local-disk folder for the checkpoints")
     ap.add_argument(
@@ -485,14 +481,14 @@ def main() -> None:
         choices=["cpu", "cuda"],
         help="where the state lives (cuda: staging is a device-to-host copy; gloo either way)",
     )
-    ap.add_argument("--io-threads", type=int, default=None, help="our load threads per rank")
+    ap.add_argument("--io-threads", type=_positive(int), help="our load threads per rank")
     ap.add_argument(
         "--layout",
         default="2d",
         choices=["2d", "1d"],
         help="2d: 24 (rows, 4096) matrices; 1d: 1-D tensors of --shard-numel local elements",
     )
-    ap.add_argument("--shard-numel", type=int, default=16 << 20, help="1d: elements per shard")
+    ap.add_argument("--shard-numel", type=_positive(int), default=16 << 20, help="1d: per shard")
     ap.add_argument(
         "--no-reshard",
         dest="reshard",
@@ -500,8 +496,6 @@ def main() -> None:
         help="skip the resharding loads (N -> 1 and 1 -> N ranks)",
     )
     args = ap.parse_args()
-    if args.reps < 3:
-        ap.error("--reps must be >= 3 (medians of at least 3)")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is visible")
     need = args.ranks * args.gib * 4.2 + 1
@@ -528,6 +522,8 @@ def main() -> None:
         f"median of {args.reps} reps, our async_mode={args.mode!r}, state on {args.device}, "
         f"torch {torch.__version__}\n"
     )
+    if args.reps < 3:
+        print(f"--reps {args.reps}: a check that every path runs, not a measurement\n")
     rows = [
         ("trainer blocking, async save", "ours_block", "dcp.async_save", "dcp_async_block",
          0.2, "raw_stage"),
