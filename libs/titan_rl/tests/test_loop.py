@@ -181,6 +181,10 @@ def test_a_loss_is_chosen_by_name_and_a_registered_one_is_used(model_factory, to
     _, grpo = _run(model_factory, tokenizer, 1)
     _, dr = _run(model_factory, tokenizer, 1, loss=LossConfig(name="dr_grpo", correction="tis"))
     assert grpo[0]["reward_mean"] == dr[0]["reward_mean"]  # the same rollouts
-    assert grpo[0]["loss"] != dr[0]["loss"]  # std-normalised vs raw advantages, other means
+    # On this first, on-policy step both losses are 0 up to rounding (each group's advantages
+    # sum to 0), so they cannot tell the two apart; their gradients can: binary rewards have a
+    # group std below 0.6, so GRPO's std-normalised advantages are > 1.7x Dr. GRPO's raw ones
+    # (every response has the same length here, so the two means agree).
+    assert grpo[0]["grad_norm"] > 1.5 * dr[0]["grad_norm"] > 0
     with pytest.raises(ValueError, match=r"LossConfig.name='ppo' is not a registered loss"):
         LossConfig(name="ppo")
