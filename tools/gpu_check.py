@@ -265,17 +265,18 @@ STEPS: tuple[Step, ...] = (
         extended=True,  # the core steps' limits already take 440 s of 450
     ),
     Step(
-        "checkpoint benchmark, 1 GiB of state on the GPU",
-        120,
+        "checkpoint benchmark vs DCP on the node's own disk: 2 ranks of 2-D state on the GPU; "
+        "load, 2 -> 1, 1 -> 2",
+        180,
         _uv(
             "python",
             "libs/torch_checkpointing/benchmarks/vs_dcp.py",
             "--device",
             "cuda",
             "--gib",
-            "1",
+            "0.5",
             "--ranks",
-            "1",
+            "2",
             "--reps",
             "3",
         ),
