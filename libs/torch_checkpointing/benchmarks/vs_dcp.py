@@ -399,8 +399,8 @@ def reshard_worker(rank: int, world: int, port: int, args: argparse.Namespace, o
     res: dict[str, list[float]] = {}
     extra = {} if args.io_threads is None else {"io_threads": args.io_threads}
     mgr = CheckpointManager(ours_root, read_only=True, **extra)
-    # Its floor: the same bytes read with no library, laid out as the source ranks wrote them
-    # (N -> 1: the N files in turn; 1 -> N: each rank its part of one file).
+    # The resharding load's floor: the same bytes read with no library, laid out as the source
+    # ranks wrote them (N -> 1: the N files in turn; 1 -> N: each rank its part of one file).
     tensors = local_tensors(state)
     nb = _nbytes(tensors)
     if world == 1:
