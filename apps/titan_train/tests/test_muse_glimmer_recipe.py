@@ -48,9 +48,16 @@ def test_chunked_cross_entropy_of_a_soft_capped_head_is_the_loss_of_the_capped_l
     torch.testing.assert_close(loss, expected, atol=1e-4, rtol=1e-5)
     expected.backward()
     loss.backward()
+    # Gradients reach ~2e3 (the x40 head); summed in another order (7-row chunks, and a
+    # thread count that changes BLAS blocking), elements near 0 move by ~1e-3. So compare each
+    # gradient as a whole: measured relative error 9e-8 on 1 thread, 9e-7 on 2.
     grads = dict(reference.named_parameters())
     for name, p in chunked.named_parameters():
-        torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+        want = grads[name].grad
+        if want is None:  # the vision tower: no image in this batch
+            assert p.grad is None, name
+            continue
+        assert (p.grad - want).norm() <= 1e-5 * want.norm(), name
     torch.testing.assert_close(chunked(tokens), logits)  # no targets: the capped logits
 
 
