@@ -1,6 +1,7 @@
 """Structure rules of the repository, read from the source with ``ast``: no module imports
-another module's private names, the app's modules import each other without cycles, and no
-code outside titan_models decides anything by a model family's name."""
+another module's private names, the app's modules import each other without cycles, no code
+outside titan_models decides anything by a model family's name, and no module switches
+matplotlib's process-wide backend or draws through pyplot's global figure registry."""
 
 from __future__ import annotations
 
@@ -197,6 +198,29 @@ def test_no_code_outside_titan_models_compares_a_family_name(where):
     assert not found, "family names compared (ask the model's plan instead):\n" + "\n".join(found)
 
 
+def _process_wide_plotting(path: Path) -> list[str]:
+    """``matplotlib.use(...)`` and imports of ``matplotlib.pyplot``: a library or an app used
+    from a notebook must not change the host's backend or keep figures in pyplot's registry
+    (draw on a ``matplotlib.figure.Figure`` of its own)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module or ""]
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) == "matplotlib.use":
+            names = ["matplotlib.use"]
+        if any(n in ("matplotlib.pyplot", "matplotlib.use") for n in names):
+            found.append(_where(path, node.lineno))
+    return found
+
+
+def test_no_module_switches_matplotlib_backend_or_uses_pyplot():
+    found = [hit for path in MODULES.values() for hit in _process_wide_plotting(path)]
+    assert not found, "process-wide plotting state (use a Figure of its own):\n" + "\n".join(found)
+
+
 def test_the_rules_catch_what_they_forbid(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(
@@ -214,3 +238,9 @@ def test_the_rules_catch_what_they_forbid(tmp_path):
         "reads titan_train.trainer._loaders",
     ]
     assert len(_family_comparisons(probe, {"deepseek_v4"})) == 1
+    plots = tmp_path / "plots.py"
+    plots.write_text(
+        "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n"
+        "from matplotlib import pyplot\nfrom matplotlib.figure import Figure\n"
+    )
+    assert sorted(int(h.rsplit(":", 1)[1]) for h in _process_wide_plotting(plots)) == [2, 3, 4]

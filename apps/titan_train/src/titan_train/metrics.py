@@ -142,18 +142,18 @@ class MetricsLogger:
         self._plot_loss()
 
     def _plot_loss(self) -> None:
-        import matplotlib
+        curves = {
+            k: self._history[k] for k in ("train/loss", "validation/loss") if self._history.get(k)
+        }
+        if not curves:  # no step was logged: nothing to draw
+            return
+        from matplotlib.figure import Figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for key in ("train/loss", "validation/loss"):
-            points = self._history.get(key)
-            if points:
-                ax.plot(
-                    *zip(*points, strict=True), label=key, marker="." if len(points) < 30 else None
-                )
+        # A Figure of its own, not pyplot: no process-wide backend switch, no figure registry.
+        fig = Figure(figsize=(7, 4))
+        ax = fig.subplots()
+        for key, points in curves.items():
+            ax.plot(*zip(*points, strict=True), label=key, marker="." if len(points) < 30 else None)
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy (nats/token)")
         ax.grid(alpha=0.3)
@@ -167,7 +167,6 @@ class MetricsLogger:
             acc_ax.legend(loc="upper right")
         fig.tight_layout()
         fig.savefig(self.run_dir / "loss.png", dpi=120)
-        plt.close(fig)
 
 
 def _drop_records_after(path: Path, step: int) -> None:

@@ -68,16 +68,14 @@ def draw_timeline(out_dir: Path) -> Path | None:
     lanes = {rank: _read(path) for rank, path in sorted(files.items())}
     if not any(lanes.values()):
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
 
     names = list(PHASE_ORDER)
     for rows in lanes.values():
         for row in rows:
             names += [k[:-2] for k in row if k.endswith("_s") and k[:-2] not in names]
-    colors = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}
+    colors = {n: colormaps["tab10"](i % 10) for i, n in enumerate(names)}
     spans: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for rank, rows in lanes.items():
         t = 0.0
@@ -87,7 +85,8 @@ def draw_timeline(out_dir: Path) -> Path | None:
                 if width > 0:
                     spans.setdefault((rank, name), []).append((t, width))
                     t += width
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.5 * len(lanes)))
+    fig = Figure(figsize=(9, 1.2 + 0.5 * len(lanes)))  # not pyplot: no process-wide state
+    ax = fig.subplots()
     shown = set()
     for (rank, name), bars in spans.items():
         label = None if name in shown else name
@@ -101,6 +100,5 @@ def draw_timeline(out_dir: Path) -> Path | None:
     path = out_dir / "timeline.png"
     tmp = out_dir / "timeline.png.tmp"
     fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
     tmp.replace(path)
     return path

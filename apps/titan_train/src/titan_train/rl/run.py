@@ -387,13 +387,11 @@ def _start(
 def draw_timeline(intervals: list[dict[str, Any]], path: Path) -> None:
     """A PNG of when each loop and each replica was busy (one lane each; the trainer's
     waits for rollouts in grey)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     lanes = sorted({i["lane"] for i in intervals})
-    fig, ax = plt.subplots(figsize=(12, 0.4 * len(lanes) + 1.5))
+    fig = Figure(figsize=(12, 0.4 * len(lanes) + 1.5))  # not pyplot: no process-wide state
+    ax = fig.subplots()
     for y, lane in enumerate(lanes):
         mine = [i for i in intervals if i["lane"] == lane]
         for idle, color in ((False, f"C{y % 10}"), (True, "0.85")):
@@ -406,4 +404,3 @@ def draw_timeline(intervals: list[dict[str, Any]], path: Path) -> None:
     ax.set_title("busy intervals per loop and replica (grey: the trainer waiting for rollouts)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
