@@ -8,15 +8,26 @@ Whatever a test changes of these is restored when it ends, and whatever a module
 change, when the module ends. Each test also starts from torch's and Python's random
 generators seeded with 0, so its random inputs are the same in every run and order: a failure
 in CI reproduces with the same test run alone.
+
+Under pytest-xdist each worker starts with its share of the machine's cores as its intra-op
+threads (2 workers on 2 cores: 1 thread each), not torch's default of every core per worker:
+oversubscribed OpenMP regions wait at their barriers for threads the OS has descheduled.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 
 import pytest
 import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set in xdist workers
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
 
 
 def _settings() -> tuple[int, torch.dtype, bool, bool, bool]:
